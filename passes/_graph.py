@@ -1,0 +1,78 @@
+"""Small graph helpers shared by the passes (use-def based, no node-list searches by name)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+
+
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value's data if it is an initializer or the output of a Constant node, else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if (
+        producer is not None
+        and producer.op_type == "Constant"
+        and producer.domain in ("", "ai.onnx")
+    ):
+        attr = producer.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+        for key, dtype in (("value_float", np.float32), ("value_int", np.int64)):
+            if key in producer.attributes:
+                return np.array(producer.attributes[key].value, dtype=dtype)
+        for key, dtype in (("value_floats", np.float32), ("value_ints", np.int64)):
+            if key in producer.attributes:
+                return np.array(list(producer.attributes[key].value), dtype=dtype)
+    return None
+
+
+def single_consumer(value: ir.Value) -> ir.Node | None:
+    """The only node reading ``value`` (and only once), or None; graph outputs count as readers."""
+    if value.is_graph_output():
+        return None
+    uses = list(value.uses())
+    if len(uses) != 1:
+        return None
+    return uses[0].node
+
+
+class NameGenerator:
+    """Fresh value/node names that do not clash with anything in the graph (built once per pass)."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self._taken: set[str] = set()
+        for v in itertools.chain(graph.inputs, graph.initializers.values()):
+            if v.name:
+                self._taken.add(v.name)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            if node.name:
+                self._taken.add(node.name)
+            for out in node.outputs:
+                if out.name:
+                    self._taken.add(out.name)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._taken:
+            i += 1
+            name = f"{base}_{i}"
+        self._taken.add(name)
+        return name
+
+
+def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register ``array`` as a new initializer called ``name`` (which must be fresh)."""
+    value = ir.Value(
+        name=name,
+        const_value=ir.tensor(array, name=name),
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+    )
+    graph.register_initializer(value)
+    return value

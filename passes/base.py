@@ -1,0 +1,26 @@
+"""The pass framework: passes are ``onnx_ir`` in-place passes with typed options.
+
+A pass is a small class whose constructor takes its (typed) options and whose ``call(model)``
+returns ``onnx_ir.passes.PassResult(model, modified)``. Passes run alone from Python::
+
+    from quark_onnx.passes import ConvertBNToConv
+    result = ConvertBNToConv()(ir_model)   # result.model, result.modified
+
+and are chained by :func:`quark_onnx.pipeline.prepare_passes`, which picks them from a config.
+
+Passes that change numerics on purpose set ``changes_numerics = True``; the pipeline then measures
+and reports the maximum output difference they introduced.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import onnx_ir as ir
+
+
+class QuarkPass(ir.passes.InPlacePass):
+    """Base of every quark_onnx graph pass."""
+
+    #: True for passes that deliberately change the float model's outputs (documented per pass).
+    changes_numerics: ClassVar[bool] = False

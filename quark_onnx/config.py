@@ -1,0 +1,200 @@
+"""The Quark-shaped configuration API: ``QuantizationConfig``, ``Config``, ``get_default_config``.
+
+``QuantizationConfig`` mirrors ``quark.onnx.quantization.config.QuantizationConfig``: plain
+attributes that scripts assign after construction (as the seed example does). Enum-typed fields are
+normalised when assigned, so ``config.activation_type = onnxruntime.quantization.QuantType.QInt8``
+works and a typo fails at once. ``extra_options`` is a dict edited in place; it is validated by
+:meth:`QuantizationConfig.resolved_options` when a quantizer is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from quark_onnx.enums import (
+    CalibrationMethod,
+    PowerOfTwoMethod,
+    QuantFormat,
+    QuantType,
+    coerce_calibrate_method,
+)
+from quark_onnx.errors import ConfigError
+from quark_onnx.options import ExtraOptions, closest_name, resolve_extra_options
+
+_LIST_FIELDS = (
+    "input_nodes",
+    "output_nodes",
+    "op_types_to_quantize",
+    "nodes_to_quantize",
+    "nodes_to_exclude",
+    "execution_providers",
+)
+_BOOL_FIELDS = (
+    "per_channel",
+    "reduce_range",
+    "optimize_model",
+    "use_external_data_format",
+    "enable_npu_cnn",
+    "enable_npu_transformer",
+    "include_cle",
+    "include_bias_correction",
+    "include_fast_ft",
+    "use_dynamic_quant",
+    "print_summary",
+)
+
+
+@dataclass
+class QuantizationConfig:
+    """Global quantization settings (field names as in AMD Quark's ONNX QuantizationConfig).
+
+    Attributes:
+        calibrate_method: ``PowerOfTwoMethod.MinMSE``/``NonOverflow`` (power-of-two scales) or a
+            ``CalibrationMethod`` (float scales).
+        quant_format: only ``QuantFormat.QDQ`` is written.
+        activation_type / weight_type: target data types (``QuantType``; onnxruntime's accepted).
+        per_channel: per-output-channel weight scales (not allowed with ``enable_npu_cnn``).
+        optimize_model: simplify the float model with onnxsim first (constant folding, shapes).
+        enable_npu_cnn: power-of-two scales, NPU constraint solving and DPU simulation (XINT8).
+        include_cle / include_bias_correction / include_fast_ft: accuracy recovery (CLE, bias
+            correction, AdaRound-style rounding).
+        nodes_to_exclude / op_types_to_quantize / nodes_to_quantize: restrict what is quantized.
+        extra_options: the keys of :class:`quark_onnx.options.ExtraOptions`.
+    """
+
+    calibrate_method: CalibrationMethod | PowerOfTwoMethod = CalibrationMethod.MinMax
+    quant_format: QuantFormat = QuantFormat.QDQ
+    activation_type: QuantType = QuantType.QInt8
+    weight_type: QuantType = QuantType.QInt8
+    input_nodes: list[str] = field(default_factory=list)
+    output_nodes: list[str] = field(default_factory=list)
+    op_types_to_quantize: list[str] = field(default_factory=list)
+    nodes_to_quantize: list[str] = field(default_factory=list)
+    nodes_to_exclude: list[str] = field(default_factory=list)
+    execution_providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    per_channel: bool = False
+    reduce_range: bool = False
+    optimize_model: bool = True
+    use_external_data_format: bool = False
+    enable_npu_cnn: bool = False
+    enable_npu_transformer: bool = False
+    include_cle: bool = False
+    include_bias_correction: bool = False
+    include_fast_ft: bool = False
+    use_dynamic_quant: bool = False
+    print_summary: bool = True
+    extra_options: dict[str, Any] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _FIELD_NAMES:
+            close = closest_name(name, _FIELD_NAMES)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"QuantizationConfig has no setting {name!r}{hint}")
+        object.__setattr__(self, name, _normalise(name, value))
+
+    def resolved_options(self) -> ExtraOptions:
+        """Validate ``extra_options`` and return the effective, typed options."""
+        return resolve_extra_options(self.extra_options)
+
+    def validate(self) -> ExtraOptions:
+        """Check the combination of settings; return the effective extra options."""
+        options = self.resolved_options()
+        if self.quant_format is not QuantFormat.QDQ:
+            raise ConfigError(
+                "quant_format: only QuantFormat.QDQ is supported (the NPU flow takes QDQ models)"
+            )
+        if self.enable_npu_cnn and self.per_channel:
+            raise ConfigError(
+                "per_channel=True conflicts with enable_npu_cnn: the NPU takes one "
+                "power-of-two scale per weight tensor; set per_channel=False"
+            )
+        if self.enable_npu_cnn and not isinstance(self.calibrate_method, PowerOfTwoMethod):
+            raise ConfigError(
+                f"enable_npu_cnn needs a power-of-two calibrate_method "
+                f"(PowerOfTwoMethod.MinMSE or NonOverflow), got "
+                f"{self.calibrate_method}"
+            )
+        return options
+
+    def effective_settings(self) -> dict[str, Any]:
+        """Every setting in force, extra options included with their defaults filled in."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "extra_options":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = (
+                str(value)
+                if isinstance(value, (QuantType, QuantFormat, CalibrationMethod, PowerOfTwoMethod))
+                else value
+            )
+        try:
+            out["extra_options"] = dataclasses.asdict(self.resolved_options())
+        except ConfigError as exc:  # still printable while the user is editing options
+            out["extra_options"] = {"<invalid>": str(exc), **self.extra_options}
+        return out
+
+    def __str__(self) -> str:
+        settings = self.effective_settings()
+        extra = settings.pop("extra_options")
+        lines = ["QuantizationConfig("]
+        lines += [
+            f"    {k}={v!r}" if not isinstance(v, str) or "." not in v else f"    {k}={v}"
+            for k, v in settings.items()
+        ]
+        lines.append("    extra_options={")
+        lines += [f"        {k}: {v!r}," for k, v in extra.items()]
+        lines += ["    }", ")"]
+        return "\n".join(lines)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(QuantizationConfig))
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if name == "calibrate_method":
+        return coerce_calibrate_method(value)
+    if name == "quant_format":
+        return QuantFormat.coerce(value, name)
+    if name in ("activation_type", "weight_type"):
+        return QuantType.coerce(value, name)
+    if name in _LIST_FIELDS:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} expects a list of strings, got {value!r}")
+        return list(value)
+    if name in _BOOL_FIELDS and not isinstance(value, bool):
+        raise ConfigError(f"{name} expects bool, got {type(value).__name__} ({value!r})")
+    if name == "extra_options":
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"extra_options expects a dict, got {type(value).__name__}")
+        return value  # kept as the user's dict: the seed edits it in place
+    return value
+
+
+@dataclass
+class Config:
+    """Top-level config, as ``quark.onnx.quantization.config.Config``."""
+
+    global_quant_config: QuantizationConfig
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.global_quant_config, QuantizationConfig):
+            raise ConfigError(
+                "Config(global_quant_config=...) expects a QuantizationConfig, got "
+                f"{type(self.global_quant_config).__name__}"
+            )
+
+    def __str__(self) -> str:
+        inner = str(self.global_quant_config).replace("\n", "\n    ")
+        return f"Config(\n    global_quant_config={inner}\n)"
+
+
+def get_default_config(name: str) -> QuantizationConfig:
+    """A fresh ``QuantizationConfig`` for the named preset (a file in ``configs/``)."""
+    from quark_onnx.presets import load_preset
+
+    return load_preset(name)

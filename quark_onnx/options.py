@@ -1,0 +1,252 @@
+"""The ``extra_options`` of a quantization config: every key, its type, default and effect.
+
+:class:`ExtraOptions` is the single source of truth. The Quark-shaped API keeps ``extra_options``
+as a plain ``dict`` that users edit in place (as the seed example does); when a quantizer is
+built, :func:`resolve_extra_options` turns it into an :class:`ExtraOptions`, rejecting unknown
+keys (naming the closest valid key) and values of the wrong type (naming the expected type).
+Library code reads the typed object, never the dict.
+
+Keys that AMD Quark knows but quark_onnx does not act on are listed in
+:data:`UNSUPPORTED_QUARK_OPTIONS`; they are accepted with a warning instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from quark_onnx.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _opt(default: Any, doc: str) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True)
+class ExtraOptions:
+    """Typed view of ``extra_options``. Field names are the option keys, as in AMD Quark."""
+
+    # --- graph preparation (float passes, run before calibration) -------------------------------
+    ConvertBNToConv: bool = _opt(
+        True,
+        "Fold BatchNormalization into the preceding Conv/ConvTranspose/Gemm; a BatchNormalization "
+        "with no foldable producer becomes a depthwise 1x1 Conv. Float-preserving.",
+    )
+    ReplaceClip6Relu: bool = _opt(
+        False,
+        "Replace Clip(0, 6) (ReLU6) by Relu. Changes numerics where inputs exceed 6; lets ReLU6 "
+        "networks be equalized by CLE.",
+    )
+    ConvertClipToRelu: bool = _opt(
+        False,
+        "Replace Clip(0, hi) by Relu when the clip cannot change the quantized result "
+        "(see passes.convert_clip_to_relu for the exact bounds accepted).",
+    )
+    ConvertSigmoidToHardSigmoid: bool = _opt(
+        True,
+        "Replace Sigmoid by HardSigmoid(alpha=1/6, beta=0.5), which the NPU computes. Changes "
+        "numerics (max |difference| about 0.018 on the Sigmoid output).",
+    )
+    ConvertReduceMeanToGlobalAvgPool: bool = _opt(
+        True,
+        "Replace ReduceMean over the spatial axes (H, W) of a 4-D tensor by GlobalAveragePool "
+        "(plus a Reshape when keepdims=0). Float-preserving.",
+    )
+    SplitLargeKernelPool: bool = _opt(
+        True,
+        "Split a GlobalAveragePool/AveragePool whose kernel area exceeds the NPU limit into two "
+        "average pools. Float-preserving.",
+    )
+    ConvertSplitToSlice: bool = _opt(
+        True, "Replace Split by one Slice per output (the NPU has no Split). Float-preserving."
+    )
+
+    # --- calibration ------------------------------------------------------------------------------
+    UseRandomData: bool = _opt(
+        False,
+        "Calibrate on random data generated from the model's input shapes and dtypes instead of "
+        "a data reader.",
+    )
+    RandomDataReaderInputShape: dict = _opt(
+        {},
+        "Input name -> shape list for UseRandomData; needed for inputs with dynamic dimensions "
+        "(otherwise a dynamic dimension is taken as 1).",
+    )
+    RandomDataReaderInputDataRange: dict = _opt(
+        {}, "Input name -> [low, high] of the uniform random data (default [0, 1))."
+    )
+    RandomDataSeed: int = _opt(0, "Seed of the random calibration data (reproducible).")
+    RandomDataSamples: int = _opt(100, "How many random samples UseRandomData generates.")
+    CalibDataSize: int = _opt(0, "Use at most this many calibration samples (0: all of them).")
+    CalibMovingAverage: bool = _opt(
+        False, "MinMax: use the exponential moving average of per-batch min/max."
+    )
+    CalibMovingAverageConstant: float = _opt(
+        0.01, "MinMax with CalibMovingAverage: weight of each new batch."
+    )
+    Percentile: float = _opt(99.999, "Percentile method: the percentile of |x| kept in range.")
+    NumBins: int = _opt(2048, "Entropy/MSE methods: linear bins the histogram is resampled to.")
+    ActivationSymmetric: bool = _opt(True, "Symmetric activation quantization (zero point 0/128).")
+    WeightSymmetric: bool = _opt(True, "Symmetric weight quantization (zero point 0).")
+
+    # --- QDQ insertion ----------------------------------------------------------------------------
+    QuantizeBias: bool = _opt(True, "Quantize Conv/Gemm bias (int8 with its own scale by default).")
+    Int32Bias: bool = _opt(
+        False, "Quantize bias to int32 with scale s_input * s_weight instead of int8."
+    )
+    RemoveQDQConvRelu: bool = _opt(
+        False, "No Q/DQ between a single-consumer Conv/Gemm/Add/pool and a following Relu."
+    )
+    RemoveQDQConvClip: bool = _opt(
+        False, "No Q/DQ between a single-consumer Conv/Gemm/Add/pool and a following Clip."
+    )
+    RemoveQDQConvLeakyRelu: bool = _opt(
+        False, "No Q/DQ between a single-consumer Conv/Gemm/Add/pool and a following LeakyRelu."
+    )
+    RemoveQDQConvPRelu: bool = _opt(
+        False, "No Q/DQ between a single-consumer Conv/Gemm/Add/pool and a following PRelu."
+    )
+
+    # --- NPU constraints (enable_npu_cnn) ---------------------------------------------------------
+    AlignConcat: bool = _opt(True, "Concat inputs and output share one position.")
+    AlignPool: bool = _opt(
+        True, "MaxPool/AveragePool/GlobalAveragePool input and output share one position."
+    )
+    AlignPad: bool = _opt(True, "Pad input and output share one position.")
+    AlignSlice: bool = _opt(True, "Slice input and output share one position.")
+    AdjustShiftCut: bool = _opt(True, "Keep shift_cut = p_w + p_in - p_out in 0..16 (Conv/Gemm).")
+    AdjustShiftBias: bool = _opt(
+        True, "Keep shift_bias = p_w + p_in - p_bias in range (Conv/Gemm)."
+    )
+    AdjustShiftRead: bool = _opt(True, "Keep max p_in - min p_in <= 7 (Add/Sub).")
+    AdjustShiftWrite: bool = _opt(True, "Keep min p_in - p_out in -7..25 (Add).")
+    AdjustHardSigmoid: bool = _opt(True, "Keep HardSigmoid positions in the NPU's range.")
+    AdjustShiftMul: bool = _opt(True, "Keep sum(p_in) - p_out in 0..32 (Mul).")
+
+    # --- DPU simulation (model the hardware arithmetic in float) ---------------------------------
+    SimulateDPU: bool = _opt(True, "Master switch of the DPU simulation passes below.")
+    ConvertLeakyReluToDPUVersion: bool = _opt(True, "LeakyRelu alpha -> round(256*alpha)/256.")
+    ConvertHardSigmoidToDPUVersion: bool = _opt(True, "HardSigmoid uses 2731/16384 for 1/6.")
+    ConvertAvgPoolToDPUVersion: bool = _opt(
+        True, "Average pools multiply by A*k/2^n, the hardware's reciprocal of the area A."
+    )
+    ConvertReduceMeanToDPUVersion: bool = _opt(
+        True, "ReduceMean multiplies by the hardware's reciprocal of the reduced size."
+    )
+
+    # --- accuracy recovery ------------------------------------------------------------------------
+    CLESteps: int = _opt(1, "Cross-layer equalization: iterations (-1: until converged).")
+    CLETotalLayerDiffThreshold: float = _opt(
+        2e-7, "Cross-layer equalization: stop when the total range change is below this."
+    )
+    CLEScaleAppendBias: bool = _opt(True, "Cross-layer equalization: include biases in ranges.")
+    FastFinetune: dict = _opt(
+        {}, "AdaRound settings: NumIterations, NumBatches, LearningRate, TimeBudgetPerLayer."
+    )
+
+
+#: Keys AMD Quark accepts that quark_onnx does not act on: accepted with a warning, never silently.
+UNSUPPORTED_QUARK_OPTIONS: frozenset[str] = frozenset(
+    {
+        "FuseInstanceNorm",
+        "FuseL2Norm",
+        "FuseLayerNorm",
+        "FuseGelu",
+        "FoldRelu",
+        "FixShapes",
+        "ConvertSoftmaxToDPUVersion",
+        "ConvertInstanceNormToDPUVersion",
+        "IPULimitationCheck",
+        "AdjustShiftSwish",
+        "RemoveQDQInstanceNorm",
+        "Int16Bias",
+        "SmoothAlpha",
+        "MatMulConstBOnly",
+        "CopySharedInit",
+        "CalibTensorRangeSymmetric",
+        "OpTypesToExcludeOutput",
+        "AddQDQPairToWeight",
+        "DedicatedQDQPair",
+        "QDQOpTypePerChannelSupportToAxis",
+        "UseQDQVitisCustomOps",
+        "ConvertOpsetVersion",
+        "BF16QDQToCast",
+        "ConvertFP16ToFP32",
+    }
+)
+
+
+def option_fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(ExtraOptions)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in option_fields()]
+
+
+def option_doc(name: str) -> str:
+    return {f.name: f.metadata["doc"] for f in option_fields()}[name]
+
+
+def closest_name(name: str, candidates: typing.Iterable[str]) -> str | None:
+    """The candidate nearest to ``name`` (case-insensitive), or None when nothing is close."""
+    candidates = list(candidates)
+    lowered = {c.lower(): c for c in candidates}
+    if name.lower() in lowered:
+        return lowered[name.lower()]
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return lowered[close[0]] if close else None
+
+
+_TYPES = typing.get_type_hints(ExtraOptions)
+
+
+def check_value_type(key: str, value: Any, expected: type) -> Any:
+    """Return ``value`` if it has the expected type (ints accepted where floats are expected)."""
+    ok = (
+        (expected is bool and isinstance(value, bool))
+        or (expected is int and isinstance(value, int) and not isinstance(value, bool))
+        or (expected is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (expected is str and isinstance(value, str))
+        or (expected is dict and isinstance(value, dict))
+        or (expected is list and isinstance(value, (list, tuple)))
+    )
+    if not ok:
+        raise ConfigError(
+            f"extra option {key!r} expects {expected.__name__}, got {type(value).__name__} "
+            f"({value!r})"
+        )
+    return float(value) if expected is float else value
+
+
+def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
+    """Validate a user's ``extra_options`` dict and return the effective typed options."""
+    values: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str):
+            raise ConfigError(f"extra option names must be strings, got {key!r}")
+        if key in _TYPES:
+            values[key] = check_value_type(key, value, _TYPES[key])
+            continue
+        if key in UNSUPPORTED_QUARK_OPTIONS:
+            logger.warning(
+                "extra option %r is an AMD Quark option quark_onnx does not implement; "
+                "it is ignored",
+                key,
+            )
+            continue
+        close = closest_name(key, option_names())
+        hint = f"; did you mean {close!r}?" if close else ""
+        raise ConfigError(
+            f"unknown extra option {key!r}{hint} (valid options are listed in "
+            "quark_onnx.options.ExtraOptions)"
+        )
+    return ExtraOptions(**values)

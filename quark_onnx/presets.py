@@ -1,0 +1,89 @@
+"""Named presets: TOML files in ``configs/`` (installed as ``quark_onnx.configs``).
+
+A preset file has a ``description``, a ``[config]`` table of :class:`QuantizationConfig` fields and
+an ``[extra_options]`` table. Both are checked against the same schema as user code (unknown keys
+name the closest valid key), so adding a preset is adding a file. TOML is parsed with the standard
+library's ``tomllib``: data only, nothing executed.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from quark_onnx.config import _FIELD_NAMES, QuantizationConfig
+from quark_onnx.errors import ConfigError
+from quark_onnx.options import closest_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_TOP_KEYS = ("name", "description", "config", "extra_options")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    config: dict[str, Any]
+    extra_options: dict[str, Any]
+
+
+def _preset_files() -> dict[str, Any]:
+    root = importlib.resources.files("quark_onnx.configs")
+    return {p.name[: -len(".toml")].upper(): p for p in root.iterdir() if p.name.endswith(".toml")}
+
+
+def preset_names() -> list[str]:
+    """Names accepted by :func:`get_default_config`, sorted."""
+    return sorted(_preset_files())
+
+
+def read_preset(name: str) -> Preset:
+    """Parse and schema-check the preset file for ``name`` (case-insensitive)."""
+    files = _preset_files()
+    key = name.upper() if isinstance(name, str) else name
+    if key not in files:
+        close = closest_name(str(name), files)
+        hint = f"; did you mean {close!r}?" if close else ""
+        raise ConfigError(f"unknown preset {name!r}{hint} (presets: {', '.join(sorted(files))})")
+    path = files[key]
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"preset file {path.name}: invalid TOML: {exc}") from exc
+    for k in data:
+        if k not in _TOP_KEYS:
+            close = closest_name(k, _TOP_KEYS)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"preset file {path.name}: unknown key {k!r}{hint}")
+    config = data.get("config", {})
+    for k in config:
+        if k not in _FIELD_NAMES or k == "extra_options":
+            close = closest_name(k, _FIELD_NAMES)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"preset file {path.name}: unknown [config] key {k!r}{hint}")
+    return Preset(
+        name=data.get("name", key),
+        description=data.get("description", ""),
+        config=config,
+        extra_options=dict(data.get("extra_options", {})),
+    )
+
+
+def load_preset(name: str) -> QuantizationConfig:
+    """A new QuantizationConfig with the preset's settings (validated)."""
+    preset = read_preset(name)
+    qc = QuantizationConfig()
+    try:
+        for k, v in preset.config.items():
+            setattr(qc, k, v)
+        qc.extra_options = dict(preset.extra_options)
+        qc.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"preset {preset.name}: {exc}") from exc
+    return qc
