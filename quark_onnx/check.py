@@ -293,8 +293,9 @@ class _Checker:
             self.add(
                 "too_few_conv",
                 None,
-                f"model {self.label!r} has {conv_count} Conv node(s); the Vitis AI EP offloads a "
-                f"CNN to the NPU only with at least {rules.MIN_CONV_NODES} Conv nodes",
+                f"model {self.label!r} has {conv_count} Conv node(s); the Vitis AI EP compiles a "
+                f"model for the NPU only with at least {rules.MIN_CONV_NODES} Conv nodes "
+                "(XLNX_MINIMUM_NUM_OF_CONV), otherwise everything runs on the CPU",
             )
         for node in self.nodes:
             if node.op_type != "Conv" or node.domain not in _STANDARD_DOMAINS:
@@ -444,7 +445,7 @@ class _Checker:
         if _is_dq(node):
             source = node.inputs[0]
             return source.dtype if source is not None else None
-        if "output_dtype" in node.attributes:
+        if "output_dtype" in node.attributes and node.attributes["output_dtype"].value:
             return ir.DataType(node.attributes["output_dtype"].value)
         if node.outputs and node.outputs[0].dtype is not None:
             return node.outputs[0].dtype

@@ -161,7 +161,8 @@ FUSING_PRODUCERS: frozenset[str] = frozenset(
 #: Ops whose shift_cut / shift_bias are limited (weight input 1, bias input 2).
 SHIFT_CUT_OPS: frozenset[str] = frozenset({"Conv", "Gemm", "ConvTranspose"})
 
-#: Model-level: the NPU path needs at least this many Conv nodes.
+#: Model-level: the Vitis AI EP invokes its NPU compiler only for models with at least this many
+#: Conv nodes (its setting XLNX_MINIMUM_NUM_OF_CONV, default 2).
 MIN_CONV_NODES = 2
 
 SHIFT_CUT_RANGE: tuple[int, int] = (0, 16)

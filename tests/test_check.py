@@ -593,3 +593,82 @@ def test_op_sets():
     assert {"Concat", "MaxPool", "AveragePool", "GlobalAveragePool", "Pad", "Slice"} == set(
         R.SHARED_SCALE_OPS
     )
+
+
+def _naive_xint8(model: onnx.ModelProto, p_act: int = 4, p_w: int = 7) -> onnx.ModelProto:
+    """Every float activation at position ``p_act``, Conv/Gemm/PRelu constants int8 at ``p_w``.
+
+    A stand-in for the quantizer's output form (no calibration): the positions are chosen so
+    every shift rule holds, so only the model's structural findings may remain.
+    """
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    consts = {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    outputs = {o.name for o in graph.output}
+    nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+
+    def params(name: str, pos: int) -> tuple[str, str]:
+        new_inits.append(onnx.numpy_helper.from_array(np.float32(2.0**-pos), f"{name}_scale"))
+        new_inits.append(onnx.numpy_helper.from_array(np.int8(0), f"{name}_zero_point"))
+        return f"{name}_scale", f"{name}_zero_point"
+
+    def qdq(src: str, dst: str, name: str) -> None:
+        s, z = params(name, p_act)
+        nodes.append(helper.make_node("QuantizeLinear", [src, s, z], [f"{name}_q"], f"{name}_Q"))
+        nodes.append(helper.make_node("DequantizeLinear", [f"{name}_q", s, z], [dst], f"{name}_D"))
+
+    for x in graph.input:
+        qdq(x.name, f"{x.name}_dq", x.name)
+    renamed = {x.name: f"{x.name}_dq" for x in graph.input}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in renamed:
+                node.input[i] = renamed[name]
+            elif name in inits and (
+                (node.op_type in ("Conv", "Gemm") and i in (1, 2))
+                or (node.op_type == "PRelu" and i == 1)
+            ):
+                w = onnx.numpy_helper.to_array(inits[name])
+                q = np.clip(np.round(w * 2.0**p_w), -128, 127).astype(np.int8)
+                new_inits.append(onnx.numpy_helper.from_array(q, f"{name}_quantized"))
+                s, z = params(name, p_w)
+                nodes.append(
+                    helper.make_node(
+                        "DequantizeLinear", [f"{name}_quantized", s, z], [f"{name}_w"], name
+                    )
+                )
+                node.input[i] = f"{name}_w"
+        nodes.append(node)
+        if node.op_type == "Constant":
+            continue
+        for j, out in enumerate(node.output):
+            if out in consts:
+                continue
+            if out in outputs:
+                node.output[j] = f"{out}_QuantizeLinear_Input"
+                qdq(node.output[j], out, out)
+            else:
+                qdq(out, f"{out}_dq", out)
+                renamed[out] = f"{out}_dq"
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(new_inits)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.real_model
+def test_digits_in_qdq_form_has_only_structural_findings():
+    """No false positives on a whole real network in the QDQ form: only the model's own issues."""
+    path = shared_path("models", "digits_cnn.onnx")
+    result = check(_naive_xint8(onnx.load(path)))
+    assert result.rules() == {"dynamic_shape", "unsupported_op"}, result.summary()
+    x = np.random.default_rng(0).uniform(0, 1, [1, 1, 32, 32]).astype(np.float32)
+    (logits,) = run_ort(_naive_xint8(onnx.load(path)), {"image": x})
+    assert logits.shape == (1, 10)
+    # the same network with weight positions 20: shift_cut = 20 + 4 - 4 on every Conv and Gemm
+    bad = check(_naive_xint8(onnx.load(path), p_w=20))
+    n_matmul = sum(n.op_type in ("Conv", "Gemm") for n in onnx.load(path).graph.node)
+    assert len(bad.by_rule("shift_cut")) == n_matmul == 20
+    assert bad.rules() == {"dynamic_shape", "unsupported_op", "shift_cut"}
