@@ -40,6 +40,8 @@ import collections
 import logging
 import math
 import os
+import sys
+import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -747,3 +749,18 @@ class _Checker:
             f"{node.op_type} {label!r}: {what} must share one position, found {shown}; give "
             f"them all the same position (e.g. the smallest, {min(p.pos for p in group)})",
         )
+
+
+class _CallableModule(types.ModuleType):
+    """``quark_onnx.check(model)`` must work even after ``import quark_onnx.check``.
+
+    Importing the submodule makes the package attribute ``quark_onnx.check`` this module (the
+    import system sets it), shadowing the lazily exported function of the same name; calling the
+    module forwards to :func:`check`.
+    """
+
+    def __call__(self, model: str | os.PathLike | onnx.ModelProto) -> CheckResult:
+        return check(model)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -672,3 +672,11 @@ def test_digits_in_qdq_form_has_only_structural_findings():
     n_matmul = sum(n.op_type in ("Conv", "Gemm") for n in onnx.load(path).graph.node)
     assert len(bad.by_rule("shift_cut")) == n_matmul == 20
     assert bad.rules() == {"dynamic_shape", "unsupported_op", "shift_cut"}
+
+
+def test_package_level_check_is_callable_after_submodule_import():
+    import quark_onnx
+    import quark_onnx.check as module
+
+    assert quark_onnx.check(two_convs().model()).ready  # function or (shadowing) module
+    assert module(two_convs(p_out=-5).model()).rules() == {"shift_cut"}
