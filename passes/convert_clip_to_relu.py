@@ -1,0 +1,127 @@
+"""ConvertClipToRelu: ``Clip(x, 0, hi)`` becomes ``Relu(x)``, the bound kept as a range cap.
+
+Maths. ``Clip(x, lo=0, hi) = min(max(x, 0), hi)`` and ``Relu(x) = max(x, 0)``; they agree wherever
+``x <= hi`` and differ by ``x - hi`` above it. The upper bound is not thrown away: it is written as
+the metadata entry ``quark_onnx.range_max`` (the bound as a decimal string, ``repr`` of the float,
+so it round-trips exactly) on the Relu's output value. The quantization plan caps that tensor's
+range at ``hi``, so the quantized model saturates at ``hi`` (to within one quantization step),
+like the original Clip. When the value already carries a cap, the smaller one is kept.
+
+A Clip with no upper bound (``hi`` absent, +inf or float32's max) is exactly a Relu; no metadata
+is written.
+
+Handled: bounds as attributes (opset < 11), as initializers or as ``Constant`` node outputs
+(opset >= 11), absent bounds (empty optional inputs). Not rewritten:
+
+* ``lo`` absent or not exactly 0 (``Clip(-1, 1)``);
+* a bound that is not a constant (computed at run time), or not a scalar;
+* ``hi < 0`` (the Clip is then constant ``hi``, not a Relu);
+* non-float tensors.
+
+``changes_numerics = True``: the float model's outputs change wherever the clip was active.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+from quark_onnx.passes._graph import constant_array
+from quark_onnx.passes.base import QuarkPass
+
+logger = logging.getLogger(__name__)
+
+#: Metadata key on a value: the largest value the quantization range of that tensor must cover.
+RANGE_MAX_KEY = "quark_onnx.range_max"
+
+_FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16}
+)
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+#: Sentinel: the bound exists but is not a compile-time constant scalar.
+NOT_CONSTANT = object()
+
+
+def clip_bounds(node: ir.Node) -> tuple[object, object]:
+    """``(lo, hi)`` of a Clip node: a float, ``None`` when absent, or :data:`NOT_CONSTANT`.
+
+    Reads the ``min``/``max`` attributes (opset < 11) when present, else the optional inputs 1
+    and 2 (initializers or Constant nodes, which must hold a single element).
+    """
+    if "min" in node.attributes or "max" in node.attributes:
+        lo = node.attributes.get_float("min", None)
+        hi = node.attributes.get_float("max", None)
+        return lo, hi
+
+    def bound(index: int) -> object:
+        if len(node.inputs) <= index or node.inputs[index] is None:
+            return None
+        array = constant_array(node.inputs[index])
+        if array is None or array.size != 1:
+            return NOT_CONSTANT
+        return float(np.asarray(array).reshape(()))
+
+    return bound(1), bound(2)
+
+
+def is_float_tensor(value: ir.Value) -> bool:
+    """True when the value's element type is a float type (or unknown)."""
+    return value.dtype is None or value.dtype in _FLOAT_TYPES
+
+
+def make_relu_in_place(node: ir.Node) -> list[ir.Value]:
+    """Turn a Clip node into a Relu on the same input and output; return the dropped bounds."""
+    dropped = [v for v in node.inputs[1:] if v is not None]
+    node.op_type = "Relu"
+    node.resize_inputs(1)
+    node.attributes.clear()
+    return dropped
+
+
+def remove_if_unused(graph: ir.Graph, value: ir.Value) -> None:
+    """Drop an initializer or Constant node whose value nothing reads any more."""
+    if value.uses() or value.is_graph_output() or value in graph.inputs:
+        return
+    producer = value.producer()
+    if producer is not None:
+        if producer.op_type == "Constant" and producer.graph is graph:
+            graph.remove(producer, safe=True)
+    elif value.is_initializer() and value.name in graph.initializers:
+        graph.initializers.pop(value.name)
+
+
+class ConvertClipToRelu(QuarkPass):
+    """Replace ``Clip(x, 0, hi)`` by ``Relu(x)`` and record ``hi`` as the output's range cap."""
+
+    changes_numerics = True
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        count = 0
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+            if node.op_type != "Clip" or node.domain != "":
+                continue
+            if not node.inputs or node.inputs[0] is None or not is_float_tensor(node.inputs[0]):
+                continue
+            lo, hi = clip_bounds(node)
+            if lo is NOT_CONSTANT or hi is NOT_CONSTANT or lo is None or lo != 0.0:
+                continue
+            if hi is not None and hi < 0.0:
+                continue
+            graph = node.graph
+            dropped = make_relu_in_place(node)
+            if hi is not None and hi < _FLOAT32_MAX:
+                out = node.outputs[0]
+                previous = out.metadata_props.get(RANGE_MAX_KEY)
+                cap = hi if previous is None else min(hi, float(previous))
+                out.metadata_props[RANGE_MAX_KEY] = repr(float(cap))
+            if graph is not None:
+                for value in dropped:
+                    remove_if_unused(graph, value)
+            logger.debug("Clip %s (0, %s) -> Relu", node.name, hi)
+            count += 1
+        if count:
+            logger.info("ConvertClipToRelu: %d Clip(0, hi) -> Relu (hi kept as range cap)", count)
+        return ir.passes.PassResult(model, modified=bool(count))

@@ -1,0 +1,126 @@
+"""SimplifyWithOnnxsim: constant folding and graph clean-up by onnxsim (``optimize_model``).
+
+onnxsim folds every subgraph whose inputs are constants (``Shape``/``Gather``/``Concat`` chains,
+``ConstantOfShape``, weight transposes), runs onnx's shape inference, and applies onnxoptimizer's
+float-exact fusions (for example BatchNormalization into the preceding Conv, identity and dropout
+elimination). It then checks the simplified model against the original on random inputs
+(``check_n`` runs) and reports ``check_ok``.
+
+The simplification runs on a serialized copy. Only when onnxsim returns and says ``check_ok``
+does the model take the simplified graph (in place: the same ``ir.Model`` object receives the new
+graph, functions and IR version). When onnxsim raises or its check fails, a warning names the
+model and onnxsim's reason and the model is returned unchanged (``modified=False``): a failed
+simplification never stops quantization.
+
+``onnxsim`` is imported inside the pass, so importing :mod:`quark_onnx.passes` does not load it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+import onnx_ir as ir
+from quark_onnx.passes.base import QuarkPass
+
+logger = logging.getLogger(__name__)
+
+
+def _structure(graph: onnx.GraphProto) -> tuple:
+    """What the graph computes, ignoring node names and value_info (onnxsim adds both)."""
+    nodes = tuple(
+        (
+            n.op_type,
+            n.domain,
+            tuple(n.input),
+            tuple(n.output),
+            tuple(a.SerializeToString(deterministic=True) for a in n.attribute),
+        )
+        for n in graph.node
+    )
+    initializers = tuple(sorted((t.name, tuple(t.dims), t.data_type) for t in graph.initializer))
+    return (
+        nodes,
+        initializers,
+        tuple(i.name for i in graph.input),
+        tuple(o.name for o in graph.output),
+    )
+
+
+def _model_label(model: ir.Model) -> str:
+    name = model.graph.name or "<unnamed graph>"
+    producer = model.producer_name
+    return f"{name!r} (producer {producer!r})" if producer else repr(name)
+
+
+class SimplifyWithOnnxsim(QuarkPass):
+    """Simplify the model with ``onnxsim.simplify``; keep the original if that fails.
+
+    Args:
+        check_n: random-input checks onnxsim runs against the original (0: structural check
+            only).
+        skip_fuse_bn: do not let onnxsim fold BatchNormalization into Conv.
+        skipped_optimizers: onnxoptimizer pass names onnxsim must not run.
+    """
+
+    def __init__(
+        self,
+        check_n: int = 0,
+        skip_fuse_bn: bool = False,
+        skipped_optimizers: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.check_n = int(check_n)
+        self.skip_fuse_bn = skip_fuse_bn
+        self.skipped_optimizers = tuple(skipped_optimizers)
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        label = _model_label(model)
+        try:
+            import onnxsim
+        except ImportError as exc:
+            logger.warning(
+                "optimize_model: onnxsim not importable (%s); model %s not simplified", exc, label
+            )
+            return ir.passes.PassResult(model, modified=False)
+        proto = ir.serde.serialize_model(model)
+        before = _structure(proto.graph)
+        try:
+            simplified, check_ok = onnxsim.simplify(
+                proto,
+                check_n=self.check_n,
+                skip_fuse_bn=self.skip_fuse_bn,
+                skipped_optimizers=list(self.skipped_optimizers) or None,
+            )
+        except Exception as exc:  # onnxsim raises bare RuntimeErrors from C++
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning(
+                "optimize_model: onnxsim failed on model %s (%s: %s); continuing with the "
+                "unsimplified model",
+                label,
+                type(exc).__name__,
+                reason,
+            )
+            return ir.passes.PassResult(model, modified=False)
+        if not check_ok:
+            logger.warning(
+                "optimize_model: onnxsim's check failed on model %s (the simplified model's "
+                "outputs differ from the original); continuing with the unsimplified model",
+                label,
+            )
+            return ir.passes.PassResult(model, modified=False)
+        if _structure(simplified.graph) == before:
+            return ir.passes.PassResult(model, modified=False)
+        new = ir.serde.deserialize_model(simplified)
+        nodes_before = len(proto.graph.node)
+        model.graph = new.graph
+        model.ir_version = new.ir_version
+        model.functions.clear()
+        model.functions.update(new.functions)
+        logger.info(
+            "optimize_model: onnxsim simplified %s: %d -> %d nodes",
+            label,
+            nodes_before,
+            len(simplified.graph.node),
+        )
+        return ir.passes.PassResult(model, modified=True)

@@ -1,0 +1,77 @@
+"""SimplifyWithOnnxsim: folds constants when onnxsim succeeds; never fails the pipeline."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxsim
+from conftest import make_model, run_ort
+from onnx import TensorProto as T
+from onnx import helper as h
+from quark_onnx.passes import SimplifyWithOnnxsim
+
+
+def _model() -> onnx.ModelProto:
+    """``y = Reshape(x * (2 + 3), Shape(x))``: the Add and the Shape are foldable."""
+    model = make_model(
+        [
+            h.make_node("Add", ["two", "three"], ["five"]),
+            h.make_node("Mul", ["x", "five"], ["m"]),
+            h.make_node("Shape", ["x"], ["s"]),
+            h.make_node("Reshape", ["m", "s"], ["y"]),
+        ],
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 3])],
+        {"two": np.array(2.0, dtype=np.float32), "three": np.array(3.0, dtype=np.float32)},
+    )
+    model.graph.name = "foldable"
+    return model
+
+
+def test_simplifies_and_keeps_outputs():
+    model = _model()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ir_model = ir.serde.deserialize_model(model)
+    result = SimplifyWithOnnxsim()(ir_model)
+    assert result.modified and result.model is ir_model
+    proto = ir.serde.serialize_model(ir_model)
+    onnx.checker.check_model(proto)
+    assert "Add" not in [n.op_type for n in proto.graph.node]
+    assert "Shape" not in [n.op_type for n in proto.graph.node]
+    np.testing.assert_array_equal(run_ort(proto, {"x": x})[0], run_ort(model, {"x": x})[0])
+
+
+def test_nothing_to_simplify_is_not_modified():
+    model = make_model(
+        [h.make_node("Relu", ["x"], ["y"])],
+        [h.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, 3])],
+    )
+    ir_model = ir.serde.deserialize_model(model)
+    assert not SimplifyWithOnnxsim()(ir_model).modified
+
+
+def test_onnxsim_failure_is_a_warning(monkeypatch, caplog):
+    def boom(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : unsupported op\nmore details")
+
+    monkeypatch.setattr(onnxsim, "simplify", boom)
+    ir_model = ir.serde.deserialize_model(_model())
+    nodes = [n.op_type for n in ir_model.graph]
+    with caplog.at_level(logging.WARNING):
+        result = SimplifyWithOnnxsim()(ir_model)
+    assert not result.modified
+    assert [n.op_type for n in ir_model.graph] == nodes
+    assert "'foldable'" in caplog.text and "unsupported op" in caplog.text
+
+
+def test_failed_check_is_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(onnxsim, "simplify", lambda model, **kwargs: (model, False))
+    ir_model = ir.serde.deserialize_model(_model())
+    with caplog.at_level(logging.WARNING):
+        result = SimplifyWithOnnxsim()(ir_model)
+    assert not result.modified
+    assert "'foldable'" in caplog.text and "check failed" in caplog.text
