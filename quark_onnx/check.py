@@ -23,6 +23,9 @@ What is checked (rule ids in brackets):
     Conv/Gemm/MatMul/Add/pool), or the average-pool / HardSigmoid ``Mul`` of the DPU simulation,
     the position is read after that consumer.
 
+  The shared-scale rule also covers the position-carrying data-movement ops when their output is
+  requantized: the QDQ form keeps their input's position on the output.
+
   A rule whose positions cannot all be read is not evaluated (a missing Q/DQ is reported on its
   own, and a non-power-of-two scale has no position).
 * Ops: op types outside the NPU's XINT8 list run on the CPU [unsupported_op]; a model without any
@@ -603,7 +606,7 @@ class _Checker:
                 self._hard_sigmoid_rule(node)
             if op == "Concat":
                 self._shared(node, [self.input_pos(v) for v in node.inputs if v is not None])
-            elif op in rules.SHARED_SCALE_OPS and node.inputs:
+            elif (op in rules.SHARED_SCALE_OPS or op in rules.SCALE_PASSING_OPS) and node.inputs:
                 self._shared(node, [self.input_pos(node.inputs[0])])
 
     @staticmethod

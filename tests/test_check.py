@@ -300,6 +300,17 @@ def test_single_input_shared_scale(op):
     assert "'z': 5" in result.findings[0].message
 
 
+def test_requantized_data_movement_keeps_position():
+    def build(p_out: int) -> onnx.ModelProto:
+        g, z, _ = side_graph()
+        g.output(g.op("Flatten", [z], "flatten", axis=1), p_out, shape=[1, 256])
+        return g.model()
+
+    assert check(build(5)).ready
+    result = check(build(6))
+    assert result.rules() == {"shared_scale"} and result.findings[0].node == "flatten"
+
+
 def test_maxpool_without_requantize_carries_position_to_conv():
     g = QDQGraph()
     x = g.input("x", 5)
