@@ -631,7 +631,7 @@ class _Checker:
     def _conv_rules(self, node: ir.Node) -> None:
         if len(node.inputs) < 2:
             return
-        x, w, out = self.input_pos(node.inputs[0]), self.input_pos(node.inputs[1]), None
+        x, w = self.input_pos(node.inputs[0]), self.input_pos(node.inputs[1])
         out = self.output_pos(node)
         if not self._known(x, w, out):
             return
