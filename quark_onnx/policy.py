@@ -1,0 +1,147 @@
+"""Per-op quantization policy: one registry entry per ONNX op type (adding an op is one entry).
+
+An :class:`OpPolicy` says, for one op type:
+
+* ``activation_inputs``: the input slots quantized with a Q/DQ pair (``None``: every input). A slot
+  whose value is a constant (initializer or ``Constant`` output) is quantized as a *weight*
+  instead (int8, per tensor, own position), e.g. the constant operand of ``Add``/``Mul``.
+* ``weight_input``: the slot holding the layer weight (Conv/ConvTranspose/Gemm ``W``/``B``,
+  PRelu slope). Quantized as a weight when constant, as an activation otherwise.
+* ``bias_input``: the slot holding the bias (Conv/ConvTranspose input 2, Gemm ``C``).
+* ``share``: how positions relate across the node:
+
+  - :attr:`Share.NONE`: the output has its own position;
+  - :attr:`Share.PASS`: the output keeps input 0's position (pure data movement: MaxPool,
+    Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Slice, Pad, Resize);
+  - :attr:`Share.ALL`: every quantized input and the output share one position (Concat;
+    average pools, whose in = out rule is an NPU requirement).
+
+* ``align_option``: the :class:`~quark_onnx.options.ExtraOptions` flag that switches the shared
+  position (``AlignConcat``, ``AlignPool``, ``AlignPad``, ``AlignSlice``). ``None`` with
+  ``Share.PASS``: always shared (reshaping never changes values).
+* ``fusable_producer``: a Conv/Gemm/MatMul/Add/pool whose single-consumer output may feed a fused
+  activation (no Q/DQ between them).
+* ``fuse_option``: on Relu/Clip/LeakyRelu/PRelu, the ``RemoveQDQConv*`` option that fuses it into
+  a fusable producer.
+* ``dpu_scale_mul``: an average pool or HardSigmoid whose output feeds only a ``Mul`` by a scalar
+  constant (the hardware factor written by the DPU simulation passes): the Mul is part of the op
+  on the NPU, so no Q/DQ sits between them and the factor stays a float constant (the form AMD
+  Quark writes and the checker reads).
+
+Ops without an entry stay float (the plan reports them).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+class Share(enum.Enum):
+    """How a node's output position relates to its inputs' positions."""
+
+    NONE = "none"
+    PASS = "pass"
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    """How one op type is quantized (see the module docstring)."""
+
+    activation_inputs: tuple[int, ...] | None = (0,)
+    weight_input: int | None = None
+    bias_input: int | None = None
+    share: Share = Share.NONE
+    align_option: str | None = None
+    fusable_producer: bool = False
+    fuse_option: str | None = None
+    dpu_scale_mul: bool = False
+
+    @property
+    def passes_scale(self) -> bool:
+        """The output carries input 0's position through (data movement)."""
+        return self.share is Share.PASS
+
+    @property
+    def requires_shared_scale(self) -> bool:
+        """Inputs/output must share one position (an NPU rule switched by ``align_option``)."""
+        return self.align_option is not None
+
+    def quantized_slots(self, num_inputs: int) -> list[int]:
+        """Input slots (activation, weight and bias) this policy quantizes, in slot order."""
+        slots = (
+            list(range(num_inputs))
+            if self.activation_inputs is None
+            else [i for i in self.activation_inputs if i < num_inputs]
+        )
+        for extra in (self.weight_input, self.bias_input):
+            if extra is not None and extra < num_inputs and extra not in slots:
+                slots.append(extra)
+        return sorted(slots)
+
+
+_LAYER = OpPolicy(activation_inputs=(0,), weight_input=1, bias_input=2, fusable_producer=True)
+_BINARY = OpPolicy(activation_inputs=(0, 1))
+_UNARY = OpPolicy()
+_MOVE = OpPolicy(share=Share.PASS)
+
+_POLICIES: dict[str, OpPolicy] = {
+    # layers with weights (and bias)
+    "Conv": _LAYER,
+    "ConvTranspose": _LAYER,
+    "Gemm": _LAYER,
+    "MatMul": OpPolicy(activation_inputs=(0, 1), fusable_producer=True),
+    # element-wise arithmetic
+    "Add": OpPolicy(activation_inputs=(0, 1), fusable_producer=True),
+    "Sub": _BINARY,
+    "Mul": _BINARY,
+    # shared-position ops
+    "Concat": OpPolicy(activation_inputs=None, share=Share.ALL, align_option="AlignConcat"),
+    "MaxPool": OpPolicy(share=Share.PASS, align_option="AlignPool", fusable_producer=True),
+    "AveragePool": OpPolicy(
+        share=Share.ALL, align_option="AlignPool", fusable_producer=True, dpu_scale_mul=True
+    ),
+    "GlobalAveragePool": OpPolicy(
+        share=Share.ALL, align_option="AlignPool", fusable_producer=True, dpu_scale_mul=True
+    ),
+    "Pad": OpPolicy(share=Share.PASS, align_option="AlignPad"),
+    "Slice": OpPolicy(share=Share.PASS, align_option="AlignSlice"),
+    # activations (the first four can be fused into a preceding Conv/Gemm/Add/pool)
+    "Relu": OpPolicy(fuse_option="RemoveQDQConvRelu"),
+    "Clip": OpPolicy(fuse_option="RemoveQDQConvClip"),
+    "LeakyRelu": OpPolicy(fuse_option="RemoveQDQConvLeakyRelu"),
+    "PRelu": OpPolicy(activation_inputs=(0,), weight_input=1, fuse_option="RemoveQDQConvPRelu"),
+    "HardSigmoid": OpPolicy(dpu_scale_mul=True),
+    "HardSwish": _UNARY,
+    "Softmax": _UNARY,
+    # data movement: the output keeps the input's position
+    "Resize": _MOVE,
+    "Reshape": _MOVE,
+    "Flatten": _MOVE,
+    "Transpose": _MOVE,
+    "Squeeze": _MOVE,
+    "Unsqueeze": _MOVE,
+}
+
+#: Read-only view of the registry (op type -> policy).
+POLICIES: Mapping[str, OpPolicy] = MappingProxyType(_POLICIES)
+
+#: Activation op type -> the RemoveQDQ* option that fuses it.
+FUSABLE_ACTIVATIONS: Mapping[str, str] = MappingProxyType(
+    {op: p.fuse_option for op, p in _POLICIES.items() if p.fuse_option}
+)
+
+
+def policy_for(op_type: str, domain: str = "") -> OpPolicy | None:
+    """The policy of a standard-domain op type, or None (the node stays float)."""
+    if domain not in ("", "ai.onnx"):
+        return None
+    return _POLICIES.get(op_type)
+
+
+def quantizable_op_types() -> list[str]:
+    """Every op type with a policy, sorted."""
+    return sorted(_POLICIES)

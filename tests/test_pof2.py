@@ -1,0 +1,134 @@
+"""Power-of-two arithmetic against an exact numpy oracle and onnxruntime's Q/DQ."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper
+
+from quark_onnx import pof2
+from quark_onnx.enums import PowerOfTwoMethod, QuantType
+
+
+def oracle(x: np.ndarray, p: int) -> np.ndarray:
+    """clip(round_half_even(x / s), -128, 127) * s in float64."""
+    s = 2.0**-p
+    return np.clip(np.round(x.astype(np.float64) / s), -128, 127) * s
+
+
+def qdq_model(p: int, qtype: QuantType) -> onnx.ModelProto:
+    dtype = pof2.numpy_dtype(qtype)
+    inits = {
+        "s": np.array(pof2.scale_of(p)),
+        "z": np.array(pof2.zero_point(qtype), dtype=dtype),
+    }
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+    ]
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [None]),
+        ],
+        inits,
+    ), elem
+
+
+def sample(p: int, rng: np.random.Generator) -> np.ndarray:
+    s = 2.0**-p
+    halves = (np.arange(-140, 140) + 0.5) * s  # ties at every code, both signs, saturating ends
+    noise = rng.normal(scale=80 * s, size=2000)
+    return np.concatenate([halves, noise, [0.0, -0.0, 127 * s, -128 * s, 1e6, -1e6]]).astype(
+        np.float32
+    )
+
+
+@pytest.mark.parametrize("p", [-3, 0, 4, 7, 12])
+@pytest.mark.parametrize("qtype", [QuantType.QInt8, QuantType.QUInt8])
+def test_fake_quant_matches_numpy_oracle_and_onnxruntime_exactly(p, qtype):
+    x = sample(p, np.random.default_rng(p + 100))
+    model, _ = qdq_model(p, qtype)
+    (ort_y,) = run_ort(model, {"x": x})
+    ours = pof2.fake_quant(x, p, qtype)
+    np.testing.assert_array_equal(ours, oracle(x, p).astype(np.float32))
+    np.testing.assert_array_equal(ours, ort_y)
+
+
+def test_quantize_codes_and_zero_point():
+    x = np.array([0.5, 1.5, 2.5, -0.5, -2.5, 1000.0, -1000.0], dtype=np.float32)
+    np.testing.assert_array_equal(pof2.quantize(x, 0), [0, 2, 2, 0, -2, 127, -128])
+    np.testing.assert_array_equal(
+        pof2.quantize(x, 0, QuantType.QUInt8), [128, 130, 130, 128, 126, 255, 0]
+    )
+    assert pof2.quantize(x, 0).dtype == np.int8
+    assert pof2.quantize(x, 0, QuantType.QUInt8).dtype == np.uint8
+    np.testing.assert_array_equal(pof2.dequantize(np.array([-128, 127]), 3), [-16.0, 15.875])
+
+
+def test_scale_of_is_exact_power_of_two():
+    for p in range(-20, 40):
+        s = pof2.scale_of(p)
+        assert s.dtype == np.float32
+        assert math.frexp(float(s)) == (0.5, 1 - p)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.QInt8, QuantType.QUInt8])
+def test_nonoverflow_is_the_finest_position_without_saturation(qtype):
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        x = rng.normal(scale=10 ** rng.uniform(-4, 4), size=50)
+        p = pof2.nonoverflow_position(x.min(), x.max(), qtype)
+        z = pof2.zero_point(qtype)
+        codes = np.round(x * 2.0**p) + z
+        assert codes.max() <= qtype.qmax and codes.min() >= qtype.qmin
+        finer = np.round(x * 2.0 ** (p + 1)) + z
+        assert finer.max() > qtype.qmax or finer.min() < qtype.qmin
+
+
+def test_nonoverflow_boundaries():
+    assert pof2.position_for_abs_max(127.0) == 0
+    assert pof2.position_for_abs_max(127.5) == -1  # 127.5 rounds to 128: saturates at p=0
+    assert pof2.position_for_abs_max(1.0) == 6  # 1.0 * 2^7 = 128 > 127
+    assert pof2.nonoverflow_position(-1.0, 0.5) == 7  # -128/128 fits
+    assert pof2.position_for_abs_max(0.0) == pof2.POSITION_MAX
+
+
+def test_minmse_is_the_exhaustive_minimum():
+    rng = np.random.default_rng(2)
+    for trial in range(40):
+        w = rng.standard_t(df=2 + trial % 5, size=400) * 10 ** rng.uniform(-3, 1)
+        p = pof2.weight_position(w, PowerOfTwoMethod.MinMSE)
+        errors = {q: pof2.mse(w, q) for q in range(-30, 41)}
+        best = min(errors.values())
+        assert errors[p] == best
+        assert p == min(q for q, e in errors.items() if e == best)
+
+
+def test_minmse_can_clip_outliers_and_nonoverflow_never_does():
+    w = np.concatenate([np.full(10000, 0.03), [5.0]])
+    p_mse = pof2.weight_position(w, "MinMSE")
+    p_no = pof2.weight_position(w, PowerOfTwoMethod.NonOverflow)
+    assert p_no == 4  # 5 * 16 = 80 fits, 5 * 32 = 160 does not
+    assert p_mse > p_no
+
+
+def test_bias_positions():
+    b = np.array([0.3, -1.7], dtype=np.float32)
+    assert pof2.bias_position(b) == pof2.nonoverflow_position(-1.7, 0.3)
+    assert pof2.bias_position(b, p_in=5, p_w=7, int32=True) == 12
+    with pytest.raises(ValueError):
+        pof2.bias_position(b, int32=True)
+
+
+def test_error_function_is_mse():
+    x = np.linspace(-3, 3, 101)
+    f = pof2.error_function(x)
+    assert f(5) == pof2.mse(x, 5)
+    assert f(0) > f(5)
