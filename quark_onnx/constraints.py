@@ -1,0 +1,653 @@
+"""Make power-of-two positions satisfy the NPU compiler's rules (GUIDE §3, :mod:`npu_rules`).
+
+:func:`solve_positions` takes the positions chosen per tensor (calibration for activations,
+:func:`quark_onnx.pof2.weight_position` for weights, optionally the int8 NonOverflow position of
+each bias) and returns positions for every planned tensor such that every enabled rule holds, or
+reports the violations it cannot remove.
+
+The problem. Variables are integer positions; the rules are linear:
+
+* equalities (``Align*`` options): Concat inputs and output; MaxPool/AveragePool/GlobalAveragePool,
+  Pad, Slice input = output; data-movement ops carry their input's position;
+* Conv/Gemm/ConvTranspose: ``0 <= p_w + p_in - p_out <= 16`` (shift_cut) and
+  ``lo(shift_cut) <= p_w + p_in - p_bias <= 15`` (shift_bias, ``lo = 0`` before a LeakyRelu);
+* Add/Sub: ``max p_in - min p_in <= 7``; Add: ``-7 <= min p_in - p_out <= 25``;
+* Mul: ``0 <= sum p_in - p_out <= 32``;
+* HardSigmoid: ``0 <= p_in <= 15``, ``p_out >= 7``, ``14 + p_in - p_out > 0``.
+
+The method.
+
+1. *Equalities first*: a union-find over the active equalities gives one variable per group. The
+   group starts at the position minimising the summed error of its members when ``errors`` gives
+   them (searched between the members' lowest and highest positions), else at the members' lowest
+   position: lowering a position coarsens the grid but never clips, raising it clips.
+2. *Hard lower bounds* (HardSigmoid ``p_in >= 0``, ``p_out >= 7``) raise their variables once and
+   become floors the later steps never go below.
+3. *Inequalities to a fixed point*: a worklist of nodes; a node with a violated rule picks, among
+   the moves that fix it, the cheapest: lowering a shared variable (an activation group), or
+   moving a *local* variable (a weight or bias read by that node only) up or down. The cost of a
+   move is the increase of the members' quantization error (``errors[tensor](p)``); without
+   ``errors`` it is the distance moved, with raising a position (which clips) 1000 times dearer
+   than lowering it and local moves preferred on ties (they disturb no other node). When a shared
+   variable is lowered the nodes reading it are queued again.
+
+   Termination: shared variables only ever decrease, by at least 1 per move, and never below
+   their floor (:data:`~quark_onnx.pof2.POSITION_MIN` or a hard bound), so there are at most
+   ``sum(p0 - floor)`` shared moves; local variables belong to one node, and a node visit makes at
+   most :data:`MAX_LOCAL_STEPS` moves. The worklist is empty after finitely many visits, and then
+   no enabled rule is violated except those recorded as unfixable (a violated rule with no
+   admissible move).
+4. *Bias*: a bias read by one node is a free variable: it is placed, inside its shift_bias window
+   ``[p_w + p_in - 15, p_w + p_in - lo]``, at its preferred (int8 NonOverflow) position when that
+   lies inside, else at the window's nearest end; above the NonOverflow position the bias values
+   saturate in int8, which is reported in :attr:`SolveResult.bias_overflows`. With ``Int32Bias``
+   the bias position is ``p_in + p_w``.
+5. *Verification*: every enabled rule is recomputed from the final positions; every violation is
+   listed in :attr:`SolveResult.unfixable` (node, rule, value, limits, tensors). None is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from quark_onnx import npu_rules as rules
+from quark_onnx.errors import QuantizationError
+from quark_onnx.options import ExtraOptions
+from quark_onnx.plan import PlannedNode, QuantPlan, TensorKind, UnionFind
+from quark_onnx.pof2 import POSITION_MAX, POSITION_MIN
+
+logger = logging.getLogger(__name__)
+
+#: Cost factor of raising a position by one (clips) relative to lowering it by one.
+RAISE_PENALTY = 1000.0
+#: Most moves of local variables in one visit of one node.
+MAX_LOCAL_STEPS = 64
+
+_CUT_OPS = rules.SHIFT_CUT_OPS
+_ADD_OPS = frozenset({"Add", "Sub"})
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A rule that does not hold (``value`` outside ``limits``) at ``node``."""
+
+    rule: str
+    node: str
+    op_type: str
+    value: int
+    limits: str
+    tensors: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """``tensor``'s position moved from ``old`` to ``new`` to satisfy ``rule`` at ``node``."""
+
+    tensor: str
+    old: int
+    new: int
+    rule: str
+    node: str
+
+
+@dataclass
+class SolveResult:
+    """Positions of every planned tensor, what was moved, and what could not be fixed."""
+
+    positions: dict[str, int]
+    adjustments: list[Adjustment] = field(default_factory=list)
+    unfixable: list[Violation] = field(default_factory=list)
+    bias_overflows: list[Violation] = field(default_factory=list)
+    visits: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.unfixable
+
+
+@dataclass(frozen=True)
+class _Move:
+    var: str
+    new: int
+    rule: str
+
+
+class _Solver:
+    def __init__(
+        self,
+        plan: QuantPlan,
+        positions: dict[str, int],
+        options: ExtraOptions,
+        errors: dict[str, Callable[[int], float]] | None,
+    ) -> None:
+        self.plan = plan
+        self.opts = options
+        self.errors = errors or {}
+        self.adjustments: list[Adjustment] = []
+        self.visits = 0
+        self.uf = UnionFind()
+        for name in plan.tensors:
+            self.uf.add(name)
+        for eq in plan.active_equalities(options):
+            for t in eq.tensors[1:]:
+                self.uf.union(eq.tensors[0], t)
+        self.members: dict[str, list[str]] = {}
+        for name in plan.tensors:
+            self.members.setdefault(self.uf.find(name), []).append(name)
+        self.given = {k: int(v) for k, v in positions.items()}
+        self.floor: dict[str, int] = {}
+        self.value: dict[str, int] = {}
+        self.preferred_bias: dict[str, int | None] = {}
+        # which nodes read each variable; local = weight/bias variable read by exactly one node
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(plan.nodes):
+            for t in {*(x for x in node.inputs if x is not None), node.output}:
+                if t is not None and t in plan.tensors:
+                    readers.setdefault(self.var(t), []).append(i)
+        self.readers = readers
+        self.local = {
+            v
+            for v, members in self.members.items()
+            if len(members) == 1
+            and plan.tensors[members[0]].kind is not TensorKind.ACTIVATION
+            and len(readers.get(v, ())) == 1
+        }
+
+    # --- variables ---------------------------------------------------------------------------
+    def var(self, tensor: str) -> str:
+        return self.uf.find(tensor)
+
+    def pos(self, tensor: str) -> int:
+        return self.value[self.var(tensor)]
+
+    def is_bias_var(self, v: str) -> bool:
+        return self.plan.tensors[self.members[v][0]].kind is TensorKind.BIAS
+
+    def group_cost(self, v: str, p: int) -> float | None:
+        fns = [self.errors[m] for m in self.members[v] if m in self.errors]
+        return sum(f(p) for f in fns) if fns else None
+
+    def move_cost(self, v: str, new: int) -> float:
+        cur = self.value[v]
+        exact = self.group_cost(v, new)
+        if exact is not None:
+            base = exact - (self.group_cost(v, cur) or 0.0)
+        else:
+            d = new - cur
+            base = -d if d < 0 else d * RAISE_PENALTY
+        # ties: a local move disturbs no other node
+        return base + (0.0 if v in self.local else 1e-9 * abs(new - self.value[v]))
+
+    def set(self, v: str, new: int, rule: str, node: str) -> None:
+        old = self.value[v]
+        if new == old:
+            return
+        self.value[v] = new
+        for m in self.members[v]:
+            self.adjustments.append(Adjustment(m, old, new, rule, node))
+
+    # --- initial values ----------------------------------------------------------------------
+    def initialise(self) -> None:
+        for v, members in self.members.items():
+            if self.is_bias_var(v):
+                continue
+            known = [self.given[m] for m in members if m in self.given]
+            if not known:
+                missing = ", ".join(members)
+                raise QuantizationError(
+                    f"no position given for tensor(s) {missing}; pass a position for every "
+                    "activation and weight of the plan (calibration / pof2.weight_position)"
+                )
+            start = min(known)
+            if len(members) > 1 and any(m in self.errors for m in members):
+                candidates = range(min(known), max(known) + 1)
+                start = min(candidates, key=lambda p: (self.group_cost(v, p), -p))
+            self.value[v] = start
+            self.floor[v] = POSITION_MIN
+            for m in members:
+                if m in self.given and self.given[m] != start:
+                    self.adjustments.append(
+                        Adjustment(m, self.given[m], start, "shared_scale", "group")
+                    )
+        for v, members in self.members.items():
+            if not self.is_bias_var(v):
+                continue
+            b = members[0]
+            self.preferred_bias[v] = self.given.get(b)
+            self.floor[v] = POSITION_MIN
+            preferred = self.given.get(b)
+            # without a preferred position the bias starts at the top of its window (finest)
+            self.value[v] = preferred if preferred is not None else POSITION_MAX
+        if self.opts.AdjustHardSigmoid:
+            low_in = rules.HARD_SIGMOID_INPUT_RANGE[0]
+            for node in self.plan.nodes:
+                if node.op_type != "HardSigmoid" or node.inputs[0] is None or not node.output:
+                    continue
+                for tensor, low in (
+                    (node.inputs[0], low_in),
+                    (node.output, rules.HARD_SIGMOID_OUTPUT_MIN),
+                ):
+                    v = self.var(tensor)
+                    self.floor[v] = max(self.floor[v], low)
+                    if self.value[v] < low:
+                        self.set(v, low, "hard_sigmoid", node.name)
+
+    # --- rules -------------------------------------------------------------------------------
+    def needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        """Violated rules of ``node`` with the candidate moves that fix each one."""
+        op = node.op_type
+        if op in _CUT_OPS:
+            return self._cut_needs(node)
+        if op in _ADD_OPS:
+            return self._add_needs(node)
+        if op == "Mul":
+            return self._mul_needs(node)
+        if op == "HardSigmoid":
+            return self._hard_sigmoid_needs(node)
+        return []
+
+    def _cut_needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        if not (node.weight and node.output and node.inputs[0]):
+            return []
+        i, w, o = self.var(node.inputs[0]), self.var(node.weight), self.var(node.output)
+        sc = rules.shift_cut(self.value[w], self.value[i], self.value[o])
+        lo, hi = rules.SHIFT_CUT_RANGE
+        if self.opts.AdjustShiftCut and sc < lo:
+            d = lo - sc
+            moves = [
+                _Move(o, self.value[o] - d, "shift_cut"),
+                _Move(w, self.value[w] + d, "shift_cut"),
+            ]
+            return [("shift_cut", moves)]
+        if self.opts.AdjustShiftCut and sc > hi:
+            d = sc - hi
+            moves = [
+                _Move(w, self.value[w] - d, "shift_cut"),
+                _Move(i, self.value[i] - d, "shift_cut"),
+                _Move(o, self.value[o] + d, "shift_cut"),
+            ]
+            return [("shift_cut", moves)]
+        return self._bias_needs(node)
+
+    def bias_window(self, node: PlannedNode) -> tuple[int, int]:
+        """Bias positions allowed by shift_bias: ``[p_w + p_in - 15, p_w + p_in - lo]``."""
+        acc = self.pos(node.weight) + self.pos(node.inputs[0])
+        sc = acc - self.pos(node.output)
+        lo, hi = rules.shift_bias_range(sc, node.before_leaky_relu)
+        return acc - hi, acc - lo
+
+    def _bias_needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        if not (self.opts.AdjustShiftBias and node.bias) or self.opts.Int32Bias:
+            return []
+        b = self.var(node.bias)
+        low, high = self.bias_window(node)
+        cur = self.value[b]
+        if b in self.local:
+            target = self.best_bias(b, low, high)
+            return [] if target == cur else [("shift_bias", [_Move(b, target, "shift_bias")])]
+        i, w = self.var(node.inputs[0]), self.var(node.weight)
+        if cur > high:
+            return [("shift_bias", [_Move(b, high, "shift_bias")])]
+        if cur < low:
+            d = low - cur
+            return [
+                (
+                    "shift_bias",
+                    [
+                        _Move(w, self.value[w] - d, "shift_bias"),
+                        _Move(i, self.value[i] - d, "shift_bias"),
+                    ],
+                )
+            ]
+        return []
+
+    def best_bias(self, b: str, low: int, high: int) -> int:
+        """Bias position in ``[low, high]``: least error, else nearest the preferred position."""
+        tensor = self.members[b][0]
+        if tensor in self.errors:
+            return min(range(low, high + 1), key=lambda p: (self.errors[tensor](p), -p))
+        preferred = self.preferred_bias.get(b)
+        if preferred is None:
+            return high
+        return min(max(preferred, low), high)
+
+    def _add_needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        ins = [self.var(t) for t in node.activation_inputs]
+        if len(ins) < 2:
+            return []
+        vals = [self.value[v] for v in ins]
+        lo_v = ins[vals.index(min(vals))]
+        hi_v = ins[vals.index(max(vals))]
+        if self.opts.AdjustShiftRead:
+            spread = rules.shift_read(vals)
+            if spread > rules.SHIFT_READ_MAX:
+                d = spread - rules.SHIFT_READ_MAX
+                return [
+                    (
+                        "shift_read",
+                        [
+                            _Move(hi_v, self.value[hi_v] - d, "shift_read"),
+                            _Move(lo_v, self.value[lo_v] + d, "shift_read"),
+                        ],
+                    )
+                ]
+        if node.op_type == "Add" and self.opts.AdjustShiftWrite and node.output:
+            o = self.var(node.output)
+            sw = rules.shift_write(vals, self.value[o])
+            lo, hi = rules.SHIFT_WRITE_RANGE
+            if sw < lo:
+                d = lo - sw
+                return [
+                    (
+                        "shift_write",
+                        [
+                            _Move(o, self.value[o] - d, "shift_write"),
+                            _Move(lo_v, self.value[lo_v] + d, "shift_write"),
+                        ],
+                    )
+                ]
+            if sw > hi:
+                d = sw - hi
+                return [
+                    (
+                        "shift_write",
+                        [
+                            _Move(lo_v, self.value[lo_v] - d, "shift_write"),
+                            _Move(o, self.value[o] + d, "shift_write"),
+                        ],
+                    )
+                ]
+        return []
+
+    def _mul_needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        if not (self.opts.AdjustShiftMul and node.output):
+            return []
+        ins = [self.var(t) for t in node.activation_inputs]
+        if len(ins) < 2:
+            return []
+        o = self.var(node.output)
+        s = rules.mul_shift([self.value[v] for v in ins], self.value[o])
+        lo, hi = rules.MUL_SHIFT_RANGE
+        count = {v: ins.count(v) for v in ins}
+        if s < lo:
+            d = lo - s
+            moves = [_Move(o, self.value[o] - d, "mul_shift")]
+            moves += [
+                _Move(v, self.value[v] + math.ceil(d / c), "mul_shift") for v, c in count.items()
+            ]
+            return [("mul_shift", moves)]
+        if s > hi:
+            d = s - hi
+            moves = [
+                _Move(v, self.value[v] - math.ceil(d / c), "mul_shift") for v, c in count.items()
+            ]
+            moves.append(_Move(o, self.value[o] + d, "mul_shift"))
+            return [("mul_shift", moves)]
+        return []
+
+    def _hard_sigmoid_needs(self, node: PlannedNode) -> list[tuple[str, list[_Move]]]:
+        if not (self.opts.AdjustHardSigmoid and node.output and node.inputs[0]):
+            return []
+        i, o = self.var(node.inputs[0]), self.var(node.output)
+        hi_in = rules.HARD_SIGMOID_INPUT_RANGE[1]
+        if self.value[i] > hi_in:
+            return [("hard_sigmoid", [_Move(i, hi_in, "hard_sigmoid")])]
+        if rules.hard_sigmoid_shift(self.value[i], self.value[o]) <= 0:
+            target = self.value[i] + 13
+            return [
+                (
+                    "hard_sigmoid",
+                    [
+                        _Move(o, target, "hard_sigmoid"),
+                        _Move(i, self.value[o] - 13, "hard_sigmoid"),
+                    ],
+                )
+            ]
+        return []
+
+    # --- the fixed point ---------------------------------------------------------------------
+    def admissible(self, move: _Move) -> bool:
+        cur = self.value[move.var]
+        if move.new == cur:
+            return False
+        if move.new < cur:
+            return move.new >= self.floor[move.var]
+        return move.var in self.local and move.new <= POSITION_MAX
+
+    def run(self) -> set[tuple[int, str]]:
+        """Fix every node's rules; return (node index, rule) pairs given up as unfixable."""
+        nodes = self.plan.nodes
+        queue = deque(range(len(nodes)))
+        queued = set(queue)
+        given_up: set[tuple[int, str]] = set()
+        while queue:
+            idx = queue.popleft()
+            queued.discard(idx)
+            self.visits += 1
+            node = nodes[idx]
+            for _ in range(MAX_LOCAL_STEPS):
+                needs = [(r, m) for r, m in self.needs(node) if (idx, r) not in given_up]
+                if not needs:
+                    break
+                rule, moves = needs[0]
+                options = [m for m in moves if self.admissible(m)]
+                if not options:
+                    given_up.add((idx, rule))
+                    continue
+                best = min(options, key=lambda m: self.move_cost(m.var, m.new))
+                self.set(best.var, best.new, rule, node.name)
+                if best.var not in self.local:
+                    for reader in self.readers.get(best.var, ()):
+                        if reader != idx and reader not in queued:
+                            queue.append(reader)
+                            queued.add(reader)
+                            given_up = {g for g in given_up if g[0] != reader}
+            else:
+                logger.warning(
+                    "node %s: rules still moving after %d steps", node.name, MAX_LOCAL_STEPS
+                )
+        return given_up
+
+    # --- results -----------------------------------------------------------------------------
+    def finish(self) -> SolveResult:
+        positions: dict[str, int] = {}
+        overflows: list[Violation] = []
+        for name in self.plan.tensors:
+            positions[name] = self.value[self.var(name)]
+        for node in self.plan.nodes:
+            if not (node.bias and node.weight and node.inputs[0]):
+                continue
+            if self.opts.Int32Bias:
+                positions[node.bias] = self.pos(node.weight) + self.pos(node.inputs[0])
+                continue
+            b = self.var(node.bias)
+            preferred = self.preferred_bias.get(b)
+            chosen = b in self.local and self.opts.AdjustShiftBias and node.output is not None
+            if not chosen and preferred is None:
+                raise QuantizationError(
+                    f"bias {node.bias} of {node.op_type} {node.name}: no position given; pass "
+                    "its int8 position (pof2.bias_position) or enable AdjustShiftBias"
+                )
+            if preferred is not None and positions[node.bias] > preferred:
+                overflows.append(
+                    Violation(
+                        rule="bias_range",
+                        node=node.name,
+                        op_type=node.op_type,
+                        value=positions[node.bias],
+                        limits=f"<= {preferred} (int8 NonOverflow position of the bias)",
+                        tensors=(node.bias,),
+                        message=(
+                            f"{node.op_type} {node.name}: bias {node.bias} needs position "
+                            f"{positions[node.bias]} for shift_bias <= 15 but its values only "
+                            f"fit int8 up to position {preferred}; they saturate (use "
+                            "Int32Bias, or lower the weight/input positions)"
+                        ),
+                    )
+                )
+        for name, spec in self.plan.tensors.items():
+            if spec.kind is TensorKind.BIAS and name not in positions:
+                raise QuantizationError(f"bias {name}: no position given and no rule sets one")
+        unfixable = verify(self.plan, positions, self.opts)
+        for v in unfixable:
+            logger.warning("NPU rule not satisfiable: %s", v.message)
+        return SolveResult(
+            positions=positions,
+            adjustments=self.adjustments,
+            unfixable=unfixable,
+            bias_overflows=overflows,
+            visits=self.visits,
+        )
+
+
+def solve_positions(
+    plan: QuantPlan,
+    positions: dict[str, int],
+    options: ExtraOptions | None = None,
+    errors: dict[str, Callable[[int], float]] | None = None,
+) -> SolveResult:
+    """Adjust ``positions`` so that every NPU rule enabled in ``options`` holds (see module doc).
+
+    Args:
+        plan: from :func:`quark_onnx.plan.build_plan`.
+        positions: tensor -> position for every activation and weight of the plan (biases are
+            optional: their int8 NonOverflow position, used as the preferred position).
+        options: the ``Align*``/``Adjust*``/``Int32Bias`` switches (default: the plan's).
+        errors: optional tensor -> (position -> quantization MSE); moves then minimise the summed
+            error instead of the distance moved.
+
+    Raises:
+        QuantizationError: an activation or weight of the plan has no position.
+    """
+    opts = options if options is not None else plan.options
+    solver = _Solver(plan, positions, opts, errors)
+    solver.initialise()
+    solver.run()
+    result = solver.finish()
+    logger.info(
+        "NPU constraints: %d position change(s), %d unfixable, %d node visit(s)",
+        len(result.adjustments),
+        len(result.unfixable),
+        result.visits,
+    )
+    return result
+
+
+def _violation(
+    rule: str, node: PlannedNode, value: int, limits: str, tensors: Iterable[str], what: str
+) -> Violation:
+    tensors = tuple(tensors)
+    return Violation(
+        rule=rule,
+        node=node.name,
+        op_type=node.op_type,
+        value=value,
+        limits=limits,
+        tensors=tensors,
+        message=(
+            f"{node.op_type} {node.name}: {what} = {value} not in {limits} "
+            f"(positions of {', '.join(tensors)})"
+        ),
+    )
+
+
+def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) -> list[Violation]:
+    """Every enabled NPU rule that ``positions`` violate (recomputed from scratch)."""
+    out: list[Violation] = []
+    pos = positions.get
+    for eq in plan.active_equalities(options):
+        values = [pos(t) for t in eq.tensors]
+        if None not in values and len(set(values)) > 1:
+            out.append(
+                Violation(
+                    rule="shared_scale",
+                    node=eq.node,
+                    op_type=eq.op_type,
+                    value=max(values) - min(values),
+                    limits="equal positions",
+                    tensors=eq.tensors,
+                    message=(
+                        f"{eq.op_type} {eq.node}: positions {values} of {', '.join(eq.tensors)} "
+                        "must be equal"
+                    ),
+                )
+            )
+    for node in plan.nodes:
+        op = node.op_type
+        p_out = pos(node.output) if node.output else None
+        if op in _CUT_OPS and node.weight and node.inputs[0] and p_out is not None:
+            p_w, p_in = pos(node.weight), pos(node.inputs[0])
+            if p_w is None or p_in is None:
+                continue
+            sc = rules.shift_cut(p_w, p_in, p_out)
+            names = (node.weight, node.inputs[0], node.output)
+            if options.AdjustShiftCut and not rules.in_range(sc, rules.SHIFT_CUT_RANGE):
+                out.append(_violation("shift_cut", node, sc, "0..16", names, "shift_cut"))
+            if node.bias and options.AdjustShiftBias and pos(node.bias) is not None:
+                sb = rules.shift_bias(p_w, p_in, pos(node.bias))
+                bounds = rules.shift_bias_range(sc, node.before_leaky_relu)
+                if not rules.in_range(sb, bounds):
+                    out.append(
+                        _violation(
+                            "shift_bias",
+                            node,
+                            sb,
+                            f"{bounds[0]}..{bounds[1]}",
+                            (*names[:2], node.bias),
+                            "shift_bias",
+                        )
+                    )
+        elif op in _ADD_OPS:
+            names = node.activation_inputs
+            values = [pos(t) for t in names]
+            if len(values) < 2 or None in values:
+                continue
+            if options.AdjustShiftRead and rules.shift_read(values) > rules.SHIFT_READ_MAX:
+                out.append(
+                    _violation(
+                        "shift_read", node, rules.shift_read(values), "<= 7", names, "shift_read"
+                    )
+                )
+            if op == "Add" and options.AdjustShiftWrite and p_out is not None:
+                sw = rules.shift_write(values, p_out)
+                if not rules.in_range(sw, rules.SHIFT_WRITE_RANGE):
+                    out.append(
+                        _violation(
+                            "shift_write", node, sw, "-7..25", (*names, node.output), "shift_write"
+                        )
+                    )
+        elif op == "Mul" and options.AdjustShiftMul and p_out is not None:
+            names = node.activation_inputs
+            values = [pos(t) for t in names]
+            if len(values) < 2 or None in values:
+                continue
+            s = rules.mul_shift(values, p_out)
+            if not rules.in_range(s, rules.MUL_SHIFT_RANGE):
+                out.append(
+                    _violation(
+                        "mul_shift", node, s, "0..32", (*names, node.output), "sum p_in - p_out"
+                    )
+                )
+        elif op == "HardSigmoid" and options.AdjustHardSigmoid and p_out is not None:
+            if node.inputs[0] is None or pos(node.inputs[0]) is None:
+                continue
+            p_in = pos(node.inputs[0])
+            problems = rules.hard_sigmoid_violations(p_in, p_out)
+            if problems:
+                out.append(
+                    Violation(
+                        rule="hard_sigmoid",
+                        node=node.name,
+                        op_type=op,
+                        value=rules.hard_sigmoid_shift(p_in, p_out),
+                        limits="p_in 0..15, p_out >= 7, 14 + p_in - p_out > 0",
+                        tensors=(node.inputs[0], node.output),
+                        message=f"HardSigmoid {node.name}: " + "; ".join(problems),
+                    )
+                )
+    return out
