@@ -244,3 +244,42 @@ def test_runtime_parameters_and_non_4d_are_left_alone():
         _bn_params("bn", 3),
     )
     assert not ConvertBNToConv()(ir.serde.deserialize_model(model)).modified
+
+
+def test_shared_conv_weight_is_not_modified_for_the_other_reader():
+    w = RNG.normal(0, 1, (3, 3, 1, 1)).astype(np.float32)
+    model = make_model(
+        [
+            h.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+            _bn("c", "y"),
+            h.make_node("Conv", ["y", "w"], ["z"], name="conv2"),
+        ],
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 4, 4])],
+        [h.make_tensor_value_info("z", T.FLOAT, [1, 3, 4, 4])],
+        {"w": w, **_bn_params("bn", 3)},
+    )
+    x = RNG.normal(0, 1, (1, 3, 4, 4)).astype(np.float32)
+    result, proto, ref, new = _apply(model, {"x": x})
+    assert result.modified and _ops(proto) == ["Conv", "Conv"]
+    assert proto.graph.node[1].input[1] == "w"
+    assert proto.graph.node[0].input[1] != "w"
+    _assert_close(ref, new)
+
+
+@pytest.mark.parametrize("ir_version,folds", [(3, True), (8, False)])
+def test_initializers_listed_as_inputs(ir_version, folds):
+    """Overridable initializers are constants only in IR < 4 models (which must list them)."""
+    w = RNG.normal(0, 1, (3, 2, 1, 1)).astype(np.float32)
+    inits = {"w": w, **_bn_params("bn", 3)}
+    graph = h.make_graph(
+        [h.make_node("Conv", ["x", "w"], ["c"]), _bn("c", "y")],
+        "legacy",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 2, 4, 4])]
+        + [h.make_tensor_value_info(k, T.FLOAT, list(v.shape)) for k, v in inits.items()],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 3, 4, 4])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+    model.ir_version = ir_version
+    ir_model = ir.serde.deserialize_model(model)
+    assert ConvertBNToConv()(ir_model).modified == folds
