@@ -1,0 +1,534 @@
+"""CrossLayerEqualization: data-free equalization of the weight ranges of consecutive convolutions.
+
+Why. The NPU quantizes each weight tensor with one power-of-two scale. After BatchNorm folding the
+output channels of a convolution (depthwise ones above all) can have weight ranges tens of times
+apart, so a per-tensor scale set by the widest channel rounds the narrow ones to a few levels or
+to zero. Cross-layer equalization (Nagel et al., "Data-Free Quantization Through Weight
+Equalization and Bias Correction", ICCV 2019) moves range between two layers without changing the
+float function.
+
+Maths. Let ``y = f(W1 * x + b1)`` feed ``z = W2 * y + b2`` where ``f`` is positively homogeneous
+and acts per channel: ``f(s x) = s f(x)`` for every ``s > 0`` (Relu, LeakyRelu, PRelu, no
+activation at all, max/average pooling, zero padding). For any positive vector ``s``::
+
+    W1[i, ...] <- W1[i, ...] / s_i      b1[i] <- b1[i] / s_i        (output channel i of conv 1)
+    W2[:, i, ...] <- W2[:, i, ...] * s_i                             (input channel i of conv 2)
+
+leaves ``z`` unchanged, because channel ``i`` of ``y`` is divided by ``s_i`` and every weight that
+reads it is multiplied by ``s_i``. With ``r1_i = max |W1[i, ...]|`` (and, with
+``scale_append_bias``, ``max(r1_i, |b1_i|)``) and ``r2_i`` = the largest ``|w|`` of conv 2 that
+reads input channel ``i``, the choice::
+
+    s_i = sqrt(r1_i * r2_i) / r2_i = sqrt(r1_i / r2_i)
+
+makes both new ranges equal to ``sqrt(r1_i * r2_i)``, which maximises the product of the two
+layers' relative channel precisions (Nagel et al., section 4.1). Channels with ``r1_i = 0`` or
+``r2_i = 0`` keep ``s_i = 1``. Grouped second convolutions are handled through their channel
+layout: input channel ``i`` of a conv with ``group = g`` and ``C_in / g`` channels per group is
+column ``i mod (C_in / g)`` of the output channels of group ``i div (C_in / g)``; a depthwise conv
+(``group = C_in``, weight ``C_out x 1 x k x k``) thus scales its per-channel filters by ``s_i``.
+
+Chains (``conv -> dw conv -> conv`` in MobileNet blocks) share layers between pairs: a depthwise
+conv is the second layer of one pair and the first of the next. One *step* equalizes every pair
+once, in graph order, recomputing ranges from the current weights (Gauss-Seidel sweeps). Steps
+repeat until ``steps`` is reached or, with ``steps = -1``, until the total relative change of
+the step, ``sum over pairs of mean_i |s_i - 1|`` (the relative change of both layers' channel
+ranges), falls below ``threshold`` (``ExtraOptions.CLETotalLayerDiffThreshold``; AMD Quark
+measures the absolute mean weight change instead, which depends on the weights' magnitudes).
+A step limit of :data:`MAX_ADAPTIVE_STEPS` bounds the adaptive mode. Scales are accumulated in
+float64 and each weight is rounded back to its dtype once, so the float model changes only by
+that rounding (about 1e-7 relative for float32).
+
+``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
+``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
+
+Pairs handled: ``Conv -> [ops] -> Conv`` where
+
+* ``[ops]`` is zero or more of Relu, LeakyRelu, PRelu, Identity, Clip whose bounds are each absent,
+  0 or infinite (``Clip(0, inf)`` is a Relu), MaxPool (no Indices output used), AveragePool,
+  GlobalAveragePool, GlobalMaxPool, and Pad in reflect/edge/wrap mode or constant mode with value 0;
+* the first conv's output and every intermediate output has exactly one reader (a graph output
+  or a second reader such as a residual Add blocks the pair), reached through input 0;
+* both convs have constant float weights (initializers that are not graph inputs, or Constant
+  nodes) and a constant bias or none; the second conv's ``C_in`` equals the first's ``C_out``.
+
+Not equalized (logged at debug level and listed in :attr:`CrossLayerEqualization.report`):
+
+* ``Clip(0, 6)`` (ReLU6) and any Clip with a finite non-zero bound: not positively homogeneous
+  (``min(s x, 6) != s min(x, 6)``). Run :class:`~quark_onnx.passes.ReplaceClip6Relu` first
+  (option ``ReplaceClip6Relu``) to turn ReLU6 into Relu and open these pairs; that replacement,
+  not CLE, is what changes the float outputs (wherever the ReLU6 saturated).
+* Gemm/MatMul pairs (not implemented) and anything else between the two convs (Add, Mul,
+  Sigmoid, HardSigmoid, Concat, Reshape, ...).
+
+High-bias absorption (section 4.2 of the paper) is not done: the data-free bound it needs
+(``beta - 3 gamma`` from BatchNorm statistics) is gone once ``ConvertBNToConv`` has folded the
+BatchNorms, and a bound without it would need calibration data. Biases are scaled, never moved.
+
+Only the main graph is searched (not If/Loop bodies). A value carrying the range cap that
+:class:`~quark_onnx.passes.ConvertClipToRelu` records (metadata ``quark_onnx.range_max``) blocks
+a pair: the cap holds for the unscaled channels only, so CLE must run before that pass.
+
+Weight initializers shared with another node, and weights produced by Constant nodes, are copied
+into fresh initializers before being rewritten; nothing else in the graph sees the new values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.passes.base import QuarkPass
+
+from quark_onnx.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Value metadata written by ConvertClipToRelu: a cap on the tensor's quantization range, valid
+#: only for the unscaled channels, so CLE does not equalize through such a value.
+RANGE_MAX_KEY = "quark_onnx.range_max"
+
+#: Upper bound on the number of steps when ``steps = -1`` (until converged).
+MAX_ADAPTIVE_STEPS = 2000
+
+_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+# Per-channel, positively homogeneous ops that may sit between the two convs (op -> data input 0).
+_ALWAYS_HOMOGENEOUS = frozenset(
+    {"Relu", "LeakyRelu", "PRelu", "Identity", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EqualizedPair:
+    """Two convolutions equalized together, and the op types between them."""
+
+    first: str
+    second: str
+    through: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedPair:
+    """A convolution whose output could not be equalized with a following one, and why."""
+
+    first: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeSpread:
+    """``max_c r_c / min_c r_c`` over the output channels ``c`` of a weight, before and after.
+
+    ``r_c = max |W[c, ...]|``; channels with ``r_c = 0`` are left out (they stay zero).
+    """
+
+    node: str
+    weight: str
+    before: float
+    after: float
+
+
+@dataclasses.dataclass
+class CLEReport:
+    """What the last run of :class:`CrossLayerEqualization` did."""
+
+    pairs: list[EqualizedPair] = dataclasses.field(default_factory=list)
+    skipped: list[SkippedPair] = dataclasses.field(default_factory=list)
+    iterations: int = 0
+    converged: bool = False
+    #: ``sum over pairs of mean_i |s_i - 1|`` in the last step.
+    last_change: float = math.inf
+    spreads: list[RangeSpread] = dataclasses.field(default_factory=list)
+
+
+def output_channel_ranges(weight: np.ndarray) -> np.ndarray:
+    """``r_c = max |W[c, ...]|`` for each output channel ``c`` (axis 0) of a conv weight."""
+    return np.abs(weight.reshape(weight.shape[0], -1)).max(axis=1)
+
+
+def input_channel_ranges(weight: np.ndarray, group: int) -> np.ndarray:
+    """``r_i`` = largest ``|w|`` of a (grouped) conv weight ``C_out x C_in/g x k...`` reading input
+    channel ``i``; length ``C_in = g * (C_in / g)``."""
+    return np.abs(_grouped_view(weight, group)).max(axis=(1, 3)).reshape(-1)
+
+
+def channel_range_spread(weight: np.ndarray) -> float:
+    """``max_c r_c / min_c r_c`` over the non-zero output-channel ranges (1.0 if none)."""
+    ranges = output_channel_ranges(weight)
+    ranges = ranges[ranges > 0]
+    if ranges.size == 0:
+        return 1.0
+    return float(ranges.max() / ranges.min())
+
+
+def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
+    """``W`` viewed as ``(g, C_out/g, cpg, K)``, ``cpg = C_in/g``.
+
+    Input channel ``i`` is the slice ``[i // cpg, :, i % cpg, :]``.
+    """
+    c_out, cpg = weight.shape[0], weight.shape[1]
+    return weight.reshape(group, c_out // group, cpg, -1)
+
+
+def _is_float_array(array: np.ndarray | None) -> bool:
+    return array is not None and array.dtype in _FLOAT_DTYPES
+
+
+def _is_homogeneous_bound(node: ir.Node, index: int, attr: str) -> bool | None:
+    """True if a Clip bound is absent, 0 or infinite; False if finite non-zero; None if unknown."""
+    if attr in node.attributes:
+        bound = node.attributes.get_float(attr)
+        return bound == 0.0 or math.isinf(bound)
+    if len(node.inputs) <= index or node.inputs[index] is None:
+        return True
+    array = constant_array(node.inputs[index])
+    if array is None or array.size != 1:
+        return None
+    bound = float(array.reshape(()))
+    return bound == 0.0 or math.isinf(bound)
+
+
+def _homogeneity_problem(node: ir.Node) -> str | None:
+    """None if ``node`` is per-channel and positively homogeneous in input 0, else the reason."""
+    if node.domain not in ("", "ai.onnx"):
+        return f"{node.op_type} {node.name!r} is not a known positively homogeneous op"
+    op = node.op_type
+    extra_outputs_used = any(out.uses() or out.is_graph_output() for out in node.outputs[1:])
+    if op in _ALWAYS_HOMOGENEOUS or op == "MaxPool":
+        if extra_outputs_used:
+            return f"{op} {node.name!r} has a second output in use"
+        return None
+    if op == "Clip":
+        lo = _is_homogeneous_bound(node, 1, "min")
+        hi = _is_homogeneous_bound(node, 2, "max")
+        if lo and hi:
+            return None
+        if lo is None or hi is None:
+            return f"Clip {node.name!r} has a bound that is not a constant scalar"
+        return (
+            f"Clip {node.name!r} has a finite non-zero bound (ReLU6?) and is not positively "
+            "homogeneous; enable ReplaceClip6Relu to equalize through ReLU6"
+        )
+    if op == "Pad":
+        mode = node.attributes.get_string("mode", "constant")
+        if mode != "constant":
+            return None
+        if node.attributes.get_float("value", 0.0) != 0.0:  # opset < 11
+            return f"Pad {node.name!r} pads with a non-zero value"
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            value = constant_array(node.inputs[2])
+            if value is None or np.any(value != 0):
+                return f"Pad {node.name!r} pads with a non-zero or non-constant value"
+        return None
+    return f"{op} {node.name!r} is not a known positively homogeneous op"
+
+
+def _conv_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | str:
+    """The constant float weight and bias of a Conv, or the reason they cannot be rewritten."""
+    if len(node.inputs) < 2 or node.inputs[1] is None:
+        return f"Conv {node.name!r} has no weight input"
+    w_value = node.inputs[1]
+    if w_value.is_graph_input():
+        return f"Conv {node.name!r} weight {w_value.name!r} is a graph input (not constant)"
+    weight = constant_array(w_value)
+    if not _is_float_array(weight) or weight.ndim < 3:
+        return f"Conv {node.name!r} weight {w_value.name!r} is not a constant float tensor"
+    bias = None
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        b_value = node.inputs[2]
+        bias = None if b_value.is_graph_input() else constant_array(b_value)
+        if not _is_float_array(bias) or bias.shape != (weight.shape[0],):
+            return f"Conv {node.name!r} bias {b_value.name!r} is not a constant float vector"
+    return weight, bias
+
+
+@dataclasses.dataclass
+class _Layer:
+    """Float64 working copy of one conv's weight and bias, and whether it was rescaled."""
+
+    node: ir.Node
+    weight: np.ndarray
+    bias: np.ndarray | None
+    group: int
+    original: np.ndarray
+    changed: bool = False
+
+
+@dataclasses.dataclass
+class _Pair:
+    first: _Layer
+    second: _Layer
+    through: tuple[str, ...]
+    cumulative: np.ndarray  # product of all s applied at this channel boundary
+
+
+class CrossLayerEqualization(QuarkPass):
+    """Equalize per-channel weight ranges of ``Conv -> (homogeneous ops) -> Conv`` pairs.
+
+    Args:
+        steps: equalization sweeps over all pairs (``ExtraOptions.CLESteps``); ``-1`` repeats
+            until a step's total relative change is below ``threshold`` (at most
+            :data:`MAX_ADAPTIVE_STEPS` steps); ``0`` does nothing.
+        threshold: stop when ``sum over pairs of mean_i |s_i - 1|`` of a step is below this
+            (``ExtraOptions.CLETotalLayerDiffThreshold``); also ends a run with ``steps > 0`` early.
+        scale_append_bias: the first conv's channel range is ``max(max |W1[i]|, |b1_i|)``
+            (``ExtraOptions.CLEScaleAppendBias``), so a large bias is not inflated by ``1/s_i``.
+        max_scale: the cumulative factor at each channel boundary stays in
+            ``[1/max_scale, max_scale]``; ``None`` for no bound.
+        pairs: ``(first conv name, second conv name)`` pairs to equalize; ``None`` for all
+            eligible pairs. Named pairs that are not eligible are logged and listed as skipped.
+
+    After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
+    per-weight channel range spread before and after.
+    """
+
+    def __init__(
+        self,
+        steps: int = 1,
+        threshold: float = 2e-7,
+        scale_append_bias: bool = True,
+        max_scale: float | None = 1e4,
+        pairs: Sequence[tuple[str, str]] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < -1:
+            raise ConfigError(
+                f"CrossLayerEqualization steps={steps!r}: use a positive integer, 0 (no-op) "
+                "or -1 (until converged)"
+            )
+        if not threshold >= 0:
+            raise ConfigError(f"CrossLayerEqualization threshold={threshold!r}: use a number >= 0")
+        if max_scale is not None and not max_scale > 1:
+            raise ConfigError(
+                f"CrossLayerEqualization max_scale={max_scale!r}: use a number > 1 or None"
+            )
+        self.steps = steps
+        self.threshold = float(threshold)
+        self.scale_append_bias = bool(scale_append_bias)
+        self.max_scale = None if max_scale is None else float(max_scale)
+        self.pairs = None if pairs is None else {(str(a), str(b)) for a, b in pairs}
+        self.report = CLEReport()
+
+    # ------------------------------------------------------------------------------ discovery
+
+    def _find_pairs(self, graph: ir.Graph, report: CLEReport) -> list[_Pair]:
+        layers: dict[int, _Layer] = {}
+
+        def layer(node: ir.Node, arrays: tuple[np.ndarray, np.ndarray | None]) -> _Layer:
+            key = id(node)
+            if key not in layers:
+                weight, bias = arrays
+                group = node.attributes.get_int("group", 1)
+                layers[key] = _Layer(
+                    node=node,
+                    weight=weight.astype(np.float64),
+                    bias=None if bias is None else bias.astype(np.float64),
+                    group=group,
+                    original=weight,
+                )
+            return layers[key]
+
+        found: list[_Pair] = []
+        for node in graph:
+            if node.op_type != "Conv" or node.domain not in ("", "ai.onnx"):
+                continue
+            result = self._follow(node)
+            if isinstance(result, str):
+                report.skipped.append(SkippedPair(node.name or "", result))
+                logger.debug("CLE: no pair from %s: %s", node.name, result)
+                continue
+            second, through, first_arrays, second_arrays = result
+            if self.pairs is not None and (node.name, second.name) not in self.pairs:
+                report.skipped.append(
+                    SkippedPair(node.name or "", f"pair with {second.name!r} not selected")
+                )
+                continue
+            first_layer = layer(node, first_arrays)
+            second_layer = layer(second, second_arrays)
+            found.append(
+                _Pair(
+                    first_layer,
+                    second_layer,
+                    through,
+                    np.ones(first_layer.weight.shape[0]),
+                )
+            )
+        if self.pairs is not None:
+            chosen = {(p.first.node.name, p.second.node.name) for p in found}
+            for a, b in sorted(self.pairs - chosen):
+                logger.warning("CLE: requested pair (%r, %r) is not an eligible pair", a, b)
+                report.skipped.append(SkippedPair(a, f"requested pair with {b!r} not eligible"))
+        return found
+
+    def _follow(self, first: ir.Node) -> tuple[ir.Node, tuple[str, ...], tuple, tuple] | str:
+        """The second conv reached from ``first`` through homogeneous ops, or why there is none."""
+        first_arrays = _conv_weights(first)
+        if isinstance(first_arrays, str):
+            return first_arrays
+        value = first.outputs[0]
+        through: list[str] = []
+        while True:
+            uses = list(value.uses())
+            if value.is_graph_output():
+                return f"{value.name!r} is a graph output"
+            if len(uses) != 1:
+                return f"{value.name!r} has {len(uses)} readers (needs exactly one)"
+            consumer, index = uses[0].node, uses[0].idx
+            if index != 0:
+                return f"{value.name!r} is input {index} of {consumer.op_type} {consumer.name!r}"
+            if consumer.op_type == "Conv" and consumer.domain in ("", "ai.onnx"):
+                break
+            problem = _homogeneity_problem(consumer)
+            if problem is not None:
+                return problem
+            through.append(consumer.op_type)
+            value = consumer.outputs[0]
+            if RANGE_MAX_KEY in value.metadata_props:
+                return (
+                    f"{value.name!r} carries a range cap ({RANGE_MAX_KEY}) that rescaling its "
+                    "channels would invalidate; run CLE before ConvertClipToRelu"
+                )
+        second = consumer
+        second_arrays = _conv_weights(second)
+        if isinstance(second_arrays, str):
+            return second_arrays
+        channels = first_arrays[0].shape[0]
+        group = second.attributes.get_int("group", 1)
+        w2 = second_arrays[0]
+        if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
+            return (
+                f"Conv {second.name!r} (group {group}, weight {w2.shape}) does not read "
+                f"{channels} channels"
+            )
+        return second, tuple(through), first_arrays, second_arrays
+
+    # ------------------------------------------------------------------------------ equalization
+
+    def _equalize(self, pair: _Pair) -> float:
+        """One equalization of ``pair`` in place; returns ``mean_i |s_i - 1|``."""
+        first, second = pair.first, pair.second
+        r1 = output_channel_ranges(first.weight)
+        if self.scale_append_bias and first.bias is not None:
+            r1 = np.maximum(r1, np.abs(first.bias))
+        r2 = input_channel_ranges(second.weight, second.group)
+        scale = np.ones_like(r1)
+        ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
+        scale[ok] = np.sqrt(r1[ok] / r2[ok])
+        if self.max_scale is not None:
+            total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)
+            scale = total / pair.cumulative
+        if np.all(scale == 1.0):
+            return 0.0
+        pair.cumulative = pair.cumulative * scale
+        shape = (-1,) + (1,) * (first.weight.ndim - 1)
+        first.weight = first.weight / scale.reshape(shape)
+        if first.bias is not None:
+            first.bias = first.bias / scale
+        view = _grouped_view(second.weight, second.group)
+        cpg = view.shape[2]
+        view = view * scale.reshape(second.group, 1, cpg, 1)
+        second.weight = view.reshape(second.weight.shape)
+        first.changed = second.changed = True
+        return float(np.mean(np.abs(scale - 1.0)))
+
+    # ------------------------------------------------------------------------------ write back
+
+    def _store(
+        self, graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
+    ) -> str:
+        """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor."""
+        value = node.inputs[index]
+        exclusive = (
+            value.is_initializer()
+            and not value.is_graph_input()
+            and not value.is_graph_output()
+            and len(value.uses()) == 1
+        )
+        if exclusive:
+            value.const_value = ir.tensor(array, name=value.name)
+            return value.name
+        new = add_initializer(graph, names(f"{value.name or node.name}_cle"), array)
+        node.replace_input_with(index, new)
+        if not value.uses() and not value.is_graph_output():
+            producer = value.producer()
+            if producer is not None and producer.op_type == "Constant":
+                producer.graph.remove(producer, safe=True)
+            elif value.is_initializer() and not value.is_graph_input():
+                graph.initializers.pop(value.name)
+        return new.name
+
+    def _write_back(self, graph: ir.Graph, layers: Iterable[_Layer], report: CLEReport) -> None:
+        names: NameGenerator | None = None
+        for layer in layers:
+            if not layer.changed:
+                continue
+            if names is None:
+                names = NameGenerator(graph)
+            dtype = layer.original.dtype
+            weight = layer.weight.astype(dtype)
+            before = channel_range_spread(layer.original)
+            w_name = self._store(graph, layer.node, 1, weight, names)
+            if layer.bias is not None:
+                self._store(graph, layer.node, 2, layer.bias.astype(dtype), names)
+            report.spreads.append(
+                RangeSpread(layer.node.name or "", w_name, before, channel_range_spread(weight))
+            )
+
+    # ------------------------------------------------------------------------------ pass entry
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        report = CLEReport()
+        self.report = report
+        pairs = self._find_pairs(model.graph, report)
+        report.pairs = [
+            EqualizedPair(p.first.node.name or "", p.second.node.name or "", p.through)
+            for p in pairs
+        ]
+        if not pairs or self.steps == 0:
+            report.converged = not pairs
+            report.last_change = 0.0 if not pairs else math.inf
+            return ir.passes.PassResult(model, modified=False)
+
+        limit = MAX_ADAPTIVE_STEPS if self.steps == -1 else self.steps
+        while report.iterations < limit:
+            change = sum(self._equalize(pair) for pair in pairs)
+            report.iterations += 1
+            report.last_change = change
+            if change < self.threshold:
+                report.converged = True
+                break
+        if self.steps == -1 and not report.converged:
+            logger.warning(
+                "CLE: not converged after %d steps (change %.3g >= threshold %.3g)",
+                report.iterations,
+                report.last_change,
+                self.threshold,
+            )
+
+        layers: dict[int, _Layer] = {}
+        for pair in pairs:
+            layers.setdefault(id(pair.first), pair.first)
+            layers.setdefault(id(pair.second), pair.second)
+        self._write_back(model.graph, layers.values(), report)
+        modified = bool(report.spreads)
+        logger.info(
+            "CLE: %d pairs, %d steps, converged=%s, last change %.3g",
+            len(pairs),
+            report.iterations,
+            report.converged,
+            report.last_change,
+        )
+        for spread in report.spreads:
+            logger.debug(
+                "CLE: %s channel range spread %.3g -> %.3g",
+                spread.node,
+                spread.before,
+                spread.after,
+            )
+        return ir.passes.PassResult(model, modified=modified)
