@@ -1,0 +1,500 @@
+"""Run the model on calibration data and feed the observers: :func:`calibrate`.
+
+One onnxruntime session is built, in memory, over a copy of the model (the user's model and its
+folder are never touched; only a model above the 2 GB protobuf limit is written, to a temporary
+directory removed afterwards). What the copy exposes depends on the statistics the method needs:
+
+The tensors to read become extra graph outputs and are folded into numpy observers: running
+min/max for MinMax/NonOverflow, the bucket histogram for MinMSE/Percentile/Entropy/MSE. (In-graph
+``ReduceMin``/``ReduceMax`` outputs were measured slower than returning the tensors with
+onnxruntime 1.31 on CPU -- the reductions run after a layout reorder of every tensor -- and
+``ReduceMax`` may skip NaN, so they are not used.)
+
+Tensors whose statistics follow exactly from other calibrated tensors are not read at all:
+``Relu(x)`` from ``x`` (positive part, the rest counted as zeros), ``Concat`` from its inputs
+(merged observers), and ``Identity``/``Reshape``/``Flatten``/``Squeeze``/``Unsqueeze``/
+``Transpose``/inference ``Dropout`` outputs from their input. Graph inputs are observed from the
+feeds, initializers once from their values.
+
+Batches are streamed: each feed is validated, run and folded into constant-size observers, then
+dropped. When every input's axis 0 is the same named dynamic dimension and every tensor read
+carries it on axis 0, up to ``max_batch`` samples from consecutive feeds are concatenated into one
+run. The next run overlaps the observer updates of the previous one (onnxruntime releases the GIL).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
+from quark_onnx.errors import CalibrationError
+from quark_onnx.options import ExtraOptions, closest_name
+from quark_onnx.progress import Progress
+
+from .observers import HistogramObserver, MinMaxObserver, Observer
+from .readers import CalibrationDataReader, input_specs, reader_for, validate_feed
+from .result import CalibrationResult, model_hash
+
+logger = logging.getLogger(__name__)
+
+_PROTOBUF_LIMIT = 2**31 - 1
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.BFLOAT16,
+}
+_SAME_VALUES_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+_HISTOGRAM_METHODS = {
+    PowerOfTwoMethod.MinMSE,
+    CalibrationMethod.Percentile,
+    CalibrationMethod.Entropy,
+    CalibrationMethod.MSE,
+}
+#: Samples concatenated into one run when the model has a dynamic batch axis.
+DEFAULT_MAX_BATCH = 8
+
+
+def session_options() -> ort.SessionOptions:
+    """Session options of the calibration session (and of any timing comparison against it).
+
+    Full graph optimisation: onnxruntime never fuses away a graph output, so the tensors read are
+    those of the float model (up to the float rounding of its optimised kernels).
+    """
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return so
+
+
+def calibrate(
+    model: onnx.ModelProto,
+    tensor_names: Sequence[str],
+    reader: Any,
+    *,
+    method: CalibrationMethod | PowerOfTwoMethod,
+    options: ExtraOptions,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    progress: bool | Callable[[int, int | None, float], None] | None = None,
+) -> CalibrationResult:
+    """Run ``model`` on the calibration data and return the statistics of ``tensor_names``.
+
+    ``tensor_names`` may name graph inputs, intermediate values, graph outputs and initializers.
+    ``reader`` is anything :func:`~quark_onnx.calibration.readers.reader_for` accepts (random data
+    with ``options.UseRandomData``). At most ``options.CalibDataSize`` samples are used (0: all).
+    ``progress``: ``None`` shows a live line when stderr is a terminal (log lines otherwise),
+    ``True`` always reports, ``False`` never; a callable gets ``(done, total, rate)``.
+
+    Raises:
+        CalibrationError: no samples, a feed that does not match the model's inputs, an unknown or
+            non-float tensor name, onnxruntime failing on a feed, or a tensor with no finite value.
+    """
+    method = coerce_calibrate_method(method)
+    data = reader_for(model, reader, options)
+    collector = Collector(model, tensor_names, method=method, options=options, providers=providers)
+    try:
+        return collector.run(data, progress=progress)
+    finally:
+        collector.close()
+
+
+class Collector:
+    """The session, the observers and the streaming loop of one calibration."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        tensor_names: Sequence[str],
+        *,
+        method: CalibrationMethod | PowerOfTwoMethod,
+        options: ExtraOptions,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        max_batch: int = DEFAULT_MAX_BATCH,
+        pipeline: bool = True,
+    ) -> None:
+        self.model = model
+        self.method = coerce_calibrate_method(method)
+        if self.method is CalibrationMethod.Distribution:
+            raise CalibrationError(
+                "calibration method Distribution is not supported; use MinMax, Percentile, "
+                "Entropy, MSE, NonOverflow or MinMSE"
+            )
+        self.options = options
+        self.providers = list(providers)
+        self.max_batch = max(1, int(max_batch))
+        self.pipeline = pipeline
+        self.histogram = self.method in _HISTOGRAM_METHODS
+        self.moving_average = (
+            options.CalibMovingAverageConstant
+            if self.method is CalibrationMethod.MinMax and options.CalibMovingAverage
+            else None
+        )
+        self.names = list(dict.fromkeys(tensor_names))
+        self.specs = input_specs(model)
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self._plan()
+        self._build_session()
+
+    # --- planning ------------------------------------------------------------------------------
+
+    def _new_observer(self) -> Observer:
+        return HistogramObserver() if self.histogram else MinMaxObserver(self.moving_average)
+
+    def _plan(self) -> None:
+        graph = self.model.graph
+        producers = {out: node for node in graph.node for out in node.output if out}
+        inits = {t.name: t for t in graph.initializer}
+        input_names = {s.name for s in self.specs}
+        known = set(producers) | set(inits) | input_names
+        missing = [n for n in self.names if n not in known]
+        if missing:
+            close = closest_name(missing[0], known)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise CalibrationError(
+                f"tensor {missing[0]!r}{hint} is not a graph input, initializer or node output of "
+                f"the model's main graph"
+                + (f"; {len(missing)} such names" if len(missing) > 1 else "")
+            )
+        self.types = self._value_types()
+        for name in self.names:
+            elem = self.types.get(name)
+            if elem is not None and elem not in _FLOAT_TYPES:
+                raise CalibrationError(
+                    f"tensor {name!r} has type {onnx.TensorProto.DataType.Name(elem)}; only float "
+                    "tensors can be calibrated"
+                )
+        wanted = set(self.names)
+        self.derived: list[tuple[str, str, list[str]]] = []  # (name, rule, sources)
+        derived_names: set[str] = set()
+        self.constants: dict[str, np.ndarray] = {}
+        self.fed: list[str] = []
+        self.sources: list[str] = []
+        for node in graph.node:  # topological order
+            for out in node.output:
+                if out not in wanted:
+                    continue
+                rule = self._derivation(node, out, wanted)
+                if rule is not None:
+                    self.derived.append(
+                        (out, rule, list(node.input[:1] if rule != "merge" else node.input))
+                    )
+                    derived_names.add(out)
+        for name in self.names:
+            if name in derived_names:
+                continue
+            if name in input_names:
+                self.fed.append(name)
+            elif name in inits:
+                self.constants[name] = onnx.numpy_helper.to_array(inits[name])
+            else:
+                self.sources.append(name)
+        self.combine = self._can_combine()
+        logger.debug(
+            "calibration plan: %d read from the session, %d from feeds, %d constants, %d derived; "
+            "batching feeds: %s",
+            len(self.sources),
+            len(self.fed),
+            len(self.constants),
+            len(self.derived),
+            self.combine,
+        )
+
+    def _derivation(self, node: onnx.NodeProto, out: str, wanted: set[str]) -> str | None:
+        """How ``out`` follows from other calibrated tensors, or None."""
+        if out != node.output[0] or not node.input:
+            return None
+        src = node.input[0]
+        if self.moving_average is not None:
+            # batch-wise averages do not commute with Relu or Concat; identical data still is
+            return "same" if node.op_type in _SAME_VALUES_OPS and src in wanted else None
+        if node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type == "Relu" and src in wanted:
+            return "relu"
+        if node.op_type in _SAME_VALUES_OPS and src in wanted:
+            return "same"
+        if node.op_type == "Dropout" and len(node.input) < 3 and src in wanted:
+            return "same"
+        if (
+            node.op_type == "Concat"
+            and all(i in wanted for i in node.input if i)
+            and all(node.input)
+        ):
+            return "merge"
+        return None
+
+    def _value_types(self) -> dict[str, int]:
+        """Element type of every value (graph inputs, outputs, inferred intermediates)."""
+        types: dict[str, int] = {}
+        model = self.model
+        try:
+            if model.ByteSize() < _PROTOBUF_LIMIT:
+                model = onnx.shape_inference.infer_shapes(model)
+        except Exception as exc:  # inference is a help, not a requirement
+            logger.debug("shape inference failed (%s); types unknown", exc)
+        self._shapes: dict[str, onnx.TypeProto] = {}
+        graph = model.graph
+        for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                types[vi.name] = vi.type.tensor_type.elem_type
+                self._shapes[vi.name] = vi.type
+        for t in graph.initializer:
+            types[t.name] = t.data_type
+        return types
+
+    def _can_combine(self) -> bool:
+        """Feeds may be concatenated when axis 0 is one named dynamic batch dimension."""
+        if self.moving_average is not None or not self.specs:
+            return False
+        symbols = {s.dims[0] if s.dims else None for s in self.specs}
+        if len(symbols) != 1:
+            return False
+        symbol = symbols.pop()
+        if not isinstance(symbol, str):
+            return False
+        for name in self.sources:
+            t = self._shapes.get(name)
+            if t is None or not t.tensor_type.HasField("shape"):
+                return False
+            dims = t.tensor_type.shape.dim
+            if not dims or dims[0].dim_param != symbol:
+                return False
+        return True
+
+    # --- session -------------------------------------------------------------------------------
+
+    def _build_session(self) -> None:
+        graph_copy = onnx.ModelProto()
+        graph_copy.CopyFrom(self.model)
+        existing_outputs = {o.name for o in graph_copy.graph.output}
+
+        self.fetch: list[str] = []
+        g = graph_copy.graph
+        for src in self.sources:
+            if src not in existing_outputs:
+                elem = self.types.get(src, onnx.TensorProto.FLOAT)
+                g.output.append(onnx.helper.make_tensor_value_info(src, elem, None))
+            self.fetch.append(src)
+        self.session = self._make_session(graph_copy)
+
+    def _make_session(self, proto: onnx.ModelProto) -> ort.InferenceSession:
+        try:
+            if proto.ByteSize() < _PROTOBUF_LIMIT:
+                return ort.InferenceSession(
+                    proto.SerializeToString(), session_options(), providers=self.providers
+                )
+            if self._tmpdir is None:
+                self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
+            path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
+            onnx.save_model(
+                proto,
+                str(path),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=path.name + ".data",
+                size_threshold=1024,
+            )
+            return ort.InferenceSession(str(path), session_options(), providers=self.providers)
+        except Exception as exc:
+            if isinstance(exc, CalibrationError):
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CalibrationError(
+                f"onnxruntime cannot load the calibration copy of the model: {first}"
+            ) from exc
+
+    def close(self) -> None:
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    # --- streaming -----------------------------------------------------------------------------
+
+    def _batches(
+        self, reader: CalibrationDataReader, limit: int
+    ) -> Iterator[tuple[dict, int, int]]:
+        """Validated feeds, grouped into runs: (feed, rows, index of the first feed)."""
+        pending: list[dict[str, np.ndarray]] = []
+        pending_rows = 0
+        pending_first = 0
+        samples = 0
+        index = 0
+        self.input_nonfinite: dict[str, int] = {}
+
+        def flush() -> tuple[dict, int, int]:
+            feed = (
+                pending[0]
+                if len(pending) == 1
+                else {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
+            )
+            return feed, pending_rows, pending_first
+
+        while not limit or samples < limit:
+            raw = reader.get_next()
+            if raw is None:
+                break
+            feed, rows = validate_feed(raw, self.specs, index, samples)
+            if limit and samples + rows > limit and self.specs and self.specs[0].batch_dynamic:
+                keep = limit - samples
+                feed = {k: v[:keep] for k, v in feed.items()}
+                rows = keep
+            self._count_input_nonfinite(feed)
+            samples += rows
+            if not self.combine:
+                yield feed, rows, index
+            else:
+                if pending and (
+                    pending_rows + rows > self.max_batch
+                    or any(feed[k].shape[1:] != pending[0][k].shape[1:] for k in feed)
+                ):
+                    yield flush()
+                    pending, pending_rows = [], 0
+                if not pending:
+                    pending_first = index
+                pending.append(feed)
+                pending_rows += rows
+            index += 1
+        if pending:
+            yield flush()
+
+    def _count_input_nonfinite(self, feed: dict[str, np.ndarray]) -> None:
+        for name, value in feed.items():
+            if np.issubdtype(value.dtype, np.floating) and value.size:
+                bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+                if bad:
+                    self.input_nonfinite[name] = self.input_nonfinite.get(name, 0) + bad
+
+    def _run(self, feed: dict[str, np.ndarray], first: int) -> list[np.ndarray]:
+        try:
+            return self.session.run(self.fetch, feed) if self.fetch else []
+        except Exception as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise CalibrationError(
+                f"onnxruntime failed on calibration feed #{first}: {first_line}"
+            ) from exc
+
+    def _observe(self, feed: dict[str, np.ndarray], first: int, outputs: list[np.ndarray]) -> None:
+        for name in self.fed:
+            self.observers[name].update(feed[name])
+        for name, value in zip(self.sources, outputs, strict=True):
+            self.observers[name].update(value)
+
+    def run(
+        self,
+        reader: CalibrationDataReader,
+        progress: bool | Callable[[int, int | None, float], None] | None = None,
+    ) -> CalibrationResult:
+        """Stream the reader through the session and return the result."""
+        limit = max(0, int(self.options.CalibDataSize))
+        total = getattr(reader, "num_samples", None)
+        if not isinstance(total, int):
+            total = None
+        if limit:
+            total = min(total, limit) if total else limit
+        self.observers: dict[str, Observer] = {n: self._new_observer() for n in self.fed}
+        self.observers.update({n: self._new_observer() for n in self.sources})
+        for name, value in self.constants.items():
+            obs = self._new_observer()
+            obs.update(value)
+            self.observers[name] = obs
+        display = Progress(
+            total,
+            desc="calibrating",
+            unit="samples",
+            enabled=False if progress is False else None,
+            callback=progress if callable(progress) else None,
+            logger=logger,
+        )
+        start = time.perf_counter()
+        samples = 0
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool, display:
+            previous = None
+            for feed, rows, first in self._batches(reader, limit):
+                if self.pipeline:
+                    current = (feed, rows, first, pool.submit(self._run, feed, first))
+                else:
+                    current = (feed, rows, first, None)
+                    self._observe(feed, first, self._run(feed, first))
+                    display.update(rows)
+                if previous is not None:
+                    pfeed, prows, pfirst, pfuture = previous
+                    self._observe(pfeed, pfirst, pfuture.result())
+                    display.update(prows)
+                previous = current if self.pipeline else None
+                samples += rows
+            if previous is not None:
+                pfeed, prows, pfirst, pfuture = previous
+                self._observe(pfeed, pfirst, pfuture.result())
+                display.update(prows)
+        if samples == 0:
+            raise CalibrationError(
+                "the calibration data reader yielded no samples (get_next() returned None at "
+                "once); give at least one feed, or set UseRandomData=True"
+            )
+        self._derive()
+        self._report_nonfinite(samples)
+        result = CalibrationResult(
+            model_hash(self.model),
+            self.method.name,
+            samples,
+            {name: self.observers[name] for name in self.names},
+        )
+        logger.info(
+            "calibrated %d tensors on %d samples with %s in %.2f s",
+            len(self.names),
+            samples,
+            self.method.name,
+            time.perf_counter() - start,
+        )
+        return result
+
+    def _derive(self) -> None:
+        for name, rule, srcs in self.derived:
+            if rule == "same":
+                self.observers[name] = copy.deepcopy(self.observers[srcs[0]])
+            elif rule == "relu":
+                self.observers[name] = self.observers[srcs[0]].relu()
+            else:
+                merged = self.observers[srcs[0]]
+                for s in srcs[1:]:
+                    merged = merged.merge(self.observers[s])
+                self.observers[name] = merged
+
+    def _report_nonfinite(self, samples: int) -> None:
+        for name, bad in self.input_nonfinite.items():
+            logger.warning(
+                "calibration input %r: %d non-finite values (NaN/Inf) in the feeds; they are "
+                "ignored by every observer, check the data",
+                name,
+                bad,
+            )
+        empty = []
+        for name in self.names:
+            obs = self.observers[name]
+            if obs.nonfinite:
+                logger.warning(
+                    "tensor %r: %d non-finite values (NaN/Inf) ignored over %d samples; its range "
+                    "comes from the finite values only",
+                    name,
+                    obs.nonfinite,
+                    samples,
+                )
+            if obs.count == 0:
+                empty.append(name)
+        if empty:
+            raise CalibrationError(
+                f"tensor {empty[0]!r} had no finite value in {samples} calibration samples"
+                + (f" (and {len(empty) - 1} more tensors)" if len(empty) > 1 else "")
+                + "; check the data and the model"
+            )

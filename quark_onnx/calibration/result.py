@@ -1,0 +1,247 @@
+"""The calibration result: plain per-tensor statistics that can be saved, loaded and queried.
+
+A :class:`CalibrationResult` maps tensor names to observers (see
+:mod:`quark_onnx.calibration.observers`) and answers the questions the quantizer asks: a range for
+a float-scale method, a power-of-two position for NonOverflow/MinMSE, ``max |x|``. Saved as JSON
+(scalars readable; histogram arrays as base64 little-endian bytes, only nonzero buckets), it lets a
+second quantization with other options skip running the model. It records the identity of the
+model it was made for (:func:`model_hash`) and refuses to load for another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
+from quark_onnx.errors import CalibrationError
+from quark_onnx.model_io import atomic_write_bytes
+from quark_onnx.options import ExtraOptions, closest_name
+
+from .observers import (
+    HistogramObserver,
+    MinMaxObserver,
+    Observer,
+    nonoverflow_position,
+    observer_from_dict,
+    signed_limits,
+)
+
+FORMAT = "quark_onnx.calibration/1"
+
+
+def model_hash(model: onnx.ModelProto) -> str:
+    """SHA-256 of what determines the model's tensors: structure and initializer values.
+
+    Covers the opset imports, the graph inputs and outputs (names and types), every node in order
+    (op type, domain, input and output names, attributes) and every initializer (name, type, dims,
+    bytes). Node names, doc strings, metadata and inferred ``value_info`` are left out: they do not
+    change any value. Initializers stored outside the model and not loaded are identified by their
+    external-data location, offset and length.
+    """
+    h = hashlib.sha256()
+
+    def put(*parts: Any) -> None:
+        for part in parts:
+            data = part if isinstance(part, bytes) else str(part).encode()
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+
+    for imp in sorted(model.opset_import, key=lambda o: o.domain):
+        put("opset", imp.domain, imp.version)
+    graph = model.graph
+    for kind, values in (("input", graph.input), ("output", graph.output)):
+        for vi in values:
+            put(kind, vi.name, vi.type.SerializeToString(deterministic=True))
+    for node in graph.node:
+        put("node", node.op_type, node.domain, len(node.input), *node.input)
+        put(len(node.output), *node.output)
+        for attr in node.attribute:
+            put(attr.SerializeToString(deterministic=True))
+    for init in graph.initializer:
+        put("init", init.name, init.data_type, *init.dims)
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            put(*(f"{e.key}={e.value}" for e in init.external_data))
+        elif init.HasField("raw_data"):
+            put(init.raw_data)
+        else:
+            put(onnx.numpy_helper.to_array(init).tobytes())
+    for sparse in graph.sparse_initializer:
+        put("sparse", sparse.SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
+class CalibrationResult:
+    """Per-tensor observers plus the identity of the model and how they were collected."""
+
+    def __init__(
+        self,
+        model_hash: str,
+        method: str,
+        num_samples: int,
+        observers: dict[str, Observer],
+    ) -> None:
+        self.model_hash = model_hash
+        self.method = method
+        self.num_samples = num_samples
+        self.observers = dict(observers)
+
+    def __repr__(self) -> str:
+        return (
+            f"CalibrationResult(method={self.method!r}, num_samples={self.num_samples}, "
+            f"tensors={len(self.observers)}, model_hash={self.model_hash[:12]!r})"
+        )
+
+    def names(self) -> list[str]:
+        return list(self.observers)
+
+    def observer(self, name: str) -> Observer:
+        try:
+            return self.observers[name]
+        except KeyError:
+            close = closest_name(name, self.observers)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise CalibrationError(
+                f"tensor {name!r} was not calibrated{hint} ({len(self.observers)} tensors were)"
+            ) from None
+
+    def _histogram(self, name: str, what: str) -> HistogramObserver:
+        obs = self.observer(name)
+        if not isinstance(obs, HistogramObserver):
+            raise CalibrationError(
+                f"tensor {name!r}: {what} needs a histogram, but this result was collected with "
+                f"{self.method} (min/max only); calibrate again with {what}"
+            )
+        return obs
+
+    def absmax(self, name: str) -> float:
+        """``max |x|`` over the finite values seen."""
+        return float(self.observer(name).absmax)
+
+    def position(
+        self, name: str, *, method: PowerOfTwoMethod, qtype: QuantType = QuantType.QInt8
+    ) -> int:
+        """Power-of-two position ``p`` (scale ``2^-p``) of tensor ``name`` for ``qtype``."""
+        method = PowerOfTwoMethod.coerce(method)
+        qtype = QuantType.coerce(qtype)
+        if method is PowerOfTwoMethod.NonOverflow:
+            return nonoverflow_position(self.absmax(name), qtype)
+        return self._histogram(name, "MinMSE").minmse_position(qtype)
+
+    def range(
+        self, name: str, *, method: CalibrationMethod, options: ExtraOptions
+    ) -> tuple[float, float]:
+        """Float range ``(lo, hi)`` of tensor ``name`` by ``method``.
+
+        The range is symmetric (``(-t, t)``) when ``options.ActivationSymmetric``. MinMax gives
+        the observed extremes (their moving average with ``CalibMovingAverage``); Percentile keeps
+        ``options.Percentile`` % of the values; Entropy and MSE search a threshold ``t`` on
+        ``options.NumBins`` linear bins of ``|x|`` (for an asymmetric range, ``t`` is intersected
+        with the observed ``[min, max]``).
+        """
+        if isinstance(method, PowerOfTwoMethod):
+            raise CalibrationError(
+                f"{method} gives power-of-two positions: use CalibrationResult.position()"
+            )
+        method = CalibrationMethod.coerce(method)
+        symmetric = options.ActivationSymmetric
+        obs = self.observer(name)
+        if method is CalibrationMethod.MinMax:
+            if options.CalibMovingAverage:
+                if not isinstance(obs, MinMaxObserver) or obs.moving_average is None:
+                    raise CalibrationError(
+                        f"tensor {name!r}: CalibMovingAverage needs min/max collected with "
+                        "CalibMovingAverage=True; calibrate again"
+                    )
+                if obs.moving_average != options.CalibMovingAverageConstant:
+                    raise CalibrationError(
+                        f"tensor {name!r}: the moving average was collected with constant "
+                        f"{obs.moving_average}, not {options.CalibMovingAverageConstant}; "
+                        "calibrate again"
+                    )
+                lo, hi = obs.range(moving_average=True)
+            else:
+                lo, hi = (obs.min, obs.max) if obs.min <= obs.max else (0.0, 0.0)
+            if symmetric:
+                a = max(abs(lo), abs(hi))
+                return -a, a
+            return float(lo), float(hi)
+        if method is CalibrationMethod.Percentile:
+            return self._histogram(name, "Percentile").percentile_range(
+                options.Percentile, symmetric
+            )
+        if method in (CalibrationMethod.Entropy, CalibrationMethod.MSE):
+            hist = self._histogram(name, method.name)
+            if method is CalibrationMethod.Entropy:
+                t = hist.entropy_threshold(options.NumBins)
+            else:
+                t = hist.mse_threshold(options.NumBins, signed_limits(QuantType.QInt8)[1])
+            if symmetric:
+                return -t, t
+            if hist.min > hist.max:
+                return 0.0, 0.0
+            return max(hist.min, -t), min(hist.max, t)
+        raise CalibrationError(
+            f"calibration method {method} is not supported; use MinMax, Percentile, Entropy or "
+            "MSE (or a PowerOfTwoMethod)"
+        )
+
+    # --- persistence ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "model_hash": self.model_hash,
+            "method": self.method,
+            "num_samples": self.num_samples,
+            "tensors": {name: obs.to_dict() for name, obs in self.observers.items()},
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the result as JSON, atomically (a temporary file renamed into place)."""
+        data = json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")).encode()
+        try:
+            atomic_write_bytes(path, data)
+        except OSError as exc:
+            raise CalibrationError(
+                f"{path}: cannot write the calibration result ({exc.strerror or exc})"
+            ) from exc
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "calibration result") -> CalibrationResult:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise CalibrationError(
+                f"{source}: not a quark_onnx calibration result (format {found!r}, "
+                f"expected {FORMAT!r})"
+            )
+        try:
+            observers = {name: observer_from_dict(o) for name, o in d["tensors"].items()}
+            return cls(d["model_hash"], d["method"], int(d["num_samples"]), observers)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"{source}: malformed calibration result ({exc!r})") from exc
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: onnx.ModelProto) -> CalibrationResult:
+        """Read a saved result, refusing one made for a model other than ``model``."""
+        p = Path(path)
+        try:
+            d = json.loads(p.read_bytes())
+        except FileNotFoundError:
+            raise CalibrationError(f"{p}: calibration result not found") from None
+        except (OSError, ValueError) as exc:
+            raise CalibrationError(f"{p}: cannot read the calibration result ({exc})") from exc
+        result = cls.from_dict(d, str(p))
+        expected = model_hash(model)
+        if result.model_hash != expected:
+            raise CalibrationError(
+                f"{p}: this calibration result was made for another model (model hash "
+                f"{result.model_hash[:12]}..., this model {expected[:12]}...); calibrate this "
+                "model again, or quantize the model the result was made for"
+            )
+        return result

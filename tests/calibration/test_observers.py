@@ -1,0 +1,267 @@
+"""Observers against exact numpy oracles on the concatenated data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from quark_onnx.calibration.observers import (
+    DEFAULT_POSITION,
+    HistogramObserver,
+    MinMaxObserver,
+    bucket_edges,
+    entropy_threshold_from_histogram,
+    minmse_position,
+    nonoverflow_position,
+    quantize_pof2,
+)
+from quark_onnx.enums import QuantType
+from quark_onnx.errors import CalibrationError
+
+
+def _data(kind: str, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        x = rng.standard_normal(n) * 10 ** rng.uniform(-3, 3)
+    elif kind == "student2":  # heavy tails
+        x = rng.standard_t(2, n) * 10 ** rng.uniform(-2, 2)
+    elif kind == "cauchy_relu":
+        x = np.maximum(rng.standard_cauchy(n), 0)
+    elif kind == "integers":  # many exact ties x = (k + 1/2) s
+        x = np.round(rng.standard_normal(n) * 60)
+    else:
+        raise ValueError(kind)
+    return x.astype(np.float32)
+
+
+KINDS = ["normal", "student2", "cauchy_relu", "integers"]
+
+
+def _sse(x: np.ndarray, p: int, qtype: QuantType) -> float:
+    x64 = x.astype(np.float64)
+    return float(np.sum((x64 - quantize_pof2(x64, p, qtype)) ** 2))
+
+
+def exhaustive_minmse(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
+    """argmin over p in [p_no, p_no + 60] of the SSE on all data; ties -> smaller p."""
+    p0 = nonoverflow_position(float(np.abs(x).max()), qtype)
+    sses = [_sse(x, p, qtype) for p in range(p0, p0 + 61)]
+    return p0 + int(np.argmin(sses))
+
+
+def _stream(obs, x: np.ndarray, parts: int, seed: int):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, x.size), size=parts - 1, replace=False))
+    for chunk in np.split(x, cuts):
+        obs.update(chunk.reshape(-1, 1) if chunk.size % 2 else chunk.reshape(2, -1))
+    return obs
+
+
+def test_quantize_pof2_reference():
+    x = np.array([0.0, 0.3, 0.5, 1.5, 2.5, -2.5, 100.0, -100.0], np.float32)
+    # p = 0: round half to even, clip to [-128, 127]
+    np.testing.assert_array_equal(quantize_pof2(x, 0), [0, 0, 0, 2, 2, -2, 100, -100])
+    # p = 1: scale 1/2, codes clip at 127 -> 63.5, -128 -> -64
+    np.testing.assert_array_equal(quantize_pof2(x, 1), [0, 0.5, 0.5, 1.5, 2.5, -2.5, 63.5, -64])
+    # uint8 with zero point 128 represents the same values as int8
+    np.testing.assert_array_equal(quantize_pof2(x, 1, QuantType.QUInt8), quantize_pof2(x, 1))
+    assert quantize_pof2(np.array([300.0]), 0, QuantType.QInt16)[0] == 300.0
+
+
+@pytest.mark.parametrize("absmax", [1e-6, 0.1, 0.99, 1.0, 3.0, 127.0, 127.5, 128.0, 1e5])
+@pytest.mark.parametrize("qtype", [QuantType.QInt8, QuantType.QUInt8, QuantType.QInt16])
+def test_nonoverflow_is_largest_position_that_covers(absmax, qtype):
+    p = nonoverflow_position(absmax, qtype)
+    qmax = 32767 if qtype is QuantType.QInt16 else 127
+    assert absmax <= qmax * 2.0**-p
+    assert absmax > qmax * 2.0 ** -(p + 1)
+    # never clips: the max quantizes to within half a step, not to the clip value
+    assert abs(quantize_pof2(np.array([absmax]), p, qtype)[0] - absmax) <= 2.0 ** -(p + 1)
+
+
+def test_nonoverflow_zero_and_invalid():
+    assert nonoverflow_position(0.0) == DEFAULT_POSITION
+    with pytest.raises(CalibrationError):
+        nonoverflow_position(float("nan"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_minmax_and_nonoverflow_equal_numpy(kind, seed):
+    x = _data(kind, 20_000, seed)
+    mm = _stream(MinMaxObserver(), x, 7, seed)
+    hist = _stream(HistogramObserver(), x, 7, seed)
+    for obs in (mm, hist):
+        assert obs.min == float(x.min()) and obs.max == float(x.max())
+        assert obs.count == x.size
+        expected = nonoverflow_position(float(np.abs(x).max()))
+        assert nonoverflow_position(obs.absmax) == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_streamed_minmse_equals_exhaustive_argmin(kind, seed):
+    x = _data(kind, 20_000, seed)
+    obs = _stream(HistogramObserver(), x, 5, seed)
+    assert obs.minmse_position(QuantType.QInt8) == exhaustive_minmse(x)
+    assert obs.minmse_position(QuantType.QUInt8) == exhaustive_minmse(x, QuantType.QUInt8)
+    assert minmse_position(x) == exhaustive_minmse(x)
+
+
+def test_minmse_can_clip_and_differs_from_nonoverflow():
+    # one huge outlier: clipping it is cheaper than coarsening everything else
+    x = np.concatenate([np.random.default_rng(0).standard_normal(10_000), [40.0]])
+    x = x.astype(np.float32)
+    p = minmse_position(x)
+    assert p == exhaustive_minmse(x)
+    assert p > nonoverflow_position(float(np.abs(x).max()))
+
+
+def test_minmse_ties_go_to_the_larger_scale():
+    # 63.75: p = 0 rounds it to 64, p = 1 clips it to 63.5 -- both errors are 0.25
+    x = np.array([63.75, 1.0], np.float32)
+    assert nonoverflow_position(63.75) == 0
+    assert _sse(x, 0, QuantType.QInt8) == _sse(x, 1, QuantType.QInt8) == 0.0625
+    assert minmse_position(x) == 0 == exhaustive_minmse(x)
+
+
+def test_minmse_all_zero_is_default():
+    assert minmse_position(np.zeros(10, np.float32)) == DEFAULT_POSITION
+
+
+def test_minmse_int16_exact_on_one_array():
+    x = _data("student2", 5_000, 4)
+    assert minmse_position(x, QuantType.QInt16) == exhaustive_minmse(x, QuantType.QInt16)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_merge_of_shards_equals_one_observer(kind):
+    x = _data(kind, 30_000, 5)
+    whole_h = HistogramObserver()
+    whole_h.update(x)
+    whole_m = MinMaxObserver()
+    whole_m.update(x)
+    shards = np.array_split(x, 4)
+    hs, ms = [], []
+    for shard in shards:
+        h, m = HistogramObserver(), MinMaxObserver()
+        h.update(shard)
+        m.update(shard)
+        hs.append(h)
+        ms.append(m)
+    h = hs[0].merge(hs[1]).merge(hs[2].merge(hs[3]))
+    m = ms[0].merge(ms[1]).merge(ms[2]).merge(ms[3])
+    np.testing.assert_array_equal(h.counts, whole_h.counts)
+    np.testing.assert_allclose(h.sums, whole_h.sums, rtol=1e-12, atol=0)
+    assert (h.min, h.max, m.min, m.max) == (whole_h.min, whole_h.max, whole_m.min, whole_m.max)
+    assert m.count == whole_m.count == x.size
+    assert h.minmse_position() == whole_h.minmse_position()
+    assert h.percentile_range(99.9, True) == whole_h.percentile_range(99.9, True)
+
+
+def _bucket_width(value: float) -> float:
+    lower, upper = bucket_edges()
+    key = int(np.array([abs(value)], np.float32).view(np.uint32)[0] >> 16)
+    return float(upper[key] - lower[key])
+
+
+def _in_bucket_ending_at(edge: float, value: float, upper: bool) -> bool:
+    """``value`` lies in the bucket whose upper (or lower) edge is ``edge``."""
+    width = _bucket_width(value)
+    if upper:
+        return edge - width * 1.000001 <= value <= edge
+    return edge <= value <= edge + width * 1.000001
+
+
+@pytest.mark.parametrize("kind", ["normal", "student2", "cauchy_relu"])
+@pytest.mark.parametrize("pct", [99.0, 99.9, 99.999])
+def test_percentile_within_one_bucket(kind, pct):
+    x = _data(kind, 50_000, 7)
+    obs = _stream(HistogramObserver(), x, 6, 7)
+    n = x.size
+    # symmetric: the order statistic numpy's percentile interpolates towards is in the last bucket
+    lo, hi = obs.percentile_range(pct, symmetric=True)
+    a = np.sort(np.abs(x))
+    assert lo == -hi
+    assert hi >= float(np.percentile(a, pct))
+    assert _in_bucket_ending_at(hi, float(a[math.ceil((n - 1) * pct / 100)]), upper=True)
+    # asymmetric: the same on each tail of x
+    lo, hi = obs.percentile_range(pct, symmetric=False)
+    tail = (100 - pct) / 200
+    v = np.sort(x)
+    ref_lo, ref_hi = np.percentile(x, [100 * tail, 100 - 100 * tail])
+    assert lo <= ref_lo and hi >= ref_hi
+    assert _in_bucket_ending_at(lo, float(v[math.floor((n - 1) * tail)]), upper=False)
+    assert _in_bucket_ending_at(hi, float(v[math.ceil((n - 1) * (1 - tail))]), upper=True)
+
+
+@pytest.mark.parametrize("kind", ["student2", "cauchy_relu"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_entropy_within_one_bucket_of_reference(kind, seed):
+    x = _data(kind, 100_000, seed)
+    obs = _stream(HistogramObserver(), x, 5, seed)
+    t = obs.entropy_threshold(2048)
+    a = np.abs(x.astype(np.float64))
+    hist, edges = np.histogram(a, bins=2048, range=(0.0, a.max()))
+    ref = entropy_threshold_from_histogram(hist, edges)
+    assert abs(t - ref) <= max(_bucket_width(ref), edges[1]) * 1.0001
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_entropy_on_gaussian_near_reference(seed):
+    # the KL curve of a Gaussian is flat near its minimum: the resampled histogram moves the
+    # threshold by up to ~16 % from the exact-histogram reference (a known limit of resampling)
+    x = _data("normal", 100_000, seed)
+    obs = _stream(HistogramObserver(), x, 5, seed)
+    t = obs.entropy_threshold(2048)
+    a = np.abs(x.astype(np.float64))
+    hist, edges = np.histogram(a, bins=2048, range=(0.0, a.max()))
+    ref = entropy_threshold_from_histogram(hist, edges)
+    assert abs(t - ref) <= 0.2 * ref
+
+
+def test_nonfinite_values_are_counted_and_ignored():
+    x = np.array([1.0, np.nan, -3.0, np.inf, -np.inf, 2.0], np.float32)
+    for obs in (MinMaxObserver(), HistogramObserver()):
+        obs.update(x)
+        assert obs.nonfinite == 3 and obs.count == 3
+        assert (obs.min, obs.max) == (-3.0, 2.0)
+
+
+def test_relu_derivation_is_exact():
+    x = _data("normal", 10_000, 9)
+    h, m = HistogramObserver(), MinMaxObserver()
+    h.update(x)
+    m.update(x)
+    direct_h, direct_m = HistogramObserver(), MinMaxObserver()
+    direct_h.update(np.maximum(x, 0))
+    direct_m.update(np.maximum(x, 0))
+    np.testing.assert_array_equal(h.relu().magnitude_counts(), direct_h.magnitude_counts())
+    assert h.relu().minmse_position() == direct_h.minmse_position()
+    assert (m.relu().min, m.relu().max) == (direct_m.min, direct_m.max)
+
+
+def test_moving_average_matches_definition_and_refuses_merge():
+    obs = MinMaxObserver(moving_average=0.5)
+    for lo, hi in [(-1.0, 1.0), (-3.0, 5.0), (0.0, 2.0)]:
+        obs.update(np.array([lo, hi], np.float32))
+    # ema: start at the first batch, then ema += c * (batch - ema)
+    # min: -1 -> -1 + 0.5 * (-3 + 1) = -2 -> -2 + 0.5 * (0 + 2) = -1
+    # max:  1 ->  1 + 0.5 * (5 - 1) =  3 ->  3 + 0.5 * (2 - 3) = 2.5
+    assert obs.range(moving_average=True) == (-1.0, 2.5)
+    assert obs.range() == (-3.0, 5.0)
+    with pytest.raises(CalibrationError, match="cannot be merged"):
+        obs.merge(MinMaxObserver())
+
+
+def test_roundtrip_dict():
+    x = _data("student2", 5_000, 11)
+    h = HistogramObserver()
+    h.update(x)
+    h2 = HistogramObserver.from_dict(h.to_dict())
+    np.testing.assert_array_equal(h.counts, h2.counts)
+    np.testing.assert_array_equal(h.sums, h2.sums)
+    assert (h2.min, h2.max) == (h.min, h.max)
+    assert math.isclose(h2.absmax, float(np.abs(x).max()))
