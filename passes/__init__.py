@@ -28,6 +28,7 @@ _PASSES = {
     "ConvertHardSigmoidToDPUVersion": "convert_hard_sigmoid_to_dpu_version",
     "ConvertAvgPoolToDPUVersion": "convert_avg_pool_to_dpu_version",
     "MakeConvAttributesExplicit": "make_conv_attributes_explicit",
+    "FixInputShapes": "fix_input_shapes",
     # quantization
     "InsertQDQ": "insert_qdq",
 }

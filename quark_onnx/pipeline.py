@@ -45,11 +45,17 @@ from quark_onnx.config import QuantizationConfig
 from quark_onnx.errors import PassError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes import (
+    ConvertAvgPoolToDPUVersion,
     ConvertBNToConv,
     ConvertClipToRelu,
+    ConvertHardSigmoidToDPUVersion,
+    ConvertLeakyReluToDPUVersion,
     ConvertReduceMeanToGlobalAvgPool,
     ConvertSigmoidToHardSigmoid,
     ConvertSplitToSlice,
+    CrossLayerEqualization,
+    FixInputShapes,
+    MakeConvAttributesExplicit,
     ReplaceClip6Relu,
     SimplifyWithOnnxsim,
     SplitLargeKernelPool,
@@ -87,6 +93,52 @@ def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[Q
         (options.ConvertSigmoidToHardSigmoid, ConvertSigmoidToHardSigmoid),
     ]
     passes: list[QuarkPass] = [cls() for enabled, cls in chosen if enabled]
+    passes.append(GraphCleanup())
+    return passes
+
+
+def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
+    """Passes run on the quantized model before it is written.
+
+    Static input shapes (``FixShapes``, ``FixDynamicBatch``) are applied here rather than before
+    calibration, so that calibration can run several samples per batch on a dynamic-batch model.
+    """
+    from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
+
+    shapes = parse_fix_shapes(options.FixShapes)
+    if shapes or options.FixDynamicBatch:
+        return [FixInputShapes(shapes, batch=options.FixDynamicBatch)]
+    return []
+
+
+def quantize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
+    """Every float pass that runs before calibration, in run order.
+
+    The prepare passes, then cross-layer equalization (``include_cle``), then for NPU configs
+    (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU`` and the individual
+    ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
+    hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
+    """
+    passes = prepare_passes(qconfig, options)
+    if qconfig.include_cle:
+        passes.append(
+            CrossLayerEqualization(
+                steps=options.CLESteps,
+                threshold=options.CLETotalLayerDiffThreshold,
+                scale_append_bias=options.CLEScaleAppendBias,
+            )
+        )
+    if qconfig.enable_npu_cnn:
+        if options.SimulateDPU:
+            if options.ConvertLeakyReluToDPUVersion:
+                passes.append(ConvertLeakyReluToDPUVersion())
+            if options.ConvertHardSigmoidToDPUVersion:
+                passes.append(ConvertHardSigmoidToDPUVersion())
+            if options.ConvertAvgPoolToDPUVersion:
+                passes.append(
+                    ConvertAvgPoolToDPUVersion(reduce_mean=options.ConvertReduceMeanToDPUVersion)
+                )
+        passes.append(MakeConvAttributesExplicit())
     passes.append(GraphCleanup())
     return passes
 

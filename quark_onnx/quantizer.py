@@ -1,10 +1,34 @@
-"""``ModelQuantizer``: the Quark-shaped entry point that runs the whole pipeline."""
+"""``ModelQuantizer``: the Quark-shaped entry point that runs the whole pipeline.
+
+The stages (GUIDE §1), each a module of its own::
+
+    load -> prepare passes -> plan -> calibrate -> positions -> NPU constraints -> insert QDQ
+         -> check -> save (+ report)
+
+This module only sequences them, times them and collects what each reports; it holds no
+quantization logic of its own.
+"""
 
 from __future__ import annotations
 
-from quark_onnx.config import Config
-from quark_onnx.errors import ConfigError
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from quark_onnx.config import Config, QuantizationConfig
+from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx.errors import ConfigError, QuantizationError
 from quark_onnx.options import ExtraOptions
+from quark_onnx.report import QuantizationReport
+
+logger = logging.getLogger(__name__)
 
 
 class ModelQuantizer:
@@ -21,3 +45,243 @@ class ModelQuantizer:
             )
         self.config = config
         self.options: ExtraOptions = config.global_quant_config.validate()
+        #: The report of the last :meth:`quantize_model` call.
+        self.report: QuantizationReport | None = None
+
+    @property
+    def qconfig(self) -> QuantizationConfig:
+        return self.config.global_quant_config
+
+    def quantize_model(
+        self,
+        model_input: str | os.PathLike | onnx.ModelProto,
+        model_output: str | os.PathLike | None = None,
+        calibration_data_reader: Any = None,
+        calibration_data_path: str | os.PathLike | None = None,
+        *,
+        calibration_result: str | os.PathLike | None = None,
+        save_calibration: str | os.PathLike | None = None,
+        overwrite: bool = False,
+    ) -> onnx.ModelProto:
+        """Quantize ``model_input`` and write it to ``model_output`` (when given).
+
+        Args:
+            model_input: path of the float model, or a ModelProto.
+            model_output: where to write the quantized model (atomically; never the input
+                unless ``overwrite``).
+            calibration_data_reader: an onnxruntime-style reader (``get_next()``), a dict of
+                arrays, or None with ``UseRandomData``.
+            calibration_data_path: a ``.npz`` file of calibration inputs (instead of a reader).
+            calibration_result: a calibration result saved earlier for this model and these
+                preparation options: calibration is skipped.
+            save_calibration: write the calibration result here (JSON) for later runs.
+            overwrite: allow ``model_output`` to be the input model's path.
+
+        Returns:
+            The quantized model. :attr:`report` holds what every stage did.
+        """
+        from quark_onnx import model_io
+
+        options = self.qconfig.validate()
+        self.options = options
+        source = str(model_input) if not isinstance(model_input, onnx.ModelProto) else "<model>"
+        report = QuantizationReport(model=source, settings=self.qconfig.effective_settings())
+        self.report = report
+        input_path = None if isinstance(model_input, onnx.ModelProto) else Path(model_input)
+        if model_output is not None:
+            model_io.check_output_path(model_output, input_path, overwrite)
+
+        with _stage(report, "load"):
+            if isinstance(model_input, onnx.ModelProto):
+                proto = model_input
+            else:
+                proto = model_io.load_model(model_input)
+            model = model_io.to_ir(proto)
+
+        reader = _make_reader(calibration_data_reader, calibration_data_path, options)
+        sample = reader.peek() if reader is not None else None
+        with _stage(report, "prepare"):
+            report.passes = self._prepare(model, sample)
+
+        with _stage(report, "plan"):
+            from quark_onnx.plan import build_plan
+
+            plan = build_plan(model, self.qconfig, options)
+            report.plan = plan.summary()
+            report.float_nodes = [
+                {"node": f.name, "op_type": f.op_type, "reason": f.reason} for f in plan.float_nodes
+            ]
+        if not plan.nodes:
+            raise QuantizationError(
+                f"{source}: no node can be quantized (the model has "
+                f"{len(report.float_nodes)} node(s), none with a quantization policy)"
+            )
+
+        prepared = model_io.to_proto(model)
+        with _stage(report, "calibrate"):
+            result = self._calibrate(prepared, plan, reader, calibration_result)
+            if save_calibration is not None:
+                result.save(save_calibration)
+            report.calibration = {"samples": result.num_samples, "method": result.method}
+
+        with _stage(report, "positions"):
+            positions, errors = self._initial_positions(model, plan, result)
+        with _stage(report, "constraints"):
+            from quark_onnx.constraints import solve_positions
+
+            solved = solve_positions(plan, positions, options, errors)
+            report.adjustments = [a.__dict__ for a in solved.adjustments]
+            report.unfixable = [v.message for v in solved.unfixable]
+            for violation in solved.unfixable:
+                logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
+            report.positions = dict(solved.positions)
+
+        with _stage(report, "insert_qdq"):
+            from quark_onnx.passes.insert_qdq import InsertQDQ
+
+            InsertQDQ(plan, solved.positions)(model)
+        with _stage(report, "finalize"):
+            from quark_onnx.pipeline import finalize_passes, run_passes
+
+            report.passes += run_passes(model, finalize_passes(self.qconfig, options)).as_dict()[
+                "passes"
+            ]
+            quantized = model_io.to_proto(model)
+
+        with _stage(report, "check"):
+            from quark_onnx.check import check
+
+            verdict = check(quantized)
+            report.check = verdict.to_dict()
+
+        if model_output is not None:
+            with _stage(report, "save"):
+                model_io.save_model(
+                    quantized, model_output, input_path=input_path, overwrite=overwrite
+                )
+                report.output = str(model_output)
+        logger.info("%s: quantized in %.2f s", source, report.total_seconds)
+        return quantized
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def _prepare(self, model: Any, sample: dict[str, np.ndarray] | None) -> list[dict]:
+        from quark_onnx.pipeline import quantize_passes, run_passes
+
+        passes = quantize_passes(self.qconfig, self.options)
+        pipeline = run_passes(model, passes, sample_feeds=sample)
+        return pipeline.as_dict()["passes"]
+
+    def _calibrate(
+        self, prepared: onnx.ModelProto, plan: Any, reader: Any, saved: str | os.PathLike | None
+    ) -> Any:
+        from quark_onnx.calibration import CalibrationResult, calibrate
+
+        if saved is not None:
+            return CalibrationResult.load(saved, prepared)
+        return calibrate(
+            prepared,
+            plan.activation_names(),
+            reader,
+            method=self.qconfig.calibrate_method,
+            options=self.options,
+        )
+
+    def _initial_positions(
+        self, model: Any, plan: Any, result: Any
+    ) -> tuple[dict[str, int], dict[str, Any]]:
+        """Calibrated activation positions and weight/bias positions, before the NPU rules."""
+        from quark_onnx import pof2
+        from quark_onnx.plan import TensorKind
+
+        method = self.qconfig.calibrate_method
+        if not isinstance(method, PowerOfTwoMethod):
+            raise QuantizationError(
+                f"calibrate_method {method} does not give power-of-two "
+                "scales; XINT8 needs PowerOfTwoMethod.MinMSE or NonOverflow"
+            )
+        constants = _constant_arrays(model)
+        positions: dict[str, int] = {}
+        errors: dict[str, Any] = {}
+        for name, spec in plan.tensors.items():
+            if spec.kind is TensorKind.ACTIVATION:
+                p = result.position(name, method=method, qtype=spec.qtype)
+                if spec.range_max is not None:
+                    # A clip bound folded into Relu (ConvertClipToRelu): never use a range wider
+                    # than the bound, so the quantized tensor saturates there.
+                    p = max(p, pof2.position_for_abs_max(spec.range_max, spec.qtype))
+                positions[name] = p
+            elif spec.kind is TensorKind.WEIGHT:
+                w = constants[name]
+                positions[name] = pof2.weight_position(w, method, spec.qtype)
+                errors[name] = pof2.error_function(w, spec.qtype)
+            else:
+                positions[name] = pof2.bias_position(constants[name])
+        return positions, errors
+
+
+def _constant_arrays(model: Any) -> dict[str, np.ndarray]:
+    from quark_onnx.passes._graph import constant_array
+
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in model.graph.initializers.items():
+        arrays[name] = value.const_value.numpy()
+    for node in model.graph:
+        if node.op_type == "Constant":
+            for out in node.outputs:
+                arr = constant_array(out)
+                if arr is not None:
+                    arrays[out.name] = arr
+    return arrays
+
+
+class _PeekableReader:
+    """Wraps a calibration reader so the first sample can be looked at without losing it."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self._first: dict[str, np.ndarray] | None = None
+        self._peeked = False
+
+    def peek(self) -> dict[str, np.ndarray] | None:
+        if not self._peeked:
+            self._first = self._reader.get_next()
+            self._peeked = True
+        return self._first
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._peeked:
+            self._peeked = False
+            first, self._first = self._first, None
+            return first
+        return self._reader.get_next()
+
+
+def _make_reader(
+    reader: Any, npz_path: str | os.PathLike | None, options: ExtraOptions
+) -> _PeekableReader | None:
+    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+
+    if reader is not None and npz_path is not None:
+        raise ConfigError("give either calibration_data_reader or calibration_data_path, not both")
+    if npz_path is not None:
+        reader = NpzDataReader(npz_path)
+    elif isinstance(reader, dict):
+        reader = ArrayDataReader(reader)
+    if reader is None:
+        return None  # random data (UseRandomData) or a saved calibration result
+    if not callable(getattr(reader, "get_next", None)):
+        raise ConfigError(
+            f"calibration_data_reader must have get_next() (onnxruntime's "
+            f"CalibrationDataReader protocol); got {type(reader).__name__}"
+        )
+    return _PeekableReader(reader)
+
+
+@contextmanager
+def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        report.timings[name] = round(time.perf_counter() - start, 4)

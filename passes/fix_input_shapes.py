@@ -1,0 +1,111 @@
+"""FixInputShapes: give graph inputs (and what follows from them) static shapes.
+
+The NPU compiles static shapes only, and the Vitis AI flow expects batch 1. Two ways to say it:
+
+* ``shapes``: input name -> full shape, e.g. parsed from AMD Quark's ``FixShapes`` option string
+  ``"input_1:[1,224,224,3];input_2:[1,96,96,3]"`` (:func:`parse_fix_shapes`). A given shape must
+  keep the input's rank and agree with its fixed dimensions.
+* ``batch``: every input whose first dimension is symbolic or unknown gets that size (``0``: off).
+
+The symbolic dimensions of outputs and intermediate values are cleared and shapes inferred again
+(onnx shape inference), so the whole graph becomes static where the inputs determine it. Models
+whose inputs are already static are left unchanged (``modified=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+from quark_onnx.errors import ConfigError, PassError
+from quark_onnx.passes.base import QuarkPass
+
+logger = logging.getLogger(__name__)
+
+_ENTRY = re.compile(r"^\s*([^:\s][^:]*?)\s*:\s*\[\s*([0-9,\s]*)\]\s*$")
+
+
+def parse_fix_shapes(text: str) -> dict[str, list[int]]:
+    """Parse ``"name:[d0,d1,...];name2:[...]"`` (AMD Quark's FixShapes format)."""
+    shapes: dict[str, list[int]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        match = _ENTRY.match(part)
+        if not match or not match.group(2).strip():
+            raise ConfigError(
+                f"FixShapes entry {part!r} is not of the form 'input_name:[1,3,224,224]'"
+            )
+        dims = [int(d) for d in match.group(2).split(",") if d.strip()]
+        if any(d <= 0 for d in dims):
+            raise ConfigError(f"FixShapes entry {part!r}: dimensions must be positive")
+        shapes[match.group(1)] = dims
+    return shapes
+
+
+def _is_static(shape: ir.Shape | None) -> bool:
+    return shape is not None and all(isinstance(d, int) for d in shape)
+
+
+class FixInputShapes(QuarkPass):
+    """Make graph input shapes static (see the module docstring)."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]] | None = None, batch: int = 0) -> None:
+        super().__init__()
+        if not isinstance(batch, int) or batch < 0:
+            raise ConfigError(f"FixInputShapes batch={batch!r}: use 0 (off) or a positive size")
+        self.shapes = {k: [int(d) for d in v] for k, v in (shapes or {}).items()}
+        self.batch = batch
+
+    def _new_shape(self, value: ir.Value) -> list[int] | None:
+        shape = value.shape
+        if value.name in self.shapes:
+            wanted = self.shapes[value.name]
+            if shape is not None:
+                if len(shape) != len(wanted):
+                    raise PassError(
+                        f"FixShapes: input {value.name!r} has rank {len(shape)} "
+                        f"({list(shape)}), the given shape {wanted} has rank {len(wanted)}"
+                    )
+                for i, (have, want) in enumerate(zip(shape, wanted, strict=True)):
+                    if isinstance(have, int) and have != want:
+                        raise PassError(
+                            f"FixShapes: input {value.name!r} has fixed size {have} at axis {i}, "
+                            f"the given shape {wanted} says {want}"
+                        )
+            return wanted
+        if self.batch and shape is not None and len(shape) >= 1 and not isinstance(shape[0], int):
+            return [self.batch, *shape[1:]]
+        return None
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = {v.name for v in graph.inputs}
+        unknown = sorted(set(self.shapes) - names)
+        if unknown:
+            raise PassError(
+                f"FixShapes names {unknown} which are not graph inputs (inputs: {sorted(names)})"
+            )
+        changed = False
+        for value in graph.inputs:
+            new = self._new_shape(value)
+            if new is not None and (value.shape is None or list(value.shape) != new):
+                value.shape = ir.Shape(new)
+                changed = True
+        if not changed:
+            return ir.passes.PassResult(model, modified=False)
+        # Forget every derived shape that is not static, then infer them again from the inputs.
+        for node in graph:
+            for out in node.outputs:
+                if not _is_static(out.shape):
+                    out.shape = None
+        for out in graph.outputs:
+            if not _is_static(out.shape):
+                out.shape = None
+        ShapeInferencePass()(model)
+        for out in graph.outputs:
+            if not _is_static(out.shape):
+                logger.warning("output %r still has a non-static shape %s", out.name, out.shape)
+        return ir.passes.PassResult(model, modified=True)

@@ -1,0 +1,74 @@
+"""The record of one quantization: settings, what each stage did, positions, check, timings.
+
+Plain data (JSON-able) so that the CLI can write it beside the output model and tools can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class QuantizationReport:
+    """What happened to one model; ``to_dict()`` is the JSON report."""
+
+    model: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    float_nodes: list[dict[str, str]] = field(default_factory=list)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    adjustments: list[dict[str, Any]] = field(default_factory=list)
+    unfixable: list[str] = field(default_factory=list)
+    layer_errors: list[dict[str, Any]] = field(default_factory=list)
+    check: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return float(sum(self.timings.values()))
+
+    @property
+    def ready(self) -> bool | None:
+        return self.check.get("ready") if self.check else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["total_seconds"] = round(self.total_seconds, 4)
+        return data
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the report as JSON, atomically."""
+        from quark_onnx.model_io import atomic_write_bytes
+
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
+        atomic_write_bytes(path, text.encode("utf-8"))
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        plan = self.plan or {}
+        lines = [
+            f"model: {self.model}",
+            f"output: {self.output or '-'}",
+            f"quantized nodes: {plan.get('quantized_nodes', 0)}, float nodes: "
+            f"{plan.get('float_nodes', 0)}",
+            f"calibration: {self.calibration.get('samples', 0)} sample(s), "
+            f"{self.calibration.get('method', '-')}",
+            f"NPU position adjustments: {len(self.adjustments)}, unfixable: {len(self.unfixable)}",
+            f"Vitis AI ready: {self.ready}",
+            "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
+        ]
+        return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)

@@ -1,0 +1,68 @@
+"""FixInputShapes: static input shapes, outputs unchanged; no change on static models."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_model, run_ort
+
+from quark_onnx.errors import ConfigError, PassError
+from quark_onnx.model_io import to_ir, to_proto
+from quark_onnx.passes import FixInputShapes
+from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
+
+
+def _dynamic_model(batch="N") -> onnx.ModelProto:
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [batch, 2, 4, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [batch, 2])
+    w = np.random.default_rng(0).normal(size=(2, 2, 1, 1)).astype(np.float32)
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[1, 1]),
+        onnx.helper.make_node("Relu", ["c"], ["r"]),
+        onnx.helper.make_node("GlobalAveragePool", ["r"], ["g"]),
+        onnx.helper.make_node("Flatten", ["g"], ["y"]),
+    ]
+    return make_model(nodes, [x], [y], {"w": w})
+
+
+def test_batch_becomes_static_and_outputs_are_unchanged():
+    proto = _dynamic_model()
+    x = np.random.default_rng(1).normal(size=(1, 2, 4, 4)).astype(np.float32)
+    model = to_ir(proto)
+    assert FixInputShapes(batch=1)(model).modified
+    fixed = to_proto(model)
+    dims = [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 2, 4, 4]
+    out_dims = [d.dim_value for d in fixed.graph.output[0].type.tensor_type.shape.dim]
+    assert out_dims == [1, 2]
+    np.testing.assert_array_equal(run_ort(fixed, {"x": x})[0], run_ort(proto, {"x": x})[0])
+
+
+def test_explicit_shapes_from_quark_string():
+    shapes = parse_fix_shapes("x:[1,2,4,4]")
+    model = to_ir(_dynamic_model())
+    assert FixInputShapes(shapes)(model).modified
+    assert list(model.graph.inputs[0].shape) == [1, 2, 4, 4]
+
+
+def test_static_model_is_not_touched():
+    model = to_ir(_dynamic_model(batch=1))
+    assert not FixInputShapes(batch=1)(model).modified
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [("x[1,2]", ConfigError), ("x:[0,2]", ConfigError), ("x:[]", ConfigError)],
+)
+def test_bad_fix_shapes_strings(text, error):
+    with pytest.raises(error):
+        parse_fix_shapes(text)
+
+
+def test_shape_that_contradicts_fixed_dims_is_refused():
+    model = to_ir(_dynamic_model())
+    with pytest.raises(PassError, match="fixed size 2 at axis 1"):
+        FixInputShapes({"x": [1, 3, 4, 4]})(model)
+    with pytest.raises(PassError, match="not graph inputs"):
+        FixInputShapes({"image": [1, 2, 4, 4]})(to_ir(_dynamic_model()))
