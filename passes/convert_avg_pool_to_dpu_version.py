@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 import onnx_ir as ir
+
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
 

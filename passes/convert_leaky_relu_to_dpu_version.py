@@ -14,6 +14,7 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
+
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -32,12 +32,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
-from quark_onnx.passes.base import QuarkPass
 
 from quark_onnx import pof2
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import PassError
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.passes.base import QuarkPass
 from quark_onnx.plan import QuantPlan, TensorKind, TensorSpec
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import logging
 import math
 
 import onnx_ir as ir
+
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

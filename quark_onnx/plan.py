@@ -341,6 +341,8 @@ def build_plan(
     policies: dict[int, OpPolicy] = {}
     float_nodes: list[FloatNode] = []
     for node in nodes:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            continue  # data, not computation: read as weights by the nodes that use it
         policy = policy_for(node.op_type, node.domain)
         reason = _float_reason(node, labels[id(node)], policy, qconfig)
         if reason is None and policy is not None:
@@ -353,7 +355,6 @@ def build_plan(
     # fused producer -> activation pairs (decided before any tensor is registered)
     fused_by_value: dict[int, FusedPair] = {}
     fused_act_output: dict[int, ir.Value] = {}
-    dpu_muls: set[int] = set()
     for node in nodes:
         policy = policies.get(id(node))
         if policy is None or not node.outputs:
@@ -363,7 +364,7 @@ def build_plan(
         if consumer is None or id(consumer) not in policies or not consumer.outputs:
             continue
         if policy.dpu_scale_mul and _is_scalar_mul(consumer, out):
-            dpu_muls.add(id(consumer))
+            pass  # the hardware factor is part of the pool/HardSigmoid: no pair between them
         elif not (policy.fusable_producer and _fuses(consumer, out, policies[id(consumer)], opts)):
             continue
         fused_by_value[id(out)] = FusedPair(
@@ -420,8 +421,7 @@ def build_plan(
         label = labels[id(node)]
         slots: list[str | None] = [None] * len(node.inputs)
         weight = bias = None
-        quantized_slots = [] if id(node) in dpu_muls else policy.quantized_slots(len(node.inputs))
-        for slot in quantized_slots:
+        for slot in policy.quantized_slots(len(node.inputs)):
             value = node.inputs[slot]
             if value is None:
                 continue

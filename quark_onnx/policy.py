@@ -25,8 +25,8 @@ An :class:`OpPolicy` says, for one op type:
   a fusable producer.
 * ``dpu_scale_mul``: an average pool or HardSigmoid whose output feeds only a ``Mul`` by a scalar
   constant (the hardware factor written by the DPU simulation passes): the Mul is part of the op
-  on the NPU, so no Q/DQ sits between them and the factor stays a float constant (the form AMD
-  Quark writes and the checker reads).
+  on the NPU, so no Q/DQ sits between them (the output position is read after the Mul); the
+  factor itself is quantized like any constant Mul operand (an int8 weight with its own position).
 
 Ops without an entry stay float (the plan reports them).
 """

@@ -12,12 +12,12 @@ import onnx_ir as ir
 import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
-from quark_onnx.passes import InsertQDQ
 
 from quark_onnx import npu_rules as rules
 from quark_onnx import pof2
 from quark_onnx.config import QuantizationConfig
 from quark_onnx.constraints import solve_positions, verify
+from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan import build_plan
 
 F = TensorProto.FLOAT

@@ -169,8 +169,10 @@ def test_dpu_scale_mul_is_fused_into_the_pool():
         {"c": np.array(1.0048828125, dtype=np.float32)},
     )  # fmt: skip
     plan = build_plan(ir.serde.deserialize_model(proto), xint8())
-    assert list(plan.tensors) == ["x", "y"]  # no pair on g, the factor stays float
+    assert list(plan.tensors) == ["x", "c", "y"]  # no pair on g; the factor is an int8 weight
+    assert plan.tensors["c"].kind is TensorKind.WEIGHT
     assert plan.groups() == [("x", "y")]  # AlignPool: pool input = output (read after the Mul)
+    assert plan.nodes[0].fused_op == "Mul"
 
 
 @pytest.mark.parametrize("const_first", [False, True])

@@ -8,6 +8,7 @@ import onnx_ir as ir
 import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
+
 from quark_onnx.passes import (
     ConvertAvgPoolToDPUVersion,
     ConvertHardSigmoidToDPUVersion,

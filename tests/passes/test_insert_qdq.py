@@ -8,11 +8,11 @@ import onnx_ir as ir
 import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
-from quark_onnx.passes import InsertQDQ
 
 from quark_onnx import pof2
 from quark_onnx.config import QuantizationConfig
 from quark_onnx.enums import QuantType
+from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan import build_plan
 
 F = TensorProto.FLOAT
@@ -201,3 +201,68 @@ def test_cost_is_linear_in_the_number_of_pairs():
     chain(100)  # warm up
     small, large = chain(250), chain(2000)
     assert large < 8 * small * 3  # 8x the pairs: far below the 64x of a quadratic pass
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_digits_cnn_end_to_end_keeps_top1():
+    """plan -> NonOverflow positions from onnxruntime activations -> solve -> insert -> top-1."""
+    from conftest import shared_path
+
+    from quark_onnx.constraints import solve_positions
+    from quark_onnx.passes import (
+        ConvertAvgPoolToDPUVersion,
+        ConvertHardSigmoidToDPUVersion,
+        ConvertLeakyReluToDPUVersion,
+        MakeConvAttributesExplicit,
+    )
+    from quark_onnx.passes._graph import constant_array
+
+    proto = onnx.shape_inference.infer_shapes(onnx.load(shared_path("models", "digits_cnn.onnx")))
+    calib = np.load(shared_path("models", "digits_calib.npz"))["x"][:16]
+    test = np.load(shared_path("models", "digits_test.npz"))
+    model = ir.serde.deserialize_model(proto)
+    for simulate in (
+        MakeConvAttributesExplicit(),
+        ConvertLeakyReluToDPUVersion(),
+        ConvertHardSigmoidToDPUVersion(),
+        ConvertAvgPoolToDPUVersion(),
+    ):
+        simulate(model)
+    qc = config(RemoveQDQConvRelu=True, RemoveQDQConvClip=True, RemoveQDQConvLeakyRelu=True)
+    plan = build_plan(model, qc)
+    float_proto = ir.serde.serialize_model(model)
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(float_proto)
+    probe.graph.output.extend(
+        helper.make_tensor_value_info(t, F, None) for t in plan.activation_names() if t != "logits"
+    )
+    acts = dict(
+        zip([o.name for o in probe.graph.output], run_ort(probe, {"image": calib}), strict=True)
+    )
+    positions = {
+        t: pof2.nonoverflow_position(float(acts[t].min()), float(acts[t].max()))
+        for t in plan.activation_names()
+    }
+    constants = {}
+    for node in model.graph:
+        for v in node.inputs:
+            if v is not None and v.name in plan.tensors:
+                constants[v.name] = v
+    for t in plan.weight_names():
+        positions[t] = pof2.weight_position(constant_array(constants[t]), "NonOverflow")
+    for t in plan.bias_names():
+        positions[t] = pof2.bias_position(constant_array(constants[t]))
+    result = solve_positions(plan, positions)
+    assert result.ok, result.unfixable
+    InsertQDQ(plan, result.positions)(model)
+    quantized = ir.serde.serialize_model(model)
+    onnx.checker.check_model(quantized)
+
+    top1_float = float(
+        (run_ort(float_proto, {"image": test["x"]})[0].argmax(1) == test["y"]).mean()
+    )
+    top1 = float((run_ort(quantized, {"image": test["x"]})[0].argmax(1) == test["y"]).mean())
+    print(f"digits_cnn top-1: float {top1_float:.4f}, XINT8 {top1:.4f}")
+    assert top1 >= 0.98
