@@ -146,9 +146,12 @@ class _Solver:
         # which nodes read each variable; local = weight/bias variable read by exactly one node
         readers: dict[str, list[int]] = {}
         for i, node in enumerate(plan.nodes):
-            for t in {*(x for x in node.inputs if x is not None), node.output}:
+            touched = dict.fromkeys([*node.inputs, node.output])  # ordered: deterministic
+            for t in touched:
                 if t is not None and t in plan.tensors:
-                    readers.setdefault(self.var(t), []).append(i)
+                    var_readers = readers.setdefault(self.var(t), [])
+                    if not var_readers or var_readers[-1] != i:
+                        var_readers.append(i)
         self.readers = readers
         self.local = {
             v

@@ -345,3 +345,46 @@ def test_fixed_point_terminates_on_a_long_chain():
     assert result.visits < 20 * n
     _ = pof2  # positions stay integers inside the supported range
     assert all(pof2.POSITION_MIN <= p <= pof2.POSITION_MAX for p in result.positions.values())
+
+
+_DETERMINISM_SCRIPT = r"""
+import sys
+import numpy as np, onnx_ir as ir
+from onnx import TensorProto, helper
+sys.path.insert(0, sys.argv[1])
+from conftest import make_model
+from quark_onnx.config import QuantizationConfig
+from quark_onnx.constraints import solve_positions
+from quark_onnx.passes import InsertQDQ
+from quark_onnx.plan import build_plan
+vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])
+nodes = [helper.make_node("Add", ["a", "b"], ["c"], name="add"),
+         helper.make_node("Mul", ["c", "a"], ["d"], name="mul"),
+         helper.make_node("Concat", ["c", "d", "b"], ["e"], name="cat", axis=0),
+         helper.make_node("HardSigmoid", ["e"], ["y"], name="hs", alpha=1 / 6)]
+proto = make_model(nodes, [vi("a"), vi("b")], [helper.make_tensor_value_info("y", 1, [12])])
+qc = QuantizationConfig(); qc.enable_npu_cnn = True; qc.calibrate_method = "NonOverflow"
+model = ir.serde.deserialize_model(proto)
+plan = build_plan(model, qc)
+res = solve_positions(plan, {"a": 30, "b": 2, "c": 25, "d": -9, "e": 40, "y": 3})
+InsertQDQ(plan, res.positions)(model)
+sys.stdout.buffer.write(ir.serde.serialize_model(model).SerializeToString())
+"""
+
+
+def test_solve_and_insert_are_deterministic_across_processes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests_dir = str(Path(__file__).parent)
+    outputs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run(
+            [sys.executable, "-c", _DETERMINISM_SCRIPT, tests_dir],
+            capture_output=True, env=env, check=True,
+        )  # fmt: skip
+        outputs.append(run.stdout)
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 100
