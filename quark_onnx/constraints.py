@@ -28,8 +28,10 @@ The method.
    moving a *local* variable (a weight or bias read by that node only) up or down. The cost of a
    move is the increase of the members' quantization error (``errors[tensor](p)``); without
    ``errors`` it is the distance moved, with raising a position (which clips) 1000 times dearer
-   than lowering it and local moves preferred on ties (they disturb no other node). When a shared
-   variable is lowered the nodes reading it are queued again.
+   than lowering it and local moves preferred on ties (they disturb no other node). Errors are
+   compared only when every candidate move has an error function (the units must match);
+   otherwise all candidates use the distance cost. When a shared variable is lowered the nodes
+   reading it are queued again.
 
    Termination: shared variables only ever decrease, by at least 1 per move, and never below
    their floor (:data:`~quark_onnx.pof2.POSITION_MIN` or a hard bound), so there are at most
@@ -175,16 +177,17 @@ class _Solver:
         fns = [self.errors[m] for m in self.members[v] if m in self.errors]
         return sum(f(p) for f in fns) if fns else None
 
-    def move_cost(self, v: str, new: int) -> float:
+    def move_cost(self, v: str, new: int, exact: bool) -> float:
+        """Cost of moving ``v`` to ``new``: its error increase when ``exact``, else the distance
+        (raising, which clips, :data:`RAISE_PENALTY` times dearer than lowering)."""
         cur = self.value[v]
-        exact = self.group_cost(v, new)
-        if exact is not None:
-            base = exact - (self.group_cost(v, cur) or 0.0)
+        if exact:
+            base = (self.group_cost(v, new) or 0.0) - (self.group_cost(v, cur) or 0.0)
         else:
             d = new - cur
             base = -d if d < 0 else d * RAISE_PENALTY
         # ties: a local move disturbs no other node
-        return base + (0.0 if v in self.local else 1e-9 * abs(new - self.value[v]))
+        return base + (0.0 if v in self.local else 1e-9 * abs(new - cur))
 
     def set(self, v: str, new: int, rule: str, node: str) -> None:
         old = self.value[v]
@@ -442,7 +445,9 @@ class _Solver:
                 if not options:
                     given_up.add((idx, rule))
                     continue
-                best = min(options, key=lambda m: self.move_cost(m.var, m.new))
+                # errors are compared only when every candidate has them (same units)
+                exact = all(self.group_cost(m.var, m.new) is not None for m in options)
+                best = min(options, key=lambda m: self.move_cost(m.var, m.new, exact))
                 self.set(best.var, best.new, rule, node.name)
                 if best.var not in self.local:
                     for reader in self.readers.get(best.var, ()):

@@ -388,3 +388,13 @@ def test_solve_and_insert_are_deterministic_across_processes(tmp_path):
         )  # fmt: skip
         outputs.append(run.stdout)
     assert outputs[0] == outputs[1] and len(outputs[0]) > 100
+
+
+def test_errors_for_some_candidates_only_fall_back_to_distance():
+    # only the weight has an error function: its MSE must not be compared with the activation's
+    # distance cost (different units), so sc < 0 is fixed by lowering the output, never by
+    # raising (clipping) the weight
+    proto, plan, qc = conv_graph()
+    errors = {"W": lambda p: 1e-6 * abs(p - 3)}
+    _, p = solve_and_write(proto, plan, qc, {"x": 2, "W": 3, "y": 8, "B": 3}, errors)
+    assert (p["W"], p["y"]) == (3, 5)
