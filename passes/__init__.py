@@ -22,6 +22,7 @@ _PASSES = {
     "ConvertReduceMeanToGlobalAvgPool": "convert_reduce_mean_to_global_avg_pool",
     "SplitLargeKernelPool": "split_large_kernel_pool",
     "ConvertSplitToSlice": "convert_split_to_slice",
+    "RemoveInferenceDropout": "remove_inference_dropout",
     "CrossLayerEqualization": "cross_layer_equalization",
     # hardware simulation and legalization
     "ConvertLeakyReluToDPUVersion": "convert_leaky_relu_to_dpu_version",

@@ -10,6 +10,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
 
 ====  ==================================  ===============================================
  1    SimplifyWithOnnxsim                 ``qconfig.optimize_model``
+ 1b   RemoveInferenceDropout              always (inference Dropout is an identity)
  2    ConvertSplitToSlice                 ``ExtraOptions.ConvertSplitToSlice``
  3    ConvertBNToConv                     ``ExtraOptions.ConvertBNToConv``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
@@ -56,6 +57,7 @@ from quark_onnx.passes import (
     CrossLayerEqualization,
     FixInputShapes,
     MakeConvAttributesExplicit,
+    RemoveInferenceDropout,
     ReplaceClip6Relu,
     SimplifyWithOnnxsim,
     SplitLargeKernelPool,
@@ -84,6 +86,7 @@ def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[Q
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order."""
     chosen: list[tuple[bool, type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),
+        (True, RemoveInferenceDropout),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
         (options.ConvertBNToConv, ConvertBNToConv),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),

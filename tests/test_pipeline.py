@@ -13,11 +13,11 @@ from conftest import make_model, shared_path
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
-from quark_onnx.passes.base import QuarkPass
 
 from quark_onnx import PassError, QuantizationConfig, get_default_config
 from quark_onnx.model_io import load_ir, upgrade
 from quark_onnx.options import ExtraOptions
+from quark_onnx.passes.base import QuarkPass
 from quark_onnx.pipeline import (
     GraphCleanup,
     PipelineReport,
@@ -28,6 +28,7 @@ from quark_onnx.pipeline import (
 
 ALL_PREPARE = [
     "SimplifyWithOnnxsim",
+    "RemoveInferenceDropout",
     "ConvertSplitToSlice",
     "ConvertBNToConv",
     "ReplaceClip6Relu",
@@ -55,6 +56,7 @@ def test_xint8_pipeline_order():
     qconfig, options = _xint8()
     assert _names(prepare_passes(qconfig, options)) == [
         "SimplifyWithOnnxsim",
+        "RemoveInferenceDropout",
         "ConvertSplitToSlice",
         "ConvertBNToConv",
         "ConvertReduceMeanToGlobalAvgPool",
@@ -67,7 +69,7 @@ def test_xint8_pipeline_order():
 def test_every_switch_is_honoured():
     qconfig, options = _xint8(ReplaceClip6Relu=True, ConvertClipToRelu=True)
     assert _names(prepare_passes(qconfig, options)) == ALL_PREPARE
-    for i, name in enumerate(ALL_PREPARE[1:-1], start=1):
+    for i, name in enumerate(ALL_PREPARE[2:-1], start=2):  # RemoveInferenceDropout: always on
         _, off = _xint8(**{"ReplaceClip6Relu": True, "ConvertClipToRelu": True, name: False})
         assert _names(prepare_passes(qconfig, off)) == ALL_PREPARE[:i] + ALL_PREPARE[i + 1 :]
     qconfig.optimize_model = False
