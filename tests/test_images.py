@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import make_model, shared_path
 from onnx import TensorProto, helper
 
 from quark_onnx.errors import CalibrationError, ConfigError
@@ -37,7 +38,6 @@ from quark_onnx.images import (
     list_image_files,
     make_preprocess_session,
 )
-from tests.conftest import make_model, shared_path
 
 SQUEEZENET_SPEC = "resize=256,crop=224,mean=104;117;123,std=1;1;1,scale=1,order=BGR,layout=NCHW"
 MOBILENETV2_SPEC = (
