@@ -39,6 +39,9 @@ _LAZY = {
     "NpzDataReader": "quark_onnx.calibration.readers",
     "ArrayDataReader": "quark_onnx.calibration.readers",
     "RandomDataReader": "quark_onnx.calibration.readers",
+    "ImageFolderDataReader": "quark_onnx.images",
+    "PreprocessSpec": "quark_onnx.images",
+    "CalibrationResult": "quark_onnx.calibration.result",
 }
 
 __all__ = [

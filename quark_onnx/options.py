@@ -161,6 +161,16 @@ class ExtraOptions:
         2e-7, "Cross-layer equalization: stop when the total range change is below this."
     )
     CLEScaleAppendBias: bool = _opt(True, "Cross-layer equalization: include biases in ranges.")
+    AccuracySamples: int = _opt(
+        32,
+        "Calibration samples kept in memory for bias correction, AdaRound and the per-layer "
+        "error analysis (the first ones the reader yields).",
+    )
+    LayerErrorAnalysis: bool = _opt(
+        False,
+        "Measure the SQNR of every quantized tensor against the float model on the kept "
+        "samples and put it in the report, worst first.",
+    )
     FastFinetune: dict = _opt(
         {}, "AdaRound settings: NumIterations, NumBatches, LearningRate, TimeBudgetPerLayer."
     )

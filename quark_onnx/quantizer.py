@@ -98,7 +98,9 @@ class ModelQuantizer:
                 proto = model_io.load_model(model_input)
             model = model_io.to_ir(proto)
 
-        reader = _make_reader(calibration_data_reader, calibration_data_path, options)
+        reader = _make_reader(
+            calibration_data_reader, calibration_data_path, options, keep=self._samples_to_keep()
+        )
         sample = reader.peek() if reader is not None else None
         with _stage(report, "prepare"):
             report.passes = self._prepare(model, sample)
@@ -140,6 +142,27 @@ class ModelQuantizer:
             from quark_onnx.passes.insert_qdq import InsertQDQ
 
             InsertQDQ(plan, solved.positions)(model)
+
+        samples = reader.kept if reader is not None else []
+        if self.qconfig.include_fast_ft:
+            with _stage(report, "adaround"):
+                from quark_onnx.accuracy.adaround import adaround
+
+                report.adaround = adaround(
+                    prepared, model, samples, plan, solved.positions, options
+                )
+        if self.qconfig.include_bias_correction:
+            with _stage(report, "bias_correction"):
+                from quark_onnx.accuracy.bias_correction import correct_bias
+
+                report.bias_correction = correct_bias(
+                    prepared, model, samples, plan, solved.positions, options
+                )
+        if options.LayerErrorAnalysis and samples:
+            with _stage(report, "error_analysis"):
+                from quark_onnx.accuracy.error_analysis import layer_errors
+
+                report.layer_errors = layer_errors(prepared, model, samples, plan)
         with _stage(report, "finalize"):
             from quark_onnx.pipeline import finalize_passes, run_passes
 
@@ -164,6 +187,16 @@ class ModelQuantizer:
         return quantized
 
     # -- stages -------------------------------------------------------------------------------
+
+    def _samples_to_keep(self) -> int:
+        """Calibration samples kept in memory for the stages that need data after calibration."""
+        if not (
+            self.qconfig.include_fast_ft
+            or self.qconfig.include_bias_correction
+            or self.options.LayerErrorAnalysis
+        ):
+            return 0
+        return self.options.AccuracySamples
 
     def _prepare(self, model: Any, sample: dict[str, np.ndarray] | None) -> list[dict]:
         from quark_onnx.pipeline import quantize_passes, run_passes
@@ -236,12 +269,21 @@ def _constant_arrays(model: Any) -> dict[str, np.ndarray]:
 
 
 class _PeekableReader:
-    """Wraps a calibration reader so the first sample can be looked at without losing it."""
+    """Wraps a calibration reader: the first sample can be looked at without losing it, and the
+    first ``keep`` samples are kept (bounded memory) for the stages that run after calibration
+    (bias correction, AdaRound, error analysis)."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, keep: int = 0) -> None:
         self._reader = reader
         self._first: dict[str, np.ndarray] | None = None
         self._peeked = False
+        self._keep = keep
+        self.kept: list[dict[str, np.ndarray]] = []
+
+    def _remember(self, feed: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+        if feed is not None and len(self.kept) < self._keep:
+            self.kept.append({k: np.array(v, copy=True) for k, v in feed.items()})
+        return feed
 
     def peek(self) -> dict[str, np.ndarray] | None:
         if not self._peeked:
@@ -253,12 +295,12 @@ class _PeekableReader:
         if self._peeked:
             self._peeked = False
             first, self._first = self._first, None
-            return first
-        return self._reader.get_next()
+            return self._remember(first)
+        return self._remember(self._reader.get_next())
 
 
 def _make_reader(
-    reader: Any, npz_path: str | os.PathLike | None, options: ExtraOptions
+    reader: Any, npz_path: str | os.PathLike | None, options: ExtraOptions, keep: int = 0
 ) -> _PeekableReader | None:
     from quark_onnx.calibration import ArrayDataReader, NpzDataReader
 
@@ -275,7 +317,7 @@ def _make_reader(
             f"calibration_data_reader must have get_next() (onnxruntime's "
             f"CalibrationDataReader protocol); got {type(reader).__name__}"
         )
-    return _PeekableReader(reader)
+    return _PeekableReader(reader, keep=keep)
 
 
 @contextmanager

@@ -26,6 +26,8 @@ class QuantizationReport:
     adjustments: list[dict[str, Any]] = field(default_factory=list)
     unfixable: list[str] = field(default_factory=list)
     layer_errors: list[dict[str, Any]] = field(default_factory=list)
+    bias_correction: dict[str, Any] = field(default_factory=dict)
+    adaround: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 

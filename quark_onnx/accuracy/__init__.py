@@ -1,0 +1,1 @@
+"""Accuracy recovery under NPU constraints: bias correction, AdaRound, per-layer error analysis."""
