@@ -4,17 +4,18 @@ For every convolution whose weights CLE rewrote, prints:
 
 * ``spread``: ``max_c r_c / min_c r_c`` over the output channels (``r_c = max |W[c]|``);
 * ``SQNR``: ``10 log10(sum w^2 / sum (w - Q(w))^2)`` of the whole tensor, ``Q`` = per-tensor int8
-  power-of-two NonOverflow quantization (the NPU's weight format): the smallest ``s = 2^k`` with
-  ``[-128 s, 127 s]`` covering ``[min w, max w]``, then
-  ``clip(round_half_even(w / s), -128, 127) * s``;
+  power-of-two quantization (the NPU's weight format) at the NonOverflow position
+  (:func:`quark_onnx.pof2.nonoverflow_position`: the finest ``s = 2^-p`` at which
+  ``clip(round_half_even(w / s), -128, 127)`` does not saturate);
 * ``chSQNR``: the mean over output channels of the same ratio taken per channel, which shows the
   narrow channels that a per-tensor scale rounds away.
 
 and, end to end, the logits of the model whose Conv/Gemm/MatMul weights (only) are quantized that
-way, against the float logits: SQNR in dB, agreement of the top-1 class with the float model and,
-with labels, top-1 accuracy. Variants: the model as given (ReLU6, no CLE possible through it), the
-model after ReplaceClip6Relu (the float reference of the CLE variants), and CLE with 1 step and
-until convergence.
+way (NonOverflow, and MinMSE, XINT8's default weight method), against the float logits: SQNR in
+dB, agreement of the top-1 class with the float model and, with labels, top-1 accuracy.
+Variants: the model as given (ReLU6, no CLE possible through it), the model after
+ReplaceClip6Relu (the float reference of the CLE variants), and CLE with 1 step and until
+convergence.
 
 Usage (project venv)::
 
@@ -37,6 +38,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+
+from quark_onnx import pof2
+from quark_onnx.enums import PowerOfTwoMethod
 from quark_onnx.passes import CrossLayerEqualization, ReplaceClip6Relu
 from quark_onnx.passes.cross_layer_equalization import channel_range_spread
 
@@ -45,14 +49,9 @@ DEFAULT_MODEL = (
 )
 
 
-def pof2_quantize(w: np.ndarray) -> np.ndarray:
-    """Per-tensor int8 power-of-two NonOverflow quantize-dequantize (see the module docstring)."""
-    w = w.astype(np.float64)
-    need = max(float(w.max()) / 127.0, float(-w.min()) / 128.0)
-    if need <= 0:
-        return w
-    s = 2.0 ** np.ceil(np.log2(need))
-    return np.clip(np.round(w / s), -128, 127) * s
+def pof2_quantize(w: np.ndarray, method: PowerOfTwoMethod) -> np.ndarray:
+    """Per-tensor int8 power-of-two quantize-dequantize at the ``method`` position."""
+    return pof2.fake_quant(w, pof2.weight_position(w, method))
 
 
 def sqnr_db(ref: np.ndarray, err: np.ndarray) -> float:
@@ -62,7 +61,7 @@ def sqnr_db(ref: np.ndarray, err: np.ndarray) -> float:
 
 
 def weight_stats(w: np.ndarray) -> dict[str, float]:
-    q = pof2_quantize(w)
+    q = pof2_quantize(w, PowerOfTwoMethod.NonOverflow)
     flat, qflat = w.reshape(w.shape[0], -1), q.reshape(w.shape[0], -1)
     per_channel = [sqnr_db(a, a - b) for a, b in zip(flat, qflat, strict=True) if np.any(a)]
     finite = [v for v in per_channel if np.isfinite(v)]
@@ -85,14 +84,16 @@ def conv_weights(model: onnx.ModelProto) -> dict[str, tuple[str, int, np.ndarray
     return out
 
 
-def quantize_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+def quantize_weights(model: onnx.ModelProto, method: PowerOfTwoMethod) -> onnx.ModelProto:
     """A copy whose Conv/Gemm/MatMul initializer weights are per-tensor pof2 quantized."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     names = {n.input[1] for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")}
     for t in model.graph.initializer:
         if t.name in names:
             w = onnx.numpy_helper.to_array(t)
-            t.CopyFrom(onnx.numpy_helper.from_array(pof2_quantize(w).astype(w.dtype), t.name))
+            t.CopyFrom(
+                onnx.numpy_helper.from_array(pof2_quantize(w, method).astype(w.dtype), t.name)
+            )
     return model
 
 
@@ -186,17 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     ):
         ref = run(reference, x)
         flt = run(float_model, x)
-        quant = run(quantize_weights(float_model), x)
-        entry = {
-            "float_rel_diff": float(np.abs(flt - ref).max() / np.abs(ref).max()),
-            "logits_sqnr_db": sqnr_db(ref, quant - ref),
-            "top1_agreement": float(np.mean(quant.argmax(1) == ref.argmax(1))),
-        }
+        entry = {"float_rel_diff": float(np.abs(flt - ref).max() / np.abs(ref).max())}
         if y is not None:
             entry["float_top1"] = float(np.mean(flt.argmax(1) == y))
-            entry["quant_top1"] = float(np.mean(quant.argmax(1) == y))
+        for method in (PowerOfTwoMethod.NonOverflow, PowerOfTwoMethod.MinMSE):
+            quant = run(quantize_weights(float_model, method), x)
+            tag = method.name
+            entry[f"{tag}_logits_sqnr_db"] = sqnr_db(ref, quant - ref)
+            entry[f"{tag}_top1_agreement"] = float(np.mean(quant.argmax(1) == ref.argmax(1)))
+            if y is not None:
+                entry[f"{tag}_top1"] = float(np.mean(quant.argmax(1) == y))
         end_to_end[label] = entry
-        print(f"  {label:<34} " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
+        print(f"  {label}:\n    " + ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
     if args.json:
         args.json.write_text(
             json.dumps({"layers": rows, "summary": summary, "end_to_end": end_to_end}, indent=1)

@@ -82,10 +82,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
-from quark_onnx.passes.base import QuarkPass
 
 from quark_onnx.errors import ConfigError
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,11 @@ def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
     return weight.reshape(group, c_out // group, cpg, -1)
 
 
+def _label(node: ir.Node) -> str:
+    """The node's name, or ``<op>:<first output name>`` for an unnamed node."""
+    return node.name or f"{node.op_type}:{node.outputs[0].name}"
+
+
 def _is_float_array(array: np.ndarray | None) -> bool:
     return array is not None and array.dtype in _FLOAT_DTYPES
 
@@ -197,12 +202,12 @@ def _is_homogeneous_bound(node: ir.Node, index: int, attr: str) -> bool | None:
 def _homogeneity_problem(node: ir.Node) -> str | None:
     """None if ``node`` is per-channel and positively homogeneous in input 0, else the reason."""
     if node.domain not in ("", "ai.onnx"):
-        return f"{node.op_type} {node.name!r} is not a known positively homogeneous op"
+        return f"{node.op_type} {_label(node)!r} is not a known positively homogeneous op"
     op = node.op_type
     extra_outputs_used = any(out.uses() or out.is_graph_output() for out in node.outputs[1:])
     if op in _ALWAYS_HOMOGENEOUS or op == "MaxPool":
         if extra_outputs_used:
-            return f"{op} {node.name!r} has a second output in use"
+            return f"{op} {_label(node)!r} has a second output in use"
         return None
     if op == "Clip":
         lo = _is_homogeneous_bound(node, 1, "min")
@@ -210,9 +215,9 @@ def _homogeneity_problem(node: ir.Node) -> str | None:
         if lo and hi:
             return None
         if lo is None or hi is None:
-            return f"Clip {node.name!r} has a bound that is not a constant scalar"
+            return f"Clip {_label(node)!r} has a bound that is not a constant scalar"
         return (
-            f"Clip {node.name!r} has a finite non-zero bound (ReLU6?) and is not positively "
+            f"Clip {_label(node)!r} has a finite non-zero bound (ReLU6?) and is not positively "
             "homogeneous; enable ReplaceClip6Relu to equalize through ReLU6"
         )
     if op == "Pad":
@@ -220,31 +225,31 @@ def _homogeneity_problem(node: ir.Node) -> str | None:
         if mode != "constant":
             return None
         if node.attributes.get_float("value", 0.0) != 0.0:  # opset < 11
-            return f"Pad {node.name!r} pads with a non-zero value"
+            return f"Pad {_label(node)!r} pads with a non-zero value"
         if len(node.inputs) > 2 and node.inputs[2] is not None:
             value = constant_array(node.inputs[2])
             if value is None or np.any(value != 0):
-                return f"Pad {node.name!r} pads with a non-zero or non-constant value"
+                return f"Pad {_label(node)!r} pads with a non-zero or non-constant value"
         return None
-    return f"{op} {node.name!r} is not a known positively homogeneous op"
+    return f"{op} {_label(node)!r} is not a known positively homogeneous op"
 
 
 def _conv_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | str:
     """The constant float weight and bias of a Conv, or the reason they cannot be rewritten."""
     if len(node.inputs) < 2 or node.inputs[1] is None:
-        return f"Conv {node.name!r} has no weight input"
+        return f"Conv {_label(node)!r} has no weight input"
     w_value = node.inputs[1]
     if w_value.is_graph_input():
-        return f"Conv {node.name!r} weight {w_value.name!r} is a graph input (not constant)"
+        return f"Conv {_label(node)!r} weight {w_value.name!r} is a graph input (not constant)"
     weight = constant_array(w_value)
     if not _is_float_array(weight) or weight.ndim < 3:
-        return f"Conv {node.name!r} weight {w_value.name!r} is not a constant float tensor"
+        return f"Conv {_label(node)!r} weight {w_value.name!r} is not a constant float tensor"
     bias = None
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         b_value = node.inputs[2]
         bias = None if b_value.is_graph_input() else constant_array(b_value)
         if not _is_float_array(bias) or bias.shape != (weight.shape[0],):
-            return f"Conv {node.name!r} bias {b_value.name!r} is not a constant float vector"
+            return f"Conv {_label(node)!r} bias {b_value.name!r} is not a constant float vector"
     return weight, bias
 
 
@@ -281,8 +286,9 @@ class CrossLayerEqualization(QuarkPass):
             (``ExtraOptions.CLEScaleAppendBias``), so a large bias is not inflated by ``1/s_i``.
         max_scale: the cumulative factor at each channel boundary stays in
             ``[1/max_scale, max_scale]``; ``None`` for no bound.
-        pairs: ``(first conv name, second conv name)`` pairs to equalize; ``None`` for all
-            eligible pairs. Named pairs that are not eligible are logged and listed as skipped.
+        pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
+            nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
+            eligible are logged and listed as skipped.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
     per-weight channel range spread before and after.
@@ -340,13 +346,13 @@ class CrossLayerEqualization(QuarkPass):
                 continue
             result = self._follow(node)
             if isinstance(result, str):
-                report.skipped.append(SkippedPair(node.name or "", result))
-                logger.debug("CLE: no pair from %s: %s", node.name, result)
+                report.skipped.append(SkippedPair(_label(node), result))
+                logger.debug("CLE: no pair from %s: %s", _label(node), result)
                 continue
             second, through, first_arrays, second_arrays = result
             if self.pairs is not None and (node.name, second.name) not in self.pairs:
                 report.skipped.append(
-                    SkippedPair(node.name or "", f"pair with {second.name!r} not selected")
+                    SkippedPair(_label(node), f"pair with {_label(second)!r} not selected")
                 )
                 continue
             first_layer = layer(node, first_arrays)
@@ -381,7 +387,7 @@ class CrossLayerEqualization(QuarkPass):
                 return f"{value.name!r} has {len(uses)} readers (needs exactly one)"
             consumer, index = uses[0].node, uses[0].idx
             if index != 0:
-                return f"{value.name!r} is input {index} of {consumer.op_type} {consumer.name!r}"
+                return f"{value.name!r} is input {index} of {consumer.op_type} {_label(consumer)!r}"
             if consumer.op_type == "Conv" and consumer.domain in ("", "ai.onnx"):
                 break
             problem = _homogeneity_problem(consumer)
@@ -403,7 +409,7 @@ class CrossLayerEqualization(QuarkPass):
         w2 = second_arrays[0]
         if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
             return (
-                f"Conv {second.name!r} (group {group}, weight {w2.shape}) does not read "
+                f"Conv {_label(second)!r} (group {group}, weight {w2.shape}) does not read "
                 f"{channels} channels"
             )
         return second, tuple(through), first_arrays, second_arrays
@@ -477,7 +483,7 @@ class CrossLayerEqualization(QuarkPass):
             if layer.bias is not None:
                 self._store(graph, layer.node, 2, layer.bias.astype(dtype), names)
             report.spreads.append(
-                RangeSpread(layer.node.name or "", w_name, before, channel_range_spread(weight))
+                RangeSpread(_label(layer.node), w_name, before, channel_range_spread(weight))
             )
 
     # ------------------------------------------------------------------------------ pass entry
@@ -487,8 +493,7 @@ class CrossLayerEqualization(QuarkPass):
         self.report = report
         pairs = self._find_pairs(model.graph, report)
         report.pairs = [
-            EqualizedPair(p.first.node.name or "", p.second.node.name or "", p.through)
-            for p in pairs
+            EqualizedPair(_label(p.first.node), _label(p.second.node), p.through) for p in pairs
         ]
         if not pairs or self.steps == 0:
             report.converged = not pairs

@@ -8,6 +8,10 @@ import onnx_ir as ir
 import pytest
 from conftest import make_model, run_ort, shared_path
 from onnx import TensorProto, helper
+
+from quark_onnx import pof2
+from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx.errors import ConfigError
 from quark_onnx.passes import CrossLayerEqualization
 from quark_onnx.passes.cross_layer_equalization import (
     RANGE_MAX_KEY,
@@ -15,8 +19,6 @@ from quark_onnx.passes.cross_layer_equalization import (
     input_channel_ranges,
     output_channel_ranges,
 )
-
-from quark_onnx.errors import ConfigError
 
 RTOL = 1e-4  # max |new - old| / max |old| over the model's outputs
 
@@ -397,16 +399,33 @@ def _mobilenetv2_relu() -> onnx.ModelProto:
 
 
 def _pof2_quantize(w: np.ndarray) -> np.ndarray:
-    """Per-tensor int8 power-of-two NonOverflow: smallest ``s = 2^k`` with ``[-128 s, 127 s]``
-    covering ``[min w, max w]``, then ``clip(round_half_even(w / s), -128, 127) * s``."""
-    need = max(float(w.max()) / 127.0, float(-w.min()) / 128.0)
-    s = 2.0 ** np.ceil(np.log2(need))
-    return np.clip(np.round(w / s), -128, 127) * s
+    """Per-tensor int8 power-of-two quantize-dequantize at the NonOverflow position."""
+    return pof2.fake_quant(w, pof2.weight_position(w, PowerOfTwoMethod.NonOverflow))
 
 
 def _sqnr_db(w: np.ndarray) -> float:
     w = w.astype(np.float64)
     return float(10 * np.log10(np.sum(w**2) / np.sum((w - _pof2_quantize(w)) ** 2)))
+
+
+@pytest.mark.real_model
+def test_digits_cnn_after_bn_folding_keeps_outputs_and_accuracy():
+    """The prepare passes a ReLU6 network needs before CLE, then CLE until converged."""
+    from quark_onnx.passes import ConvertBNToConv, ReplaceClip6Relu
+
+    model = ir.load(shared_path("models", "digits_cnn.onnx"))
+    for prepare in (ConvertBNToConv(), ReplaceClip6Relu()):
+        model = prepare(model).model
+    reference = ir.to_proto(model)
+    out, cle, modified = _apply(reference, steps=-1)
+    assert modified and cle.report.converged
+    # expand -> dw -> project in 4 blocks, squeeze-excite fc1 -> fc2 in 2 (see GUIDE section 4)
+    assert len(cle.report.pairs) == 8
+    data = np.load(shared_path("models", "digits_test.npz"))
+    x, y = data["x"][:256].astype(np.float32), data["y"][:256]
+    ref, got = run_ort(reference, {"image": x})[0], run_ort(out, {"image": x})[0]
+    assert np.abs(got - ref).max() / np.abs(ref).max() <= RTOL
+    assert np.mean(got.argmax(1) == y) == np.mean(ref.argmax(1) == y)
 
 
 @pytest.fixture(scope="module")
