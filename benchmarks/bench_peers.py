@@ -154,7 +154,10 @@ def quantize(tool: Tool, model: str, own_python: str, timeout_s: float) -> dict[
         str(res_path),
     ]
     load_before = os.getloadavg()[0]
-    run = common.run_measured(cmd, timeout_s=timeout_s, cwd=common.REPO_DIR)
+    # the tool's working directory is a scratch folder: Quark drops quantized_info.csv there
+    workdir = common.OUT_DIR / tool.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = common.run_measured(cmd, timeout_s=timeout_s, cwd=workdir)
     rec: dict[str, Any] = {
         "ok": False,
         "load_avg_1min_before": round(load_before, 2),
@@ -204,8 +207,15 @@ def evaluate(path: Path, model: str, float_eval: dict[str, Any] | None) -> dict[
 
     outputs = common.model_outputs(path, model)
     rec: dict[str, Any] = {"top1": common.accuracy(outputs, model)}
-    rec["latency_ms"] = round(common.latency_ms(path, model), 3)
-    if float_eval is not None:
+    if float_eval is None:
+        rec["latency_ms"] = round(common.latency_ms([path], model)[0], 3)
+        rec["outputs"] = outputs
+    else:
+        spec = common.MODELS[model]
+        q_ms, f_ms = common.latency_ms([path, spec.float_path], model)
+        rec["latency_ms"] = round(q_ms, 3)
+        rec["float_latency_ms"] = round(f_ms, 3)
+        rec["latency_ratio"] = round(q_ms / f_ms, 3)
         ref = float_eval["outputs"]
         rec["sqnr_db"] = round(common.sqnr_db(ref, outputs), 2)
         if rec["top1"] is not None:
@@ -216,9 +226,6 @@ def evaluate(path: Path, model: str, float_eval: dict[str, Any] | None) -> dict[
                     == outputs.reshape(len(outputs), -1).argmax(1)
                 )
             )
-        rec["latency_ratio"] = round(rec["latency_ms"] / float_eval["latency_ms"], 3)
-    else:
-        rec["outputs"] = outputs
     return rec
 
 
@@ -251,12 +258,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"{meta['machine']['memory_gb']} GiB, {meta['machine']['os']}, "
         f"Python {meta['machine']['python']}",
         f"- command: `{meta['command']}`",
-        f"- total wall time: {meta['total_s']:.0f} s",
+        f"- total wall time: {meta['total_s']:.0f} s; quantization runs per tool and model: "
+        f"{meta.get('repeat', 1)} (the fastest is reported)",
         f"- JPEG decoding: {meta.get('decoder', 'Pillow')} (short side 256 bilinear, centre "
         "crop 224), cached once as float32 .npy so every tool reads identical inputs",
         "- evaluation runtime (all tools): onnxruntime "
         f"{meta['eval_onnxruntime']} CPU; latency = median of 30 batch-1 runs, 1 intra-op "
-        "thread, ORT_ENABLE_ALL",
+        "thread, ORT_ENABLE_ALL; each quantized model is timed interleaved with its float model "
+        "and latency / float is that pair's ratio",
         "",
         "## Versions",
         "",
@@ -428,7 +437,9 @@ def plot(results_path: Path, png: Path) -> None:
                 fontsize=7,
             )
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.margins(x=0.3, y=0.2)
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("quantization time (s, log)")
         ax.set_ylabel(
@@ -500,6 +511,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "meta": {
             "name": args.name,
+            "repeat": args.repeat,
             "machine": common.machine_info(),
             "command": " ".join([Path(own_python).as_posix(), *sys.argv]),
             "decoder": decoder,
@@ -539,6 +551,8 @@ def run(args: argparse.Namespace) -> int:
                 continue
             log(f"{model}: quantizing with {tool.name}")
             rec = quantize(tool, model, own_python, args.timeout)
+            if rec.get("ok") and args.repeat > 1:
+                rec = _best_of(rec, tool, model, own_python, args)
             if rec.get("ok"):
                 try:
                     rec.update(evaluate(common.REPO_DIR / rec["output"], model, float_eval))
@@ -577,6 +591,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _best_of(
+    first: dict[str, Any], tool: Tool, model: str, own_python: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Repeat a successful quantization; keep the fastest run, list every run's time and RSS."""
+    runs = [first]
+    for _ in range(args.repeat - 1):
+        rec = quantize(tool, model, own_python, args.timeout)
+        if rec.get("ok"):
+            runs.append(rec)
+    best = dict(min(runs, key=lambda r: r["quant_s"]))
+    # the kept run's output file is the last one written; all runs produce the same model
+    best["quant_s_runs"] = [round(r["quant_s"], 3) for r in runs]
+    best["quant_cpu_s_runs"] = [round(r.get("quant_cpu_s", 0.0), 3) for r in runs]
+    best["peak_rss_mb_runs"] = [r["peak_rss_mb"] for r in runs]
+    best["quant_cpu_s"] = min(r.get("quant_cpu_s", math.inf) for r in runs)
+    return best
+
+
 def _pillow_version(python: str) -> str:
     proc = subprocess.run(
         [python, "-c", "import PIL; print(PIL.__version__)"], capture_output=True, text=True
@@ -600,6 +632,12 @@ def main() -> int:
     )
     p.add_argument("--name", default="benchmark", help="results/<name>.{json,md,png}")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per tool and model")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="quantize N times per tool and model, report the fastest (for a busy machine)",
+    )
     p.add_argument("--no-setup", action="store_true", help="do not run peers/setup_envs.sh")
     p.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "PNG"), help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -29,7 +29,8 @@ Measures:
 * SQNR (dB) of an output against the float model's output on the same inputs:
   ``10 log10(sum(ref^2) / sum((ref - out)^2))``.
 * latency: median wall time of ``session.run`` on one batch-1 input, onnxruntime CPU,
-  one intra-op thread, full graph optimisation (so QDQ pairs fuse into int8 kernels).
+  one intra-op thread, full graph optimisation (so QDQ pairs fuse into int8 kernels); the
+  quantized and the float model are timed interleaved, and the ratio is taken from that pair.
 * peak RSS: ``ru_maxrss`` of the child process, read with ``os.wait4`` when it exits.
 """
 
@@ -503,20 +504,26 @@ def accuracy(outputs: np.ndarray, model: str) -> float | None:
     return float(np.mean(pred == y))
 
 
-def latency_ms(path: Path, model: str, warmup: int = 5, runs: int = 30) -> float:
-    """Median latency (ms) of one batch-1 inference, onnxruntime CPU, one intra-op thread."""
+def latency_ms(paths: list[Path], model: str, warmup: int = 5, runs: int = 30) -> list[float]:
+    """Median latency (ms) of one batch-1 inference of each model, onnxruntime CPU, 1 thread.
+
+    The models' runs are interleaved (A B A B ...), so a change in the machine's load during
+    the measurement affects all of them alike and their ratio stays meaningful.
+    """
     spec = MODELS[model]
     x = np.load(spec.eval_x_path, mmap_mode="r")
     feed = {spec.input_name: np.ascontiguousarray(x[0:1])}
-    sess = _session(path, threads=1)
-    for _ in range(warmup):
-        sess.run(None, feed)
-    times = []
+    sessions = [_session(path, threads=1) for path in paths]
+    for sess in sessions:
+        for _ in range(warmup):
+            sess.run(None, feed)
+    times: list[list[float]] = [[] for _ in sessions]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1000.0)
+        for i, sess in enumerate(sessions):
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t) * 1000.0) for t in times]
 
 
 def machine_info() -> dict[str, Any]:
