@@ -190,6 +190,11 @@ class ArrayDataReader:
         """Number of feeds this reader yields."""
         return -(-self._length // self.batch_size)
 
+    @property
+    def num_samples(self) -> int | None:
+        """Samples in the stacked arrays (None for a list of feeds, whose rows are not known)."""
+        return self._length if self._stacked is not None else None
+
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._index >= self._length:
             return None
