@@ -49,6 +49,13 @@ def _is_static(shape: ir.Shape | None) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape)
 
 
+def _all_values(graph: ir.Graph) -> list[ir.Value]:
+    values = list(graph.inputs)
+    for node in graph:
+        values.extend(node.outputs)
+    return values
+
+
 class FixInputShapes(QuarkPass):
     """Make graph input shapes static (see the module docstring)."""
 
@@ -89,23 +96,34 @@ class FixInputShapes(QuarkPass):
                 f"FixShapes names {unknown} which are not graph inputs (inputs: {sorted(names)})"
             )
         changed = False
+        symbols: dict[str, int] = {}  # symbolic dim name -> the size it now has
         for value in graph.inputs:
             new = self._new_shape(value)
-            if new is not None and (value.shape is None or list(value.shape) != new):
-                value.shape = ir.Shape(new)
-                changed = True
+            if new is None or (value.shape is not None and list(value.shape) == new):
+                continue
+            if value.shape is not None:
+                for have, want in zip(value.shape, new, strict=True):
+                    if isinstance(have, ir.SymbolicDim) and have.value is not None:
+                        symbols[have.value] = want
+            value.shape = ir.Shape(new)
+            changed = True
         if not changed:
             return ir.passes.PassResult(model, modified=False)
-        # Forget every derived shape that is not static, then infer them again from the inputs.
-        for node in graph:
-            for out in node.outputs:
-                if not _is_static(out.shape):
-                    out.shape = None
+        # Every other value that carries one of those symbols (the batch dimension of outputs and
+        # intermediates) gets the same size; then shape inference fills in what it can.
+        for value in _all_values(graph):
+            if value.shape is None or not symbols:
+                continue
+            dims = [
+                symbols.get(d.value, d) if isinstance(d, ir.SymbolicDim) else d for d in value.shape
+            ]
+            if dims != list(value.shape):
+                value.shape = ir.Shape(dims)
+        try:
+            ShapeInferencePass()(model)
+        except Exception as exc:  # onnx shape inference raises its own error types
+            logger.warning("shape inference after fixing input shapes failed: %s", exc)
         for out in graph.outputs:
-            if not _is_static(out.shape):
-                out.shape = None
-        ShapeInferencePass()(model)
-        for out in graph.outputs:
-            if not _is_static(out.shape):
+            if out.shape is not None and not _is_static(out.shape):
                 logger.warning("output %r still has a non-static shape %s", out.name, out.shape)
         return ir.passes.PassResult(model, modified=True)

@@ -14,6 +14,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  2    ConvertSplitToSlice                 ``ExtraOptions.ConvertSplitToSlice``
  3    ConvertBNToConv                     ``ExtraOptions.ConvertBNToConv``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
+ 4b   CrossLayerEqualization              ``qconfig.include_cle``
  5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
  6    ConvertReduceMeanToGlobalAvgPool    ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
  7    SplitLargeKernelPool                ``ExtraOptions.SplitLargeKernelPool``
@@ -83,19 +84,31 @@ class GraphCleanup(QuarkPass):
 
 
 def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
-    """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order."""
-    chosen: list[tuple[bool, type[QuarkPass]]] = [
+    """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
+
+    Cross-layer equalization (``include_cle``) runs right after ReplaceClip6Relu — ReLU6 blocks it,
+    plain Relu does not — and before ConvertClipToRelu, whose range cap it must not rescale.
+    """
+    cle = CrossLayerEqualization(
+        steps=options.CLESteps,
+        threshold=options.CLETotalLayerDiffThreshold,
+        scale_append_bias=options.CLEScaleAppendBias,
+    )
+    chosen: list[tuple[bool, QuarkPass | type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),
         (True, RemoveInferenceDropout),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
         (options.ConvertBNToConv, ConvertBNToConv),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
+        (qconfig.include_cle, cle),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),
         (options.ConvertSigmoidToHardSigmoid, ConvertSigmoidToHardSigmoid),
     ]
-    passes: list[QuarkPass] = [cls() for enabled, cls in chosen if enabled]
+    passes: list[QuarkPass] = [
+        p if isinstance(p, QuarkPass) else p() for enabled, p in chosen if enabled
+    ]
     passes.append(GraphCleanup())
     return passes
 
@@ -117,20 +130,12 @@ def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[
 def quantize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
     """Every float pass that runs before calibration, in run order.
 
-    The prepare passes, then cross-layer equalization (``include_cle``), then for NPU configs
+    The prepare passes (cross-layer equalization among them), then for NPU configs
     (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU`` and the individual
     ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """
     passes = prepare_passes(qconfig, options)
-    if qconfig.include_cle:
-        passes.append(
-            CrossLayerEqualization(
-                steps=options.CLESteps,
-                threshold=options.CLETotalLayerDiffThreshold,
-                scale_append_bias=options.CLEScaleAppendBias,
-            )
-        )
     if qconfig.enable_npu_cnn:
         if options.SimulateDPU:
             if options.ConvertLeakyReluToDPUVersion:
