@@ -1,0 +1,157 @@
+"""The ``quark-onnx`` console script on the real models of ../shared (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import shared_path
+from onnx import TensorProto, helper
+
+from quark_onnx.images import EXTENSIONS_DOMAIN, decoder_channel_order, make_preprocess_session
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+
+SQUEEZENET_SPEC = "resize=256,crop=224,mean=104;117;123,order=BGR"
+
+
+def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "quark_onnx", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+
+
+def test_batch_of_real_models_with_a_corrupt_file(tmp_path):
+    digits = shared_path("models", "digits_cnn.onnx")
+    squeezenet = shared_path("models", "squeezenet1.1.onnx")
+    corrupt = tmp_path / "broken.onnx"
+    corrupt.write_bytes(squeezenet.read_bytes()[:5000])  # a truncated download
+    out = tmp_path / "out"
+    result = run_cli(
+        "quantize", digits, squeezenet, corrupt, "-o", out, "--random-calib", "8",
+        "--jobs", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {corrupt}: ")
+    assert "Traceback" not in result.stderr
+    for name in ("digits_cnn", "squeezenet1.1"):
+        assert (out / f"{name}.onnx").is_file()
+        report = json.loads((out / f"{name}.report.json").read_text())
+        assert report["calibration"]["samples"] == 8
+        assert report["check"]["ready"] is True
+        assert (out / f"{name}.report.txt").is_file()
+        assert json.loads((out / f"{name}.compare.json").read_text())["samples"] == 8
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["digits_cnn.onnx", "squeezenet1.1.onnx"]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:5]}
+    assert rows["digits_cnn"][1] == rows["squeezenet1.1"][1] == "ok"
+    assert rows["broken"][1] == "failed"
+
+    ready = run_cli("check", out / "squeezenet1.1.onnx", out / "digits_cnn.onnx", cwd=tmp_path)
+    assert ready.returncode == 0, ready.stdout
+    not_ready = run_cli("check", squeezenet, cwd=tmp_path)
+    assert not_ready.returncode == 1
+    lines = not_ready.stdout.splitlines()
+    assert lines[0].startswith(f"{squeezenet}: NOT Vitis AI ready")
+    reasons = {line.split()[1].rstrip(":") for line in lines[1:]}
+    assert {"not_quantized", "conv_default_attributes"} <= reasons
+
+
+def _decode(data: bytes) -> np.ndarray:
+    """H x W x 3 uint8 RGB pixels, decoded by onnxruntime-extensions' DecodeImage."""
+    node = helper.make_node(
+        "DecodeImage", ["b"], ["rgb"], domain=EXTENSIONS_DOMAIN, color_space="rgb"
+    )
+    graph = helper.make_graph(
+        [node],
+        "decode",
+        [helper.make_tensor_value_info("b", TensorProto.UINT8, ["n"])],
+        [helper.make_tensor_value_info("rgb", TensorProto.UINT8, None)],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(EXTENSIONS_DOMAIN, 1)],
+    )
+    model.ir_version = 8
+    (pixels,) = make_preprocess_session(model).run(None, {"b": np.frombuffer(data, np.uint8)})
+    if pixels.shape[-1] == 1:
+        pixels = np.repeat(pixels, 3, axis=-1)
+    return pixels if decoder_channel_order() == "RGB" else pixels[:, :, ::-1]
+
+
+def _linear(x: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """ONNX Resize linear, half_pixel, along one axis, in float32."""
+    n = x.shape[axis]
+    scale = np.float32(size) / np.float32(n)
+    u = (np.arange(size, dtype=np.float32) + np.float32(0.5)) / scale - np.float32(0.5)
+    u = np.clip(u, 0, n - 1).astype(np.float32)
+    lo = np.floor(u).astype(np.int64)
+    hi = np.minimum(lo + 1, n - 1)
+    w = (u - lo).astype(np.float32).reshape([-1 if a == axis else 1 for a in range(x.ndim)])
+    return np.take(x, lo, axis=axis) * (np.float32(1) - w) + np.take(x, hi, axis=axis) * w
+
+
+def squeezenet_input(path: Path) -> np.ndarray:
+    """Short side 256, centre crop 224, BGR, minus (104, 117, 123), NCHW: in numpy."""
+    x = _decode(path.read_bytes()).astype(np.float32)
+    h, w = x.shape[:2]
+    x = _linear(x, 256 * h // min(h, w), 0)
+    x = _linear(x, 256 * w // min(h, w), 1)
+    top, left = round((x.shape[0] - 224) / 2), round((x.shape[1] - 224) / 2)
+    x = x[top : top + 224, left : left + 224, ::-1] - np.array([104, 117, 123], np.float32)
+    return np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.float32)
+
+
+def test_image_folder_calibration_equals_the_same_arrays_from_npz(tmp_path):
+    """``--calib DIR --preprocess SPEC`` and the same images pre-processed here in numpy, given
+    as an .npz, calibrate to identical positions (first 32 images in sorted order)."""
+    model = shared_path("models", "squeezenet1.1.onnx")
+    folder = shared_path("data", "imagenet", "calib")
+    count = 32
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    arrays = np.concatenate([squeezenet_input(p) for p in files[:count]])
+    np.savez(tmp_path / "calib.npz", x=arrays)
+    common = ["--calib-limit", count, "--compare-samples", "4"]
+    images = run_cli(
+        "quantize", model, "-o", tmp_path / "images", "--calib", folder, "--preprocess",
+        SQUEEZENET_SPEC, *common, cwd=tmp_path,
+    )  # fmt: skip
+    assert images.returncode == 0, images.stderr
+    npz = run_cli(
+        "quantize", model, "-o", tmp_path / "npz", "--calib", tmp_path / "calib.npz", *common,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert npz.returncode == 0, npz.stderr
+    a = json.loads((tmp_path / "images" / "squeezenet1.1.report.json").read_text())
+    b = json.loads((tmp_path / "npz" / "squeezenet1.1.report.json").read_text())
+    assert a["calibration"]["samples"] == b["calibration"]["samples"] == count
+    assert len(a["positions"]) > 100
+    assert a["positions"] == b["positions"]
+    qa = onnx.load(tmp_path / "images" / "squeezenet1.1.onnx")
+    qb = onnx.load(tmp_path / "npz" / "squeezenet1.1.onnx")
+    assert qa.SerializeToString(deterministic=True) == qb.SerializeToString(deterministic=True)
+    for run in ("images", "npz"):
+        comparison = json.loads((tmp_path / run / "squeezenet1.1.compare.json").read_text())
+        assert comparison["samples"] == 4
+
+
+def test_image_folder_must_fit_the_model_input(tmp_path):
+    """A crop the model cannot take fails this model with one line naming the shapes."""
+    model = shared_path("models", "squeezenet1.1.onnx")
+    folder = shared_path("data", "imagenet", "calib")
+    result = run_cli(
+        "quantize", model, "-o", tmp_path / "o", "--calib", folder, "--preprocess",
+        "resize=256,crop=200", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 1
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: {model}: ") and "224" in line and "200" in line
