@@ -603,9 +603,12 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     lines.append(
         f"{len(outcomes) - failed} of {len(outcomes)} model(s) quantized"
         + (f", {failed} failed" if failed else "")
-        + "; top-1 agree: share of the first calibration samples (count in brackets) on which the "
-        "quantized model's top-1 class equals the float model's"
     )
+    if any(o.top1_agreement is not None for o in outcomes):
+        lines.append(
+            "top-1 agree: share of the first calibration samples (count in brackets) on which "
+            "the quantized model's top-1 class is the float model's"
+        )
     return "\n".join(lines)
 
 
@@ -735,7 +738,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     status = EXIT_OK
     results = []
-    for model in args.models:
+    models = [str(m) for m in collect_models(args.models)]
+    for model in models:
         try:
             result = check(model)
         except QuarkOnnxError as exc:
@@ -752,7 +756,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         else:
             print(f"{model}: {result.summary()}")
     if args.json:
-        print(json.dumps(results if len(args.models) > 1 else results[0], indent=1))
+        print(json.dumps(results if len(models) > 1 else results[0], indent=1))
     return status
 
 
@@ -1045,7 +1049,12 @@ def build_parser() -> argparse.ArgumentParser:
             "model is not ready; the exit code is 1 when any model is not ready."
         ),
     )
-    c.add_argument("models", nargs="+", metavar="MODEL", help="ONNX model files to check")
+    c.add_argument(
+        "models",
+        nargs="+",
+        metavar="MODEL_OR_FOLDER",
+        help="ONNX model files, or folders whose *.onnx files are all checked",
+    )
     c.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
     c.add_argument(
         "--strict",

@@ -327,3 +327,36 @@ def test_compare_command(tmp_path, work):
     assert sqnrs == sorted(sqnrs)
     missing = run_cli("compare", model, out / "tiny1.onnx", cwd=tmp_path)
     assert missing.returncode == 2 and "compare needs data" in missing.stderr
+
+
+def test_npz_for_a_two_input_model_needs_one_array_per_input(tmp_path):
+    from quark_onnx.cli import npz_reader
+    from quark_onnx.errors import CalibrationError
+
+    model = make_model(
+        [helper.make_node("Add", ["a", "b"], ["y"])],
+        [helper.make_tensor_value_info(n, F, ["N", 2]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", F, ["N", 2])],
+    )
+    onnx.save(model, tmp_path / "two.onnx")
+    a, b = np.arange(6, dtype=np.float32).reshape(3, 2), np.ones((3, 2), np.float32)
+    np.savez(tmp_path / "ok.npz", a=a, b=b, extra=a)
+    reader = npz_reader(tmp_path / "ok.npz", tmp_path / "two.onnx", limit=2)
+    feeds = list(iter(reader.get_next, None))
+    assert len(feeds) == 2
+    np.testing.assert_array_equal(feeds[1]["a"], a[1:2])
+    np.testing.assert_array_equal(feeds[1]["b"], b[1:2])
+    np.savez(tmp_path / "bad.npz", a=a, x=b)
+    with pytest.raises(CalibrationError, match=r"missing \['b'\]"):
+        npz_reader(tmp_path / "bad.npz", tmp_path / "two.onnx")
+
+
+def test_check_a_folder_and_json(tmp_path, work):
+    result = run_cli("check", work / "models", "--json", cwd=tmp_path)
+    assert result.returncode == 1  # float models are not ready
+    data = json.loads(result.stdout)
+    assert [d["model"] for d in data] == [str(work / "models" / f"tiny{i}.onnx") for i in (0, 1)]
+    assert all(d["ready"] is False and "not_quantized" in d["counts"] for d in data)
+    broken = run_cli("check", work / "corrupt.onnx", cwd=tmp_path)
+    assert broken.returncode == 1
+    assert broken.stderr.startswith(f"error: {work / 'corrupt.onnx'}: not a valid ONNX model")
