@@ -45,7 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -311,7 +311,6 @@ class Outcome:
     compared_samples: int = 0
     message: str = ""
     traceback: str = ""
-    files: list[str] = field(default_factory=list)
 
 
 def _one_line(text: str) -> str:
@@ -374,12 +373,14 @@ def quantize_one(job: Job) -> Outcome:
 
 def _quantize_one(job: Job, outcome: Outcome) -> None:
     from quark_onnx.config import Config
+    from quark_onnx.errors import ModelLoadError
+    from quark_onnx.model_io import atomic_write_bytes
     from quark_onnx.quantizer import ModelQuantizer
 
     settings = job.settings
     model_path = Path(job.model)
     if not model_path.is_file():
-        raise QuarkOnnxError(f"{job.model}: no such model file")
+        raise ModelLoadError(f"{job.model}: no such model file")
     output = job.output
     if output.exists() and not settings.overwrite:
         raise ModelSaveError(
@@ -404,16 +405,15 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         overwrite=settings.overwrite,
     )
     report = quantizer.report
-    assert report is not None
+    if report is None:  # pragma: no cover - quantize_model always sets it
+        raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
     _exclude_warnings(job, report)
     outcome.output = str(output)
-    outcome.files = [str(output)] + ([str(save)] if save is not None else [])
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
 
     report_json = out_dir / f"{job.name}.report.json"
     report.save(report_json)
-    outcome.files.append(str(report_json))
 
     comparison = None
     feeds = comparison_feeds(settings, qconfig, model_path)
@@ -425,12 +425,9 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         except QuarkOnnxError as exc:
             logger.warning("%s: float vs quantized comparison failed: %s", job.name, exc)
     if comparison is not None:
-        from quark_onnx.model_io import atomic_write_bytes
-
         compare_json = out_dir / f"{job.name}.compare.json"
         text = json.dumps(comparison.to_dict(), indent=1)
         atomic_write_bytes(compare_json, text.encode("utf-8"))
-        outcome.files.append(str(compare_json))
         outcome.top1_agreement = comparison.top1_agreement
         outcome.compared_samples = comparison.samples
         if comparison.outputs:
@@ -441,10 +438,7 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     if comparison is not None:
         lines += ["", "float vs quantized on the first calibration samples:", comparison.summary()]
     report_txt = out_dir / f"{job.name}.report.txt"
-    from quark_onnx.model_io import atomic_write_bytes
-
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
-    outcome.files.append(str(report_txt))
 
 
 class _LogStream:
@@ -569,7 +563,15 @@ def _fmt_optional(value: Any, fmt: str) -> str:
 
 def summary_table(outcomes: Sequence[Outcome]) -> str:
     """The end-of-run table: model, status, seconds, quantized ops, readiness, accuracy."""
-    header = ("model", "status", "seconds", "ops quantized", "Vitis AI ready", "top-1 agree")
+    header = (
+        "model",
+        "status",
+        "seconds",
+        "ops quantized",
+        "Vitis AI ready",
+        "output SQNR dB",
+        "top-1 agree",
+    )
     rows = [header]
     for o in outcomes:
         ready = "-" if o.ready is None else ("yes" if o.ready else "no")
@@ -585,11 +587,12 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
                 f"{o.seconds:.1f}",
                 _fmt_optional(o.quantized_nodes, "d"),
                 ready,
+                _fmt_optional(o.output_sqnr_db, ".1f"),
                 agree,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {2, 3}
+    right = {2, 3, 5}
     lines = []
     for r in rows:
         cells = [
@@ -606,8 +609,8 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     )
     if any(o.top1_agreement is not None for o in outcomes):
         lines.append(
-            "top-1 agree: share of the first calibration samples (count in brackets) on which "
-            "the quantized model's top-1 class is the float model's"
+            "output SQNR and top-1 agree: quantized vs float model on the first calibration "
+            "samples (count in brackets)"
         )
     return "\n".join(lines)
 
