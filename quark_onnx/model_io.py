@@ -1,8 +1,30 @@
 """Reading and writing models: validation with clear errors, atomic writes, no input overwrite.
 
-Loading never writes anything. Saving writes to a temporary file in the destination folder and
-renames it into place only when complete, so an interrupted run leaves either the old file or the
-new one, never a partial file; the input model is never the output unless ``overwrite=True``.
+Loading never writes anything. The order of the checks keeps every failure cheap and named:
+
+1. the file exists, is a regular file, can be read and is not empty;
+2. it parses as an ``onnx.ModelProto`` holding a graph and an ``opset_import``, and every string
+   field is UTF-8 text;
+3. every external-data ``location`` is a relative path that stays inside the model's folder once
+   ``..`` and symbolic links are resolved, goes through no symbolic link, names an existing file,
+   and ``offset + length`` fits in it (else ``UnsafePathError`` or ``ModelLoadError``);
+4. the ONNX checker passes (run before the weights are read, so models above the 2 GB protobuf
+   limit are checked too);
+5. a default-domain opset below :data:`MIN_OPSET` is upgraded with onnx's version converter (also
+   before the weights are read);
+6. the external weights are read into the model.
+
+Saving writes every file to a temporary name (``.<name>.<random>.partial``) in the destination
+folder and renames it into place only when complete and flushed, so an interrupted run leaves
+either the old file or the new one, never a partial file. A model is written with external data
+(one ``<model name>.data`` file beside it, offsets aligned to 4 KiB) when asked or when it is above
+the 2 GB protobuf limit; the data file's location is always a bare file name, so no byte is
+written outside the output folder. The input model and its external data are never outputs
+unless ``overwrite=True``.
+
+Python does not unwind ``finally`` blocks on ``SIGTERM``: :func:`sigterm_as_interrupt` turns it
+into :class:`Terminated` (a ``KeyboardInterrupt``) for the duration of a run, so temporary files
+are removed on ``kill`` as on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -10,45 +32,75 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
-from quark_onnx.errors import ModelLoadError, ModelSaveError
+from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
 
 logger = logging.getLogger(__name__)
 
 #: Lowest opset the quantizer works on; older models are upgraded on load.
 MIN_OPSET = 13
 _PROTOBUF_LIMIT = 2**31 - 1
+#: Tensors of at least this many bytes go to the external data file.
+EXTERNAL_THRESHOLD = 1024
+#: External data offsets are multiples of this (lets onnxruntime map the file).
+_ALIGNMENT = 4096
+_PARTIAL_SUFFIX = ".partial"
+_TYPED_FIELDS = (
+    "float_data",
+    "int32_data",
+    "string_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+)
 
 
 def default_opset(model: onnx.ModelProto) -> int:
+    """The model's ``ai.onnx`` opset version (0 when it imports none)."""
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
             return imp.version
     return 0
 
 
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception message on one line (C++ messages span several), cut at ``limit``."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
 def load_model(path: str | os.PathLike, *, upgrade_opset: bool = True) -> onnx.ModelProto:
-    """Read, validate and (if below opset 13) upgrade an ONNX model.
+    """Read, validate and (if below opset 13) upgrade an ONNX model, external data included.
 
     Raises:
         ModelLoadError: the file is missing, unreadable, not an ONNX protobuf, truncated, fails
-            the ONNX checker, or cannot be upgraded to opset 13.
+            the ONNX checker, refers to missing or short external data, or cannot be upgraded to
+            opset 13.
+        UnsafePathError: an external-data location is absolute or leaves the model's folder.
     """
     p = Path(path)
     if not p.exists():
-        raise ModelLoadError(f"{p}: no such file")
+        raise ModelLoadError(f"{p}: no such file; check the model path")
     if not p.is_file():
-        raise ModelLoadError(f"{p}: is not a file")
+        raise ModelLoadError(f"{p}: is not a file; give the path of an .onnx model file")
     try:
         data = p.read_bytes()
     except OSError as exc:
-        raise ModelLoadError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise ModelLoadError(
+            f"{p}: cannot be read ({exc.strerror or exc}); check the file's permissions"
+        ) from exc
     if not data:
         raise ModelLoadError(f"{p}: the file is empty, not an ONNX model")
     model = onnx.ModelProto()
@@ -56,77 +108,242 @@ def load_model(path: str | os.PathLike, *, upgrade_opset: bool = True) -> onnx.M
         model.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise ModelLoadError(
-            f"{p}: not a valid ONNX model (protobuf parse failed: {exc}); the file may be "
-            "truncated or of another format"
+            f"{p}: not a valid ONNX model (protobuf parse failed: {_one_line(exc)}); the file "
+            "may be truncated or of another format: re-export or re-download it"
         ) from exc
+    del data
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelLoadError(
             f"{p}: parsed as protobuf but holds no ONNX graph; not an ONNX model (or truncated)"
         )
     if not model.opset_import:
         raise ModelLoadError(f"{p}: the model declares no opset_import; not a valid ONNX model")
-    _load_external_data(model, p)
+    _check_text(model, str(p))
+    external = _external_tensors(model)
+    _check_external_locations(external, p)
     try:
-        onnx.checker.check_model(model)
+        # With a proto, the checker looks for external data relative to the working directory;
+        # given the path it resolves them against the model's folder (and reads the file again,
+        # which is small when the weights are external).
+        onnx.checker.check_model(str(p) if external else model)
     except (onnx.checker.ValidationError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"{p}: fails the ONNX checker: {first}") from exc
+        raise ModelLoadError(
+            f"{p}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
+        ) from exc
     opset = default_opset(model)
     if upgrade_opset and 0 < opset < MIN_OPSET:
         model = upgrade(model, MIN_OPSET, source=str(p))
+        external = _external_tensors(model)
+    if external:
+        _read_external_data(external, p)
+    return model
+
+
+def _check_text(message, source: str, where: str = "model") -> None:
+    """Refuse string fields that are not valid UTF-8 (protobuf's proto2 parser lets them through
+    as ``bytes``; every later stage expects text). Tensor data fields are not visited."""
+    is_tensor = isinstance(message, onnx.TensorProto)
+    for field, value in message.ListFields():
+        if is_tensor and field.name not in ("name", "doc_string", "external_data"):
+            continue
+        values = value if _is_repeated(field) else [value]
+        if field.type == field.TYPE_STRING:
+            for v in values:
+                if not isinstance(v, str):
+                    raise ModelLoadError(
+                        f"{source}: {where}.{field.name} holds bytes that are not UTF-8 text "
+                        f"({bytes(v)[:40]!r}); the file is corrupt: re-export or re-download it"
+                    )
+        elif field.type == field.TYPE_MESSAGE:
+            for i, v in enumerate(values):
+                name = getattr(v, "name", "") if field.name != "graph" else ""
+                label = name if isinstance(name, str) else ""
+                inner = f"{field.name}[{label or i}]" if _is_repeated(field) else field.name
+                _check_text(v, source, f"{where}.{inner}" if where != "model" else inner)
+
+
+def validate_proto(model: onnx.ModelProto, *, source: str = "<model>") -> onnx.ModelProto:
+    """The checks of :func:`load_model` for a model already in memory (then the opset upgrade).
+
+    Its tensors must hold their data (external references are refused: load from a path).
+
+    Raises:
+        ModelLoadError: not UTF-8 names, unread external data, checker failures, no upgrade.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        raise ModelLoadError(f"{source}: expected an onnx.ModelProto, got {type(model).__name__}")
+    if not model.opset_import:
+        raise ModelLoadError(f"{source}: the model declares no opset_import; not a valid model")
+    _check_text(model, source)
+    unloaded = _unloaded_external(model)
+    if unloaded:
+        raise ModelLoadError(
+            f"{source}: tensor {unloaded[0]!r} refers to external data that was not read; pass "
+            "the model's path instead (its data is then read and checked)"
+        )
+    if fits_in_protobuf(model):  # the checker serializes the model
+        try:
+            onnx.checker.check_model(model)
+        except (onnx.checker.ValidationError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{source}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
+            ) from exc
+    if 0 < default_opset(model) < MIN_OPSET:
+        if not fits_in_protobuf(model):
+            raise ModelLoadError(
+                f"{source}: opset {default_opset(model)} is below {MIN_OPSET} and the model is "
+                "above 2 GB; save it with external data and pass its path to be upgraded"
+            )
+        model = upgrade(model, MIN_OPSET, source=source)
     return model
 
 
 def upgrade(model: onnx.ModelProto, target: int, *, source: str = "model") -> onnx.ModelProto:
-    """Convert ``model`` to ``target`` opset with onnx's version converter."""
+    """Convert ``model`` to ``target`` opset with onnx's version converter.
+
+    External-data references are kept as they are (the converter copies them), so a model can be
+    upgraded before its weights are read.
+    """
     from onnx import version_converter
 
+    before = default_opset(model)
     try:
-        return version_converter.convert_version(model, target)
+        upgraded = version_converter.convert_version(model, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors with C++ messages
         raise ModelLoadError(
-            f"{source}: opset {default_opset(model)} is below {target} and onnx's version "
-            f"converter could not upgrade it ({str(exc).splitlines()[0] if str(exc) else exc}); "
-            f"export the model with opset >= {target}"
+            f"{source}: opset {before} is below {target} and onnx's version converter could not "
+            f"upgrade it ({_one_line(exc, 200)}); export the model with opset >= {target}"
         ) from exc
+    logger.info("%s: upgraded from opset %d to %d", source, before, target)
+    return upgraded
 
 
-def _load_external_data(model: onnx.ModelProto, path: Path) -> None:
-    """Load external tensor data, refusing locations that leave the model's folder."""
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    yield from _graphs(g)
 
-    base = path.parent.resolve()
-    external = [t for t in _get_all_tensors(model) if uses_external_data(t)]
-    if not external:
-        return
-    from quark_onnx.errors import UnsafePathError
 
-    for tensor in external:
-        info = {e.key: e.value for e in tensor.external_data}
-        location = info.get("location", "")
-        if not location or os.path.isabs(location):
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor stored in the model: initializers, sparse parts, tensor attributes."""
+    for graph in _graphs(model.graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.t
+                elif attr.type == onnx.AttributeProto.TENSORS:
+                    yield from attr.tensors
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in _tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def resolve_external_location(location: str, base: Path, *, what: str) -> Path:
+    """The file an external-data ``location`` names, refusing paths that leave ``base``.
+
+    ``location`` must be relative; after resolving ``..`` and symbolic links the file must lie
+    inside ``base`` (resolved too), and no part of it may be a symbolic link (the ONNX checker
+    refuses linked data files as well).
+
+    Raises:
+        UnsafePathError: naming ``what`` (model and tensor) and the offending location.
+    """
+    if not location or os.path.isabs(location) or Path(location).drive:
+        raise UnsafePathError(
+            f"{what} has external data location {location!r}; only paths relative to the "
+            "model's folder are accepted: move the data file beside the model"
+        )
+    root = base.resolve()
+    target = (root / location).resolve()
+    if target != root and root not in target.parents:
+        kind = "through a symbolic link " if ".." not in Path(location).parts else ""
+        raise UnsafePathError(
+            f"{what} has external data location {location!r} which escapes the model's folder "
+            f"{kind}{root} (resolves to {target}); move the data file into the model's folder"
+        )
+    linked = base
+    for part in Path(location).parts:
+        linked = linked / part
+        if linked.is_symlink():
             raise UnsafePathError(
-                f"{path}: tensor {tensor.name!r} has external data location "
-                f"{location!r}; only paths relative to the model's folder are "
-                "accepted"
+                f"{what} has external data location {location!r} through the symbolic link "
+                f"{linked}; linked external data is not read (onnx refuses it too): copy the "
+                "file itself into the model's folder"
             )
-        target = (base / location).resolve()
-        if base != target and base not in target.parents:
-            raise UnsafePathError(
-                f"{path}: tensor {tensor.name!r} has external data location "
-                f"{location!r} which escapes the model's folder {base}"
-            )
-        if not target.is_file():
+    return target
+
+
+def _check_external_locations(tensors: list[onnx.TensorProto], path: Path) -> None:
+    """Validate every external reference before anything is read (see the module docstring)."""
+    sizes: dict[Path, int] = {}
+    for tensor in tensors:
+        what = f"{path}: tensor {tensor.name!r}"
+        info = _external_info(tensor)
+        target = resolve_external_location(info.get("location", ""), path.parent, what=what)
+        if target not in sizes:
+            if not target.is_file():
+                raise ModelLoadError(
+                    f"{what}: external data file {info['location']!r} is missing; copy it "
+                    "beside the model"
+                )
+            sizes[target] = target.stat().st_size
+        try:
+            offset = int(info.get("offset", "0") or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError as exc:
+            raise ModelLoadError(f"{what}: malformed external data offset/length") from exc
+        end = offset + (length if length is not None else 0)
+        if offset < 0 or (length is not None and length < 0) or end > sizes[target]:
             raise ModelLoadError(
-                f"{path}: external data file {location!r} of tensor {tensor.name!r} is missing"
+                f"{what}: external data {info['location']!r} holds {sizes[target]} bytes but "
+                f"the tensor needs bytes {offset}..{end}; the data file is truncated or belongs "
+                "to another model"
             )
+
+
+def _read_external_data(tensors: list[onnx.TensorProto], path: Path) -> None:
+    """Read each external tensor's bytes into ``raw_data`` (locations already validated)."""
+    base = path.parent.resolve()
+    handles: dict[Path, object] = {}
     try:
-        onnx.load_external_data_for_model(model, str(base))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read external data: {exc}") from exc
+        for tensor in tensors:
+            info = _external_info(tensor)
+            target = (base / info["location"]).resolve()
+            f = handles.get(target)
+            if f is None:
+                f = handles[target] = open(target, "rb")  # noqa: SIM115 (closed below)
+            offset = int(info.get("offset", "0") or 0)
+            f.seek(offset)
+            length = int(info["length"]) if info.get("length") else -1
+            tensor.raw_data = f.read(length)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    except OSError as exc:
+        raise ModelLoadError(
+            f"{path}: cannot read external data ({exc.strerror or exc}); check the data files"
+        ) from exc
+    finally:
+        for f in handles.values():
+            f.close()
 
 
 def to_ir(model: onnx.ModelProto) -> ir.Model:
+    """The onnx_ir model the passes work on (tensors are shared with ``model``, not copied)."""
     return ir.serde.deserialize_model(model)
 
 
@@ -139,6 +356,9 @@ def load_ir(path: str | os.PathLike) -> ir.Model:
     return to_ir(load_model(path))
 
 
+# --- output paths ----------------------------------------------------------------------------
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
@@ -146,29 +366,73 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def external_data_name(output: str | os.PathLike) -> str:
+    """File name of the external data written beside ``output``: ``<output name>.data``."""
+    return Path(output).name + ".data"
+
+
+def _input_files(input_path: Path) -> list[Path]:
+    """The input model and the external data files it refers to (best effort)."""
+    files = [input_path]
+    try:
+        proto = onnx.ModelProto()
+        proto.ParseFromString(input_path.read_bytes())
+    except (OSError, DecodeError, RuntimeError, ValueError):
+        return files
+    for tensor in _external_tensors(proto):
+        location = _external_info(tensor).get("location", "")
+        if location and not os.path.isabs(location):
+            files.append(input_path.parent / location)
+    return files
+
+
 def check_output_path(
     output: str | os.PathLike, input_path: str | os.PathLike | None, overwrite: bool = False
 ) -> Path:
-    """Refuse to write over the input model unless ``overwrite`` is set."""
+    """Refuse to write over the input model (or its external data) unless ``overwrite``.
+
+    Also refuses a folder as output, a missing output folder, and output names that are
+    temporary names of this module (``*.partial``).
+    """
     out = Path(output)
+    if out.name.endswith(_PARTIAL_SUFFIX):
+        raise ModelSaveError(f"{out}: names ending in {_PARTIAL_SUFFIX} are reserved; rename it")
     if input_path is not None and not overwrite:
         inp = Path(input_path)
+        data = out.parent / external_data_name(out)
         if _same_file(out, inp) or out.resolve() == inp.resolve():
             raise ModelSaveError(
                 f"{out}: output path is the input model; choose another output "
                 "path (or pass overwrite=True to replace the input)"
             )
+        if data.exists() and inp.is_file():
+            for f in _input_files(inp)[1:]:
+                if _same_file(data, f):
+                    raise ModelSaveError(
+                        f"{out}: its external data file {data.name} would replace the input "
+                        f"model's external data {f}; choose another output name"
+                    )
     if out.exists() and out.is_dir():
         raise ModelSaveError(f"{out}: is a folder; give a file path for the output model")
     if not out.parent.exists():
-        raise ModelSaveError(f"{out}: folder {out.parent} does not exist")
+        raise ModelSaveError(f"{out}: folder {out.parent} does not exist; create it first")
     return out
+
+
+# --- atomic writing --------------------------------------------------------------------------
+
+
+def _temp_path(final: Path) -> tuple[int, Path]:
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{final.name}.", suffix=_PARTIAL_SUFFIX, dir=final.parent or "."
+    )
+    return fd, Path(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".partial", dir=p.parent)
+    fd, tmp = _temp_path(p)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -181,38 +445,264 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def fits_in_protobuf(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto`` serializes within the 2 GB protobuf limit.
+
+    With the upb backend (protobuf >= 4) ``ByteSize()`` itself raises ``EncodeError`` above the
+    limit instead of returning the size, so it cannot be compared with the limit directly.
+    """
+    try:
+        return proto.ByteSize() < _PROTOBUF_LIMIT
+    except EncodeError:
+        return False
+
+
+def _unloaded_external(proto: onnx.ModelProto) -> list[str]:
+    return [t.name for t in _external_tensors(proto)]
+
+
 def save_model(
     model: onnx.ModelProto | ir.Model,
     path: str | os.PathLike,
     *,
     input_path: str | os.PathLike | None = None,
     overwrite: bool = False,
+    external_data: bool | None = None,
 ) -> Path:
-    """Atomically write ``model`` to ``path`` (external data beside it above 2 GB)."""
+    """Atomically write ``model`` to ``path``.
+
+    Args:
+        model: the model; it is not modified.
+        path: the output model file.
+        input_path: the input model, which is never replaced unless ``overwrite``.
+        overwrite: allow ``path`` to be ``input_path``.
+        external_data: ``True`` writes tensors of >= :data:`EXTERNAL_THRESHOLD` bytes to
+            ``<name>.data`` beside the model; ``False`` never; ``None`` (default) only when the
+            model is above the 2 GB protobuf limit.
+
+    Raises:
+        ModelSaveError: a refused or unwritable path, a model above 2 GB with
+            ``external_data=False``, or a model whose tensors still refer to external data that
+            was never read (load it with :func:`load_model`).
+    """
     out = check_output_path(path, input_path, overwrite)
     proto = to_proto(model) if isinstance(model, ir.Model) else model
-    if proto.ByteSize() >= _PROTOBUF_LIMIT:
-        return _save_with_external_data(proto, out)
+    unloaded = _unloaded_external(proto)
+    if unloaded:
+        raise ModelSaveError(
+            f"{out}: tensor {unloaded[0]!r} (and {len(unloaded) - 1} more) refers to external "
+            "data that was not read; load the model with quark_onnx.model_io.load_model first"
+        )
+    big = not fits_in_protobuf(proto)
+    if external_data or (external_data is None and big):
+        try:
+            return _save_with_external_data(proto, out)
+        except OSError as exc:
+            raise ModelSaveError(
+                f"{out}: cannot write the model ({exc.strerror or exc}); check free space and "
+                "permissions of the output folder"
+            ) from exc
+    if big:
+        raise ModelSaveError(
+            f"{out}: the model is above the 2 GB protobuf limit; save it with external_data=True"
+        )
     try:
         atomic_write_bytes(out, proto.SerializeToString(deterministic=True))
     except OSError as exc:
-        raise ModelSaveError(f"{out}: cannot write the model ({exc.strerror or exc})") from exc
+        raise ModelSaveError(
+            f"{out}: cannot write the model ({exc.strerror or exc}); check free space and "
+            "permissions of the output folder"
+        ) from exc
     return out
+
+
+def _is_repeated(field) -> bool:
+    # protobuf >= 6 has ``is_repeated`` (and no ``label`` with the upb backend)
+    repeated = getattr(field, "is_repeated", None)
+    return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED
+
+
+def _copy_fields(src, dst, skip: set[str]) -> None:
+    """Copy every set field of ``src`` except ``skip`` into ``dst`` (same message type)."""
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if _is_repeated(field):
+            getattr(dst, field.name).extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+class _DataWriter:
+    """Appends tensor bytes to one open file at aligned offsets and builds the references."""
+
+    def __init__(self, f, location: str) -> None:
+        self.f = f
+        self.location = location
+        self.offset = 0
+
+    def stub(self, tensor: onnx.TensorProto, dst: onnx.TensorProto) -> None:
+        """``dst`` = ``tensor`` with its bytes moved to the file (or a plain copy if small)."""
+        if tensor.ByteSize() < EXTERNAL_THRESHOLD or tensor.data_type == onnx.TensorProto.STRING:
+            dst.CopyFrom(tensor)
+            return
+        if tensor.HasField("raw_data"):
+            data = tensor.raw_data
+        else:  # values in a typed field (float_data, int32_data, ...): stored little-endian raw
+            data = (
+                onnx.numpy_helper.to_array(tensor)
+                .astype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<"))
+                .tobytes()
+            )
+        _copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
+        pad = -self.offset % _ALIGNMENT
+        if pad:
+            self.f.write(b"\0" * pad)
+            self.offset += pad
+        self.f.write(data)
+        for key, value in (
+            ("location", self.location),
+            ("offset", str(self.offset)),
+            ("length", str(len(data))),
+        ):
+            entry = dst.external_data.add()
+            entry.key, entry.value = key, value
+        dst.data_location = onnx.TensorProto.EXTERNAL
+        self.offset += len(data)
+
+
+def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter) -> None:
+    """``dst`` = ``src`` with every large tensor (subgraphs too) written out by ``writer``."""
+    _copy_fields(src, dst, {"node", "initializer", "sparse_initializer"})
+    for tensor in src.initializer:
+        writer.stub(tensor, dst.initializer.add())
+    for sparse in src.sparse_initializer:
+        new = dst.sparse_initializer.add()
+        new.dims.extend(sparse.dims)
+        writer.stub(sparse.values, new.values)
+        writer.stub(sparse.indices, new.indices)
+    for node in src.node:
+        new = dst.node.add()
+        _copy_fields(node, new, {"attribute"})
+        for attr in node.attribute:
+            a = new.attribute.add()
+            _copy_fields(attr, a, {"t", "tensors", "g", "graphs"})
+            if attr.HasField("t"):
+                writer.stub(attr.t, a.t)
+            for t in attr.tensors:
+                writer.stub(t, a.tensors.add())
+            if attr.HasField("g"):
+                _stub_graph(attr.g, a.g, writer)
+            for g in attr.graphs:
+                _stub_graph(g, a.graphs.add(), writer)
 
 
 def _save_with_external_data(proto: onnx.ModelProto, out: Path) -> Path:
-    """Models over the 2 GB protobuf limit: weights in ``<name>.data`` beside the model."""
-    data_name = out.name + ".data"
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmpdir:
-        tmp_model = Path(tmpdir) / out.name
-        onnx.save_model(
-            proto,
-            str(tmp_model),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=data_name,
-            size_threshold=1024,
-        )
-        os.replace(Path(tmpdir) / data_name, out.parent / data_name)
+    """Write ``out`` and ``<out name>.data`` (temporary names first, then two renames).
+
+    The model's own tensors are streamed to the data file one at a time and a small copy of the
+    model, holding references instead of bytes, is written as ``out``; ``proto`` is untouched and
+    no full copy of it is made. If the process stops between the two renames, the new data file
+    is removed again and an older data file of the same name restored.
+    """
+    data_path = out.parent / external_data_name(out)
+    fd_data, tmp_data = _temp_path(data_path)
+    fd_model, tmp_model = _temp_path(out)
+    backup: Path | None = None
+    data_in_place = False
+    try:
+        header = onnx.ModelProto()
+        _copy_fields(proto, header, {"graph"})
+        with os.fdopen(fd_data, "wb") as f:
+            writer = _DataWriter(f, data_path.name)
+            _stub_graph(proto.graph, header.graph, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        empty = writer.offset == 0  # no tensor large enough: a plain model file, no data file
+        with os.fdopen(fd_model, "wb") as f:
+            f.write(header.SerializeToString(deterministic=True))
+            f.flush()
+            os.fsync(f.fileno())
+        if empty:
+            os.unlink(tmp_data)
+            os.replace(tmp_model, out)
+            return out
+        if data_path.exists():
+            backup = data_path.with_name(f".{data_path.name}.{os.getpid()}.old{_PARTIAL_SUFFIX}")
+            os.replace(data_path, backup)
+        os.replace(tmp_data, data_path)
+        data_in_place = True
         os.replace(tmp_model, out)
+        data_in_place = False
+    except BaseException:
+        for tmp in (tmp_data, tmp_model):
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if data_in_place:
+            with contextlib.suppress(OSError):
+                os.unlink(data_path)
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                os.replace(backup, data_path)
+            backup = None
+        raise
+    finally:
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
+    logger.info("%s: written with external data %s", out, data_path.name)
     return out
+
+
+def written_files(path: str | os.PathLike) -> list[Path]:
+    """The files a saved model consists of: the model and each external data file it names.
+
+    Raises:
+        UnsafePathError: a location of the saved model leaves its folder.
+    """
+    p = Path(path)
+    proto = onnx.load(str(p), load_external_data=False)
+    files = [p]
+    for tensor in _external_tensors(proto):
+        target = resolve_external_location(
+            _external_info(tensor).get("location", ""), p.parent, what=f"{p}: {tensor.name!r}"
+        )
+        if target not in files:
+            files.append(target)
+    return files
+
+
+# --- interruption ----------------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process receives ``SIGTERM`` inside
+    :func:`sigterm_as_interrupt`; unwinds ``finally`` blocks like Ctrl-C does."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"received signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, ``SIGTERM`` raises :class:`Terminated` so temporary files are removed.
+
+    Only the main thread can install signal handlers: elsewhere (and where ``SIGTERM`` does not
+    exist) this does nothing. A handler other than the default one (set by an embedding
+    application) is left alone. The previous handler is restored on exit.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "SIGTERM")
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -7,10 +7,17 @@ import os
 import numpy as np
 import onnx
 import pytest
-from conftest import make_model
+from conftest import make_model, run_ort
 
 from quark_onnx.errors import ModelLoadError, ModelSaveError, QuarkOnnxError, UnsafePathError
-from quark_onnx.model_io import load_model, save_model
+from quark_onnx.model_io import (
+    Terminated,
+    fits_in_protobuf,
+    load_model,
+    save_model,
+    sigterm_as_interrupt,
+    validate_proto,
+)
 
 
 def _tiny() -> onnx.ModelProto:
@@ -85,3 +92,173 @@ def test_external_data_escaping_folder_is_refused(tmp_path):
     p.write_bytes(model.SerializeToString())
     with pytest.raises(UnsafePathError, match="escapes"):
         load_model(p)
+
+
+# --- validation details ----------------------------------------------------------------------
+
+
+def test_checker_message_is_one_line_naming_the_node(tmp_path):
+    model = _tiny()
+    model.graph.node[0].name = "act"
+    model.graph.node[0].input[0] = "ghost"
+    p = tmp_path / "bad.onnx"
+    p.write_bytes(model.SerializeToString())
+    with pytest.raises(ModelLoadError) as info:
+        load_model(p)
+    text = str(info.value)
+    assert "\n" not in text and "act" in text and "ghost" in text and "bad.onnx" in text
+
+
+def test_non_utf8_name_is_a_load_error(tmp_path):
+    # fuzz finding: one flipped byte in a node name parsed, passed the checker and crashed
+    # onnx_ir serialization with a SerdeError later on
+    model = _tiny()
+    model.graph.node[0].name = "relu"
+    data = model.SerializeToString().replace(b"relu", b"\xffelu")
+    p = tmp_path / "flipped.onnx"
+    p.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=r"graph\.node\[0\]\.name .*not UTF-8"):
+        load_model(p)
+
+
+def test_validate_proto_checks_an_in_memory_model():
+    model = _tiny()
+    model.opset_import[0].version = 11
+    assert validate_proto(model).opset_import[0].version == 13
+    bad = _tiny()
+    bad.graph.node[0].input[0] = "ghost"
+    with pytest.raises(ModelLoadError, match="ghost"):
+        validate_proto(bad, source="mine")
+    assert validate_proto(_tiny()) is not None
+
+
+def test_fits_in_protobuf_survives_upb_encode_errors(monkeypatch):
+    from google.protobuf.message import EncodeError
+
+    class Huge:
+        def ByteSize(self):  # what upb does above 2 GB
+            raise EncodeError("Failed to serialize proto")
+
+    assert fits_in_protobuf(_tiny())
+    assert not fits_in_protobuf(Huge())
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+
+def _weighted() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 32])
+    w = onnx.numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "w")
+    # a tensor in a typed field (float_data), not raw_data
+    b = onnx.helper.make_tensor("b", onnx.TensorProto.FLOAT, [32], rng.random(32).tolist())
+    c = onnx.helper.make_node(
+        "Constant",
+        [],
+        ["c"],
+        value=onnx.numpy_helper.from_array(np.ones((16, 32), np.float32), "cv"),
+    )
+    nodes = [
+        c,
+        onnx.helper.make_node("MatMul", ["x", "w"], ["m"]),
+        onnx.helper.make_node("Add", ["m", "b"], ["a"]),
+        onnx.helper.make_node("Mul", ["a", "c"], ["y0"]),
+        onnx.helper.make_node("ReduceMean", ["y0"], ["y"], axes=[0], keepdims=1),
+    ]
+    return make_model(nodes, [x], [y], [w, b], opset=13)
+
+
+def test_external_save_round_trips_and_leaves_the_model_alone(tmp_path):
+    model = _weighted()
+    before = model.SerializeToString()
+    out = save_model(model, tmp_path / "m.onnx", external_data=True)
+    assert model.SerializeToString() == before  # the caller's model is not modified
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    header = onnx.load(str(out), load_external_data=False)
+    external = {
+        t.name for t in header.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+    assert external == {"w"}  # b (128 bytes) stays inline
+    const = header.graph.node[0].attribute[0].t
+    assert const.data_location == onnx.TensorProto.EXTERNAL  # Constant tensors go out too
+    offsets = [
+        int(e.value)
+        for t in (header.graph.initializer[0], const)
+        for e in t.external_data
+        if e.key == "offset"
+    ]
+    assert all(o % 4096 == 0 for o in offsets)
+    loaded = load_model(out)
+    for a, b in zip(loaded.graph.initializer, model.graph.initializer, strict=True):
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b))
+    feeds = {"x": np.random.default_rng(1).random((1, 64), dtype=np.float32)}
+    np.testing.assert_array_equal(run_ort(loaded, feeds)[0], run_ort(model, feeds)[0])
+
+
+def test_typed_field_tensor_goes_external(tmp_path, monkeypatch):
+    from quark_onnx import model_io
+
+    monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)
+    model = _weighted()
+    save_model(model, tmp_path / "m.onnx", external_data=True)
+    header = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    b = next(t for t in header.graph.initializer if t.name == "b")
+    assert b.data_location == onnx.TensorProto.EXTERNAL and not b.float_data
+    loaded = load_model(tmp_path / "m.onnx")
+    np.testing.assert_array_equal(
+        onnx.numpy_helper.to_array(next(t for t in loaded.graph.initializer if t.name == "b")),
+        onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "b")),
+    )
+
+
+def test_failed_rename_keeps_the_old_output_whole(tmp_path, monkeypatch):
+    from quark_onnx import model_io
+
+    out = tmp_path / "m.onnx"
+    save_model(_weighted(), out, external_data=True)
+    old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if os.fspath(dst) == os.fspath(out):
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(model_io.os, "replace", failing)
+    changed = _weighted()
+    changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
+    with pytest.raises(ModelSaveError, match="No space left"):
+        save_model(changed, out, external_data=True)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old  # nothing else left
+
+
+def test_exception_mid_write_leaves_no_temporary(tmp_path, monkeypatch):
+    from quark_onnx import model_io
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_io.os, "fsync", boom)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(_tiny(), tmp_path / "a.onnx")
+    with pytest.raises(KeyboardInterrupt):
+        save_model(_weighted(), tmp_path / "b.onnx", external_data=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_partial_names_are_reserved(tmp_path):
+    with pytest.raises(ModelSaveError, match="reserved"):
+        save_model(_tiny(), tmp_path / "x.onnx.partial")
+
+
+def test_sigterm_as_interrupt_raises_and_restores():
+    import signal
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(Terminated), sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert issubclass(Terminated, KeyboardInterrupt)

@@ -1,0 +1,225 @@
+"""Big-model benchmark: quantize a generated model above 2 GB (external data) with XINT8.
+
+Run from the repository root::
+
+    python benchmarks/bench_big_model.py                 # 2.5 GB model, ~2.6 GB of weights
+    python benchmarks/bench_big_model.py --gb 0.6        # quicker, below the protobuf limit
+    python benchmarks/bench_big_model.py --gb 2.5 --keep /tmp/big   # keep the files
+
+The model is a chain of square ``Gemm`` layers (``transB=1``, random N(0, 1/K) weights and small
+biases) with a ``Relu`` after all but the last, input ``x`` of shape 1xK. It is generated one
+weight at a time straight into ``big.onnx.data`` (never more than one weight matrix in memory),
+so the size of the generator does not matter. A fresh subprocess then runs
+``ModelQuantizer.quantize_model`` with the XINT8 preset on random calibration data
+(``UseRandomData``, 2 samples) and writes the result with external data; it reports its peak RSS
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) and the stage timings. The target is a peak RSS
+of at most 3x the input model's size. A watchdog kills the quantizer if its RSS goes above
+``--max-rss-gb`` (default 16 GiB) to protect a shared machine. The output is then checked: it
+names its data files by bare relative names inside the output folder, and onnxruntime runs it.
+
+This is a benchmark, not a test: it prints numbers (and a JSON line with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 1024**3
+
+
+def generate(folder: Path, gb: float, k: int = 8192, seed: int = 0) -> tuple[Path, int]:
+    """Write ``big.onnx`` + ``big.onnx.data`` (about ``gb`` GiB of float32 weights) to ``folder``.
+
+    Returns the model path and the total size in bytes of the model and its data.
+    """
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    layers = max(1, round(gb * GIB / (k * k * 4)))
+    model_path = folder / "big.onnx"
+    data_name = model_path.name + ".data"
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    offset = 0
+    with open(folder / data_name, "wb") as f:
+
+        def external(name: str, array: np.ndarray) -> TensorProto:
+            nonlocal offset
+            pad = -offset % 4096
+            f.write(b"\0" * pad)
+            offset += pad
+            data = array.astype("<f4").tobytes()
+            f.write(data)
+            t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(array.shape))
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", data_name), ("offset", offset), ("length", len(data))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, str(value)
+            offset += len(data)
+            return t
+
+        current = "x"
+        for i in range(layers):
+            w = rng.standard_normal((k, k), dtype=np.float32) * np.float32(1.0 / np.sqrt(k))
+            inits.append(external(f"w{i}", w))
+            del w
+            inits.append(external(f"b{i}", rng.standard_normal(k, dtype=np.float32) * 0.01))
+            out = f"gemm{i}" if i < layers - 1 else "y"
+            nodes.append(
+                helper.make_node(
+                    "Gemm", [current, f"w{i}", f"b{i}"], [out], name=f"gemm{i}", transB=1
+                )
+            )
+            current = out
+            if i < layers - 1:
+                nodes.append(helper.make_node("Relu", [out], [f"relu{i}"], name=f"relu{i}"))
+                current = f"relu{i}"
+    graph = helper.make_graph(
+        nodes,
+        "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, k])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model_path.write_bytes(model.SerializeToString())
+    size = model_path.stat().st_size + (folder / data_name).stat().st_size
+    return model_path, size
+
+
+def _quantize_child(model: str, output: str) -> None:
+    """Runs in the subprocess: quantize and print one JSON line with peak RSS and timings."""
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    qc = get_default_config("XINT8")
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=2)
+    start = time.perf_counter()
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantizer.quantize_model(model, output)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_rss": peak, "seconds": seconds, "timings": quantizer.report.timings}))
+
+
+def verify(output: Path) -> dict:
+    """Files of the quantized model (all inside its folder) and one onnxruntime run."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from quark_onnx.model_io import written_files
+
+    files = written_files(output)
+    inside = all(f.resolve().parent == output.resolve().parent for f in files)
+    session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    spec = session.get_inputs()[0]
+    x = np.random.default_rng(1).random([d if isinstance(d, int) else 1 for d in spec.shape])
+    y = session.run(None, {spec.name: x.astype(np.float32)})[0]
+    return {
+        "files": [f.name for f in files],
+        "output_bytes": sum(f.stat().st_size for f in files),
+        "inside_output_folder": inside,
+        "runs": bool(np.isfinite(y).all()),
+    }
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _run_watched(cmd: list[str], max_rss_gb: float) -> tuple[int, str, str, int]:
+    """Run ``cmd``; kill it if its RSS goes above ``max_rss_gb`` (protects a shared machine).
+
+    Returns the exit code, stdout, stderr and the highest RSS seen by polling.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        highest = 0
+        while proc.poll() is None:
+            highest = max(highest, _rss_bytes(proc.pid))
+            if highest > max_rss_gb * GIB:
+                proc.kill()
+                proc.wait()
+                break
+            time.sleep(0.1)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read(), highest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=2.5, help="weights to generate, GiB")
+    parser.add_argument("--k", type=int, default=8192, help="Gemm width (weights are k x k)")
+    parser.add_argument("--keep", type=Path, help="folder to generate into and keep")
+    parser.add_argument("--json", action="store_true", help="also print a JSON line")
+    parser.add_argument(
+        "--max-rss-gb", type=float, default=16.0, help="kill the quantizer above this RSS, GiB"
+    )
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _quantize_child(*args.child)
+        return
+
+    with tempfile.TemporaryDirectory(prefix="quark_onnx_big_") as tmp:
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        model, size = generate(folder, args.gb, args.k)
+        generated = time.perf_counter() - start
+        outdir = folder / "out"
+        outdir.mkdir(exist_ok=True)
+        output = outdir / "big.quant.onnx"
+        returncode, stdout, stderr, watched = _run_watched(
+            [sys.executable, __file__, "--child", str(model), str(output)], args.max_rss_gb
+        )
+        if returncode != 0:
+            sys.stderr.write(stderr[-4000:])
+            if watched > args.max_rss_gb * GIB:
+                raise SystemExit(
+                    f"stopped: the quantizer's RSS reached {watched / GIB:.2f} GiB "
+                    f"({watched / size:.2f}x the model), above --max-rss-gb {args.max_rss_gb}"
+                )
+            raise SystemExit(f"quantization failed with exit code {returncode}")
+        child = json.loads(stdout.strip().splitlines()[-1])
+        result = {
+            "model_bytes": size,
+            "generate_seconds": round(generated, 1),
+            "quantize_seconds": round(child["seconds"], 1),
+            "peak_rss_bytes": child["peak_rss"],
+            "peak_rss_over_model": round(child["peak_rss"] / size, 2),
+            "timings": child["timings"],
+            **verify(output),
+        }
+    print(f"model size     {size / GIB:.2f} GiB ({size} bytes, {args.k}x{args.k} Gemm layers)")
+    print(f"generate       {result['generate_seconds']} s")
+    print(f"quantize       {result['quantize_seconds']} s  stages: {result['timings']}")
+    print(
+        f"peak RSS       {child['peak_rss'] / GIB:.2f} GiB = "
+        f"{result['peak_rss_over_model']}x the model (target <= 3x)"
+    )
+    print(
+        f"output         {result['output_bytes'] / GIB:.2f} GiB in {result['files']}; inside the "
+        f"output folder: {result['inside_output_folder']}; onnxruntime runs it: {result['runs']}"
+    )
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
