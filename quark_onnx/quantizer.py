@@ -62,6 +62,7 @@ class ModelQuantizer:
         calibration_result: str | os.PathLike | None = None,
         save_calibration: str | os.PathLike | None = None,
         overwrite: bool = False,
+        progress: Any = None,
     ) -> onnx.ModelProto:
         """Quantize ``model_input`` and write it to ``model_output`` (when given).
 
@@ -76,6 +77,8 @@ class ModelQuantizer:
                 preparation options: calibration is skipped.
             save_calibration: write the calibration result here (JSON) for later runs.
             overwrite: allow ``model_output`` to be the input model's path.
+            progress: calibration progress: None (a live line on a terminal, log lines
+                otherwise), True, False, or a callable ``(done, total, rate)``.
 
         Returns:
             The quantized model. :attr:`report` holds what every stage did.
@@ -99,7 +102,11 @@ class ModelQuantizer:
             model = model_io.to_ir(proto)
 
         reader = _make_reader(
-            calibration_data_reader, calibration_data_path, options, keep=self._samples_to_keep()
+            calibration_data_reader,
+            calibration_data_path,
+            options,
+            model=proto,
+            keep=self._samples_to_keep(),
         )
         sample = reader.peek() if reader is not None else None
         with _stage(report, "prepare"):
@@ -121,7 +128,7 @@ class ModelQuantizer:
 
         prepared = model_io.to_proto(model)
         with _stage(report, "calibrate"):
-            result = self._calibrate(prepared, plan, reader, calibration_result)
+            result = self._calibrate(prepared, plan, reader, calibration_result, progress)
             if save_calibration is not None:
                 result.save(save_calibration)
             report.calibration = {"samples": result.num_samples, "method": result.method}
@@ -206,7 +213,12 @@ class ModelQuantizer:
         return pipeline.as_dict()["passes"]
 
     def _calibrate(
-        self, prepared: onnx.ModelProto, plan: Any, reader: Any, saved: str | os.PathLike | None
+        self,
+        prepared: onnx.ModelProto,
+        plan: Any,
+        reader: Any,
+        saved: str | os.PathLike | None,
+        progress: Any = None,
     ) -> Any:
         from quark_onnx.calibration import CalibrationResult, calibrate
 
@@ -218,6 +230,7 @@ class ModelQuantizer:
             reader,
             method=self.qconfig.calibrate_method,
             options=self.options,
+            progress=progress,
         )
 
     def _initial_positions(
@@ -300,7 +313,12 @@ class _PeekableReader:
 
 
 def _make_reader(
-    reader: Any, npz_path: str | os.PathLike | None, options: ExtraOptions, keep: int = 0
+    reader: Any,
+    npz_path: str | os.PathLike | None,
+    options: ExtraOptions,
+    *,
+    model: onnx.ModelProto,
+    keep: int = 0,
 ) -> _PeekableReader | None:
     from quark_onnx.calibration import ArrayDataReader, NpzDataReader
 
@@ -317,6 +335,8 @@ def _make_reader(
             f"calibration_data_reader must have get_next() (onnxruntime's "
             f"CalibrationDataReader protocol); got {type(reader).__name__}"
         )
+    if callable(getattr(reader, "bind", None)):
+        reader.bind(model)  # readers that take their input name from the model (.npz files)
     return _PeekableReader(reader, keep=keep)
 
 

@@ -29,6 +29,7 @@ class QuantizationReport:
     bias_correction: dict[str, Any] = field(default_factory=dict)
     adaround: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
+    comparison: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -63,6 +64,10 @@ class QuantizationReport:
             f"{self.calibration.get('method', '-')}",
             f"NPU position adjustments: {len(self.adjustments)}, unfixable: {len(self.unfixable)}",
             f"Vitis AI ready: {self.ready}",
+            *(
+                f"  {f['severity']} {f['rule']}: {f['message']}"
+                for f in self.check.get("findings", [])
+            ),
             "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
         return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""ModelQuantizer end to end: the seed's XINT8 example on real models, checked against oracles."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import make_model, shared_path
+
+from quark_onnx import (
+    ArrayDataReader,
+    Config,
+    ModelQuantizer,
+    QuantizationError,
+    QuantType,
+    get_default_config,
+)
+from quark_onnx.check import check
+from quark_onnx.npu_rules import position_of_scale
+
+SEED_OPTIONS = {
+    "ConvertBNToConv": True,
+    "ConvertSigmoidToHardSigmoid": False,
+    "ConvertClipToRelu": True,
+    "SplitLargeKernelPool": False,
+    "ReplaceClip6Relu": True,
+    "ConvertReduceMeanToGlobalAvgPool": False,
+    "RemoveQDQConvClip": False,
+    "RemoveQDQConvPRelu": False,
+    "RemoveQDQConvRelu": False,
+    "RemoveQDQConvLeakyRelu": False,
+}
+
+
+def seed_config() -> Config:
+    """The XINT8 example of the Vitis AI documentation, with real data instead of random."""
+    quant_config = get_default_config("XINT8")
+    quant_config.activation_type = QuantType.QInt8
+    quant_config.optimize_model = False
+    quant_config.extra_options.update(SEED_OPTIONS)
+    return Config(global_quant_config=quant_config)
+
+
+def top1(model: str | onnx.ModelProto, x: np.ndarray, y: np.ndarray) -> float:
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    logits = [session.run(None, {name: x[i : i + 1]})[0].reshape(1, -1) for i in range(len(x))]
+    return float((np.concatenate(logits).argmax(axis=1) == y).mean())
+
+
+def assert_npu_form(model: onnx.ModelProto) -> None:
+    """Every Q/DQ scale is an exact power of two and the readiness check finds no error."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    scales = [n.input[1] for n in model.graph.node if n.op_type.endswith("QuantizeLinear")]
+    assert scales
+    for name in scales:
+        assert inits[name].shape == () and position_of_scale(float(inits[name])) is not None
+    verdict = check(model)
+    assert verdict.ready, verdict.summary()
+    onnxsim = pytest.importorskip("onnxsim")
+    assert onnxsim.check_vitisai_support(model) == []
+
+
+@pytest.mark.real_model
+def test_seed_example_on_digits(tmp_path):
+    model = shared_path("models", "digits_cnn.onnx")
+    calib = np.load(shared_path("models", "digits_calib.npz"))
+    test = np.load(shared_path("models", "digits_test.npz"))
+    out = tmp_path / "digits.xint8.onnx"
+    quantizer = ModelQuantizer(seed_config())
+    quantizer.quantize_model(str(model), str(out), ArrayDataReader({"image": calib["x"]}))
+    quantized = onnx.load(out)
+    assert_npu_form(quantized)
+    assert top1(quantized, test["x"], test["y"]) >= 0.985  # float: 0.9917
+    report = quantizer.report
+    assert report.unfixable == [] and report.check["ready"]
+    assert report.calibration["samples"] == 200
+    # deterministic: the same inputs give the same bytes, also from an .npz path
+    again = tmp_path / "again.onnx"
+    ModelQuantizer(seed_config()).quantize_model(
+        str(model), str(again), calibration_data_path=shared_path("models", "digits_calib.npz")
+    )
+    assert again.read_bytes() == out.read_bytes()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_squeezenet_accuracy_and_readiness(tmp_path):
+    from quark_onnx.images import ImageFolderDataReader, PreprocessSpec
+
+    model = shared_path("models", "squeezenet1.1.onnx")
+    val_dir = shared_path("data", "imagenet", "val")
+    spec = PreprocessSpec.parse("resize=256,crop=224,mean=104;117;123,order=BGR")
+    labels = {}
+    for line in (val_dir / "labels.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, index = line.split("\t")[:2]
+            labels[name] = int(index)
+    val = ImageFolderDataReader(val_dir, str(model), spec)
+    x = np.concatenate([feed["data_0"] for feed in val])
+    y = np.array([labels[f.name] for f in val.files])
+    out = tmp_path / "squeezenet.xint8.onnx"
+    calib = ImageFolderDataReader(shared_path("data", "imagenet", "calib"), str(model), spec)
+    ModelQuantizer(Config(global_quant_config=get_default_config("XINT8"))).quantize_model(
+        str(model), str(out), calib
+    )
+    assert_npu_form(onnx.load(out))
+    drop = top1(str(model), x, y) - top1(str(out), x, y)
+    assert drop <= 0.025, f"top-1 drop {100 * drop:.1f} points"  # AMD Quark XINT8: 3.8
+
+
+def test_model_without_quantizable_op_is_an_error_and_writes_nothing(tmp_path):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    proto = make_model([onnx.helper.make_node("Sigmoid", ["x"], ["y"], name="s")], [x], [y])
+    src = tmp_path / "m.onnx"
+    src.write_bytes(proto.SerializeToString())
+    qc = get_default_config("XINT8")
+    qc.extra_options["ConvertSigmoidToHardSigmoid"] = False
+    with pytest.raises(QuantizationError, match="no node can be quantized"):
+        ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+            str(src), str(tmp_path / "out.onnx"), ArrayDataReader({"x": np.ones((2, 1, 4), "f")})
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
