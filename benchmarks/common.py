@@ -143,7 +143,7 @@ MODELS: dict[str, ModelSpec] = {
             "resnet50",
             DATA_DIR / "resnet50_random.onnx",
             "gpu_0/data_0",
-            "ResNet-50 (ONNX zoo light) with random weights, opset 13, final Softmax removed",
+            "ResNet-50 (ONNX zoo light), random weights, opset 13, Sum->Add, final Softmax removed",
             f"{RESNET50_CALIB} random N(0,1) inputs",
             f"{RESNET50_EVAL} random N(0,1) inputs, SQNR of logits",
             False,
@@ -198,6 +198,9 @@ def normalize_imagenet(crops: np.ndarray, model: str) -> np.ndarray:
 def _build_resnet50(dst: Path) -> None:
     """Give the zoo-light ResNet-50 random weights, drop its final Softmax, convert to opset 13.
 
+    The residual two-input ``Sum`` nodes are written as ``Add`` (the same function; modern
+    exports of ResNet-50 use Add, and Quark leaves a Sum unquantized).
+
     Weights whose name ends in ``_w_0`` are He-normal (std sqrt(2 / fan_in)); BatchNorm scale
     U(0.5, 1), bias and running mean N(0, 0.1), running variance U(0.5, 1.5); other
     parameters N(0, 0.01). Fixed seed, so every run builds the same model.
@@ -232,6 +235,9 @@ def _build_resnet50(dst: Path) -> None:
         if node.op_type == "ConstantOfShape" and node.input[0] in inits:
             shape = numpy_helper.to_array(inits[node.input[0]]).astype(int).tolist()
             new_inits.append(random_tensor(node.output[0], shape))
+        elif node.op_type == "Sum" and len(node.input) == 2:
+            # the residual adds: two-input Sum is Add, the op every quantizer handles
+            nodes.append(helper.make_node("Add", list(node.input), list(node.output), node.name))
         else:
             nodes.append(node)
     for inp in graph.input[1:]:
