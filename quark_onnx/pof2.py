@@ -1,5 +1,10 @@
 """Power-of-two (XINT8) fixed-point arithmetic: quantize, dequantize, and choosing positions.
 
+This module is the one definition of the power-of-two numerics, used alike for weights, biases and
+activations (the calibration observers compute activation positions through these functions; only
+the histogram evaluation of the error lives with the histogram, in
+:mod:`quark_onnx.calibration.observers`).
+
 A *position* ``p`` is the number of fractional bits of a fixed-point code; the scale is
 ``s = 2^-p`` (exactly representable in float32 for ``-126 <= p <= 149``). For an integer type with
 codes ``[qmin, qmax]`` and zero point ``z`` (0 for signed types; ``2^(bits-1)`` for the unsigned
@@ -11,45 +16,72 @@ types used symmetrically, e.g. uint8 with zero point 128)::
 
 which is exactly what onnxruntime's QuantizeLinear/DequantizeLinear compute with a power-of-two
 scale: dividing by ``2^-p`` is exact in binary floating point, so the only rounding is the
-round-half-to-even of ``x / s``.
+round-half-to-even of ``x / s``. The *centred code range* ``[qmin - z, qmax - z]``
+(:func:`code_range`) is ``[-128, 127]`` for both int8 and uint8 with zero point 128: the two
+represent the same values.
 
 Choosing positions:
 
-* **NonOverflow**: the largest ``p`` (finest scale) at which no value saturates, i.e.
-  ``round_half_even(max(x) * 2^p) <= qmax - z`` and ``round_half_even(min(x) * 2^p) >= qmin - z``.
-* **MinMSE**: the ``p`` minimising ``mean((fake_quant(x, p) - x)^2)`` over the whole array, found by
-  exhaustive search. Only ``p >= p_nonoverflow`` can win: at ``p_nonoverflow`` nothing clips and its
-  grid contains every coarser grid's points inside the representable range, so every element's
-  error there is no larger than at any ``p < p_nonoverflow``. Once ``128 * 2^-p`` drops below the
-  smallest non-zero ``|x|``, every non-zero element saturates and the error only grows with ``p``,
-  so the search window ``[p_nonoverflow, p_saturated]`` is exact (capped at :data:`MAX_SEARCH`
-  positions).
+* **NonOverflow** (:func:`nonoverflow_position`): the largest ``p`` (finest scale) at which no value
+  of the range ``[lo, hi]`` saturates *after rounding*: ``round_half_even(hi * 2^p) <= qmax - z``
+  and ``round_half_even(lo * 2^p) >= qmin - z``. The range may be asymmetric (an activation's
+  observed ``[min, max]``, a weight's values): the negative side may use code ``qmin - z = -128``.
+* **MinMSE** (:func:`minmse_position`): the ``p`` minimising the sum of squared errors
+  ``sum((fake_quant(x, p) - x)^2)`` over all the data, found by exhaustive search over
+  :func:`minmse_window` ``= [p_no, p_sat]``, ties to the lower position (:func:`best_position`).
+  Only ``p >= p_no`` can win: at ``p_no`` nothing clips, and every coarser grid is a subset of
+  ``p_no``'s grid, so no element's error is smaller there. From ``p_sat``
+  (:func:`saturation_position`) on, every non-zero value rounds to an extreme code and each error
+  grows strictly with ``p``. Arrays (weights) are searched here; histograms (activations) are
+  searched by the observers with the same window and tie rule, and give the same position.
 * **Bias**: int8 bias gets its own position (NonOverflow over the bias values, or as the NPU
   constraint solver moves it); int32 bias uses ``p_bias = p_in + p_w`` so that the bias is added at
   the accumulator's scale ``s_in * s_w``.
+
+All-zero tensors. Every position represents an all-zero tensor exactly, so the choice is a
+convention; it is :data:`ZERO_POSITION` ``=`` :data:`POSITION_MAX` (the finest scale), for
+weights, biases and activations alike (also for a tensor with no finite value). The reason is the
+NPU constraint solver (:mod:`quark_onnx.constraints`): it only ever *lowers* shared (activation)
+positions, starts a shared-scale group at its members' lowest position, and reports a bias whose
+position ends above its preferred (NonOverflow) position as saturating. With the top position a
+zero tensor never binds: it does not drag a Concat group down, never forces a neighbour of an Add
+down (``shift_read``), never raises a spurious ``bias_range`` overflow for a zero bias, and the
+solver can lower it to whatever its neighbours need at zero cost (its error curve is identically
+0, see :func:`error_function`). A low convention (e.g. scale 1, ``p = 0``) would do each of those
+things to the *other*, non-zero tensors.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
 
-#: Positions are searched within this range (scales 2^-40 .. 2^40); anything outside is not a
+#: Positions are chosen within this range (scales 2^-40 .. 2^40); anything outside is not a
 #: meaningful fixed-point format for 8/16/32-bit codes.
 POSITION_MIN = -40
 POSITION_MAX = 40
-#: Most positions MinMSE tries above the NonOverflow position.
-MAX_SEARCH = 32
+#: Position of a tensor whose values are all zero (or that has no finite value). Any position
+#: represents it exactly; the finest one never constrains the NPU rules (see the module doc).
+ZERO_POSITION = POSITION_MAX
 
 
 def zero_point(qtype: QuantType) -> int:
     """Zero point of symmetric quantization: 0 for signed types, ``2^(bits-1)`` for unsigned."""
     return 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+
+
+def code_range(qtype: QuantType) -> tuple[int, int]:
+    """Centred code range ``(qmin - z, qmax - z)``: ``(-128, 127)`` for int8 and uint8 alike."""
+    qtype = QuantType.coerce(qtype)
+    if not qtype.is_integer:
+        raise ValueError(f"power-of-two positions need an integer type, got {qtype}")
+    z = zero_point(qtype)
+    return qtype.qmin - z, qtype.qmax - z
 
 
 def numpy_dtype(qtype: QuantType) -> np.dtype:
@@ -85,35 +117,53 @@ def dequantize(q: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.
 
 
 def fake_quant(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.ndarray:
-    """``dequantize(quantize(x, p), p)``: the value the quantized model computes with."""
+    """``dequantize(quantize(x, p), p)``: the value the quantized model computes with.
+
+    Float32, exact for 8- and 16-bit codes (a code times a power of two).
+    """
     return dequantize(quantize(x, p, qtype), p, qtype)
 
 
-def mse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
-    """Mean squared quantization error of ``x`` at position ``p``."""
+def _finite64(x: np.ndarray) -> np.ndarray:
+    x64 = np.asarray(x, dtype=np.float64).reshape(-1)
+    if x64.size and not np.isfinite(x64).all():
+        x64 = x64[np.isfinite(x64)]
+    return x64
+
+
+def sse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
+    """Sum of squared quantization errors ``sum((fake_quant(x, p) - x)^2)``, in float64."""
     x64 = np.asarray(x, dtype=np.float64)
-    if x64.size == 0:
-        return 0.0
-    step = math.ldexp(1.0, -int(p))
-    z = zero_point(qtype)
-    q = np.clip(np.rint(x64 / step), qtype.qmin - z, qtype.qmax - z)
-    return float(np.mean((q * step - x64) ** 2))
+    lo, hi = code_range(qtype)
+    q = np.clip(np.rint(x64 * math.ldexp(1.0, int(p))), lo, hi)
+    return float(np.sum((q * math.ldexp(1.0, -int(p)) - x64) ** 2))
+
+
+def mse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
+    """Mean squared quantization error of ``x`` at position ``p`` (0.0 for an empty array)."""
+    n = np.asarray(x).size
+    return sse(x, p, qtype) / n if n else 0.0
 
 
 def nonoverflow_position(lo: float, hi: float, qtype: QuantType = QuantType.QInt8) -> int:
     """Largest ``p`` at which the range ``[lo, hi]`` quantizes without saturating.
 
     ``p`` satisfies ``round_half_even(hi * 2^p) <= qmax - z`` and
-    ``round_half_even(lo * 2^p) >= qmin - z``. An all-zero range gets :data:`POSITION_MAX`.
+    ``round_half_even(lo * 2^p) >= qmin - z`` (``[lo, hi]`` is widened to contain 0). An all-zero
+    range gets :data:`ZERO_POSITION`; the result is clamped to
+    ``[POSITION_MIN, POSITION_MAX]``.
+
+    Raises:
+        ValueError: ``lo`` or ``hi`` is not finite.
     """
-    z = zero_point(qtype)
-    top, bottom = qtype.qmax - z, qtype.qmin - z
-    hi = max(float(hi), 0.0)
-    lo = min(float(lo), 0.0)
-    if hi == 0.0 and lo == 0.0:
-        return POSITION_MAX
+    lo, hi = float(lo), float(hi)
     if not (math.isfinite(hi) and math.isfinite(lo)):
         raise ValueError(f"range [{lo}, {hi}] is not finite; no position covers it")
+    bottom, top = code_range(qtype)
+    hi = max(hi, 0.0)
+    lo = min(lo, 0.0)
+    if hi == 0.0 and lo == 0.0:
+        return ZERO_POSITION
     # start from the analytic estimate, then settle the rounding at the boundary exactly
     bound = max(hi / top if top > 0 else 0.0, lo / bottom if bottom < 0 else 0.0)
     p = math.floor(-math.log2(bound)) + 1
@@ -135,23 +185,64 @@ def position_for_abs_max(max_abs: float, qtype: QuantType = QuantType.QInt8) -> 
     return nonoverflow_position(-abs(max_abs), abs(max_abs), qtype)
 
 
+def saturation_position(min_abs_nonzero: float, qtype: QuantType = QuantType.QInt8) -> int:
+    """Smallest ``p`` at which every value with ``|x| >= min_abs_nonzero`` rounds to an extreme
+    code: ``min_abs_nonzero * 2^p >= top + 1/2`` with ``top = qmax - z``.
+
+    From there on each such value's error (``|x| - top * s`` on the positive side,
+    ``|x| - (top + 1) * s`` or the distance to ``-(top + 1) * s`` on the negative side) grows
+    strictly with ``p``, so no larger position can lower the error.
+    """
+    m = float(min_abs_nonzero)
+    if not (math.isfinite(m) and m > 0.0):
+        raise ValueError(f"min_abs_nonzero must be finite and > 0, got {m}")
+    edge = code_range(qtype)[1] + 0.5
+    p = math.ceil(math.log2(edge / m))
+    # math.log2 may be off by one ulp near powers of two: settle it with exact comparisons
+    while math.ldexp(edge, -p) > m:
+        p += 1
+    while math.ldexp(edge, -(p - 1)) <= m:
+        p -= 1
+    return p
+
+
+def minmse_window(
+    lo: float, hi: float, min_abs_nonzero: float, qtype: QuantType = QuantType.QInt8
+) -> range:
+    """The positions MinMSE evaluates: ``p_no .. min(max(p_no, p_sat), POSITION_MAX)``.
+
+    ``p_no = nonoverflow_position(lo, hi)`` and ``p_sat = saturation_position(min_abs_nonzero)``
+    (see the module doc for why no position outside can win). ``min_abs_nonzero`` may be any lower
+    bound of the smallest non-zero ``|x|`` (a histogram bucket edge): positions beyond the true
+    ``p_sat`` are strictly worse, so the extra candidates never change the result.
+    """
+    p_no = nonoverflow_position(lo, hi, qtype)
+    p_sat = saturation_position(min_abs_nonzero, qtype)
+    return range(p_no, min(max(p_no, p_sat), POSITION_MAX) + 1)
+
+
+def best_position(positions: Sequence[int], errors: Iterable[float]) -> int:
+    """The position of the smallest error; ties go to the lower position (the larger scale)."""
+    best, best_err = None, math.inf
+    for p, err in sorted(zip(positions, errors, strict=True)):
+        if best is None or err < best_err:
+            best, best_err = p, err
+    if best is None:
+        raise ValueError("best_position needs at least one candidate position")
+    return int(best)
+
+
 def minmse_position(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
-    """Position minimising :func:`mse` over ``x`` (exhaustive; ties go to the lower position)."""
-    x64 = np.asarray(x, dtype=np.float64).ravel()
-    if x64.size == 0 or not np.any(x64):
-        return POSITION_MAX
-    start = nonoverflow_position(float(x64.min()), float(x64.max()), qtype)
-    smallest = float(np.min(np.abs(x64[x64 != 0])))
-    limit = 2 ** (qtype.bits - 1)
-    # beyond p_saturated every non-zero element saturates and the error grows monotonically
-    p_saturated = math.ceil(math.log2(limit / smallest))
-    stop = min(max(start, p_saturated), start + MAX_SEARCH, POSITION_MAX)
-    best_p, best_err = start, mse(x64, start, qtype)
-    for p in range(start + 1, stop + 1):
-        err = mse(x64, p, qtype)
-        if err < best_err:
-            best_p, best_err = p, err
-    return best_p
+    """Position minimising :func:`sse` over ``x`` (exhaustive over :func:`minmse_window`).
+
+    Non-finite values are ignored; an empty or all-zero array gets :data:`ZERO_POSITION`.
+    """
+    x64 = _finite64(x)
+    nz = np.abs(x64[x64 != 0])
+    if nz.size == 0:
+        return ZERO_POSITION
+    window = minmse_window(float(x64.min()), float(x64.max()), float(nz.min()), qtype)
+    return best_position(window, (sse(x64, p, qtype) for p in window))
 
 
 def weight_position(
@@ -161,12 +252,12 @@ def weight_position(
 ) -> int:
     """Position of a weight tensor (per tensor) by NonOverflow or MinMSE over all its values."""
     method = PowerOfTwoMethod.coerce(method)
-    arr = np.asarray(w)
     if method is PowerOfTwoMethod.NonOverflow:
+        arr = _finite64(w)
         if arr.size == 0:
-            return POSITION_MAX
+            return ZERO_POSITION
         return nonoverflow_position(float(arr.min()), float(arr.max()), qtype)
-    return minmse_position(arr, qtype)
+    return minmse_position(w, qtype)
 
 
 def bias_position(
@@ -175,20 +266,35 @@ def bias_position(
     p_w: int | None = None,
     int32: bool = False,
 ) -> int:
-    """Bias position: ``p_in + p_w`` for int32 bias, else the int8 NonOverflow position of ``b``."""
+    """Bias position: ``p_in + p_w`` for int32 bias, else the int8 NonOverflow position of ``b``.
+
+    A zero bias gets :data:`ZERO_POSITION`: the solver then places it anywhere in its shift_bias
+    window without reporting a saturation.
+    """
     if int32:
         if p_in is None or p_w is None:
             raise ValueError("int32 bias needs the input and weight positions (p_in + p_w)")
         return int(p_in) + int(p_w)
-    arr = np.asarray(b)
-    if arr.size == 0:
-        return POSITION_MAX
-    return nonoverflow_position(float(arr.min()), float(arr.max()), QuantType.QInt8)
+    return weight_position(b, PowerOfTwoMethod.NonOverflow, QuantType.QInt8)
 
 
 def error_function(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> Callable[[int], float]:
-    """``p -> mse(x, p)`` memoised: the per-tensor cost the NPU constraint solver minimises."""
-    data = np.asarray(x, dtype=np.float64).ravel().copy()
+    """``p -> mse(x, p)`` (memoised): the per-tensor cost the NPU constraint solver minimises.
+
+    The currency is the *mean* squared error per element, not the sum. The solver compares moves
+    of different tensors (lower a weight's position, or an activation's, or raise an output's) and
+    picks the one whose error increase is smallest. What a tensor's quantization noise does to the
+    network is its noise *per element*: in ``y = sum_k w_k x_k`` the output noise variance is about
+    ``K * (mse_w * E[x^2] + mse_x * E[w^2])`` whatever the number of elements of ``w`` and ``x``;
+    a weight with a few thousand elements is reused at every output pixel. A sum over elements
+    would make an 800k-element activation look hundreds of times dearer than a 2k-element weight
+    for the same per-element damage, so the solver would wreck weights to spare activations.
+    Activation curves (:meth:`quark_onnx.calibration.CalibrationResult.error_function`) use the
+    same currency: the exact SSE over all calibration values divided by their count.
+    (Tensors of very different magnitudes are still compared in absolute units; dividing by
+    ``mean(x^2)`` would compare noise-to-signal ratios instead.)
+    """
+    data = _finite64(x).copy()
 
     @functools.cache
     def cost(p: int) -> float:

@@ -132,3 +132,58 @@ def test_error_function_is_mse():
     f = pof2.error_function(x)
     assert f(5) == pof2.mse(x, 5)
     assert f(0) > f(5)
+
+
+def test_sse_and_mse_match_the_oracle():
+    x = sample(3, np.random.default_rng(7))
+    x64 = x.astype(np.float64)
+    for p in (-2, 0, 3, 8):
+        expected = float(np.sum((oracle(x, p) - x64) ** 2))
+        assert pof2.sse(x, p) == pytest.approx(expected, rel=1e-12)
+        assert pof2.mse(x, p) == pytest.approx(expected / x.size, rel=1e-12)
+
+
+def test_saturation_position_and_window():
+    # 0.25 * 2^9 = 128 >= 127.5: from p = 9 on every |x| >= 0.25 rounds to an extreme code
+    assert pof2.saturation_position(0.25) == 9
+    assert pof2.saturation_position(127.5) == 0
+    assert pof2.saturation_position(127.4) == 1
+    assert pof2.minmse_window(-1.0, 3.0, 0.25) == range(pof2.position_for_abs_max(3.0), 10)
+    # the window never passes POSITION_MAX
+    assert pof2.minmse_window(-1.0, 1.0, 1e-30)[-1] == pof2.POSITION_MAX
+    with pytest.raises(ValueError):
+        pof2.saturation_position(0.0)
+
+
+def test_minmse_window_contains_the_global_optimum_above_nonoverflow():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        x = rng.standard_t(2, size=300) * 10 ** rng.uniform(-3, 2)
+        p_no = pof2.weight_position(x, "NonOverflow")
+        errors = {q: pof2.sse(x, q) for q in range(p_no, pof2.POSITION_MAX + 1)}
+        best = min(errors.values())
+        assert pof2.minmse_position(x) == min(q for q, e in errors.items() if e == best)
+
+
+def test_best_position_ties_go_to_the_lower_position():
+    assert pof2.best_position([5, 3, 4], [1.0, 2.0, 1.0]) == 4
+    assert pof2.best_position(range(3), [0.0, 0.0, 0.0]) == 0
+    with pytest.raises(ValueError):
+        pof2.best_position([], [])
+
+
+def test_zero_tensors_take_the_finest_position():
+    # any position represents zeros; the finest never constrains the NPU rules
+    assert pof2.ZERO_POSITION == pof2.POSITION_MAX
+    assert pof2.bias_position(np.zeros(8, np.float32)) == pof2.ZERO_POSITION
+    assert pof2.weight_position(np.zeros(8), "MinMSE") == pof2.ZERO_POSITION
+    assert pof2.error_function(np.zeros(8))(3) == 0.0
+
+
+def test_pof2_does_not_import_the_calibration_package():
+    import subprocess
+    import sys
+
+    code = "import sys, quark_onnx.pof2; print('quark_onnx.calibration' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -2,19 +2,21 @@
 
 ``calibrate(model, tensor_names, reader, method=..., options=...)`` returns a
 :class:`CalibrationResult` that answers ``position()`` (power-of-two, NonOverflow/MinMSE),
-``range()`` (MinMax/Percentile/Entropy/MSE) and ``absmax()``, and that can be saved and loaded.
+``range()`` (MinMax/Percentile/Entropy/MSE), ``absmax()`` and ``error_function()`` (activation
+error curves for the NPU constraint solver), and that can be saved and loaded.
+
+``nonoverflow_position``, ``minmse_position`` and ``quantize_pof2`` (an alias of
+:func:`quark_onnx.pof2.fake_quant`) are re-exported from :mod:`quark_onnx.pof2`, the one
+definition of the power-of-two numerics.
 """
 
 from __future__ import annotations
 
+from quark_onnx.pof2 import fake_quant as quantize_pof2
+from quark_onnx.pof2 import minmse_position, nonoverflow_position
+
 from .collector import calibrate, session_options
-from .observers import (
-    HistogramObserver,
-    MinMaxObserver,
-    minmse_position,
-    nonoverflow_position,
-    quantize_pof2,
-)
+from .observers import HistogramObserver, MinMaxObserver
 from .readers import (
     ArrayDataReader,
     CalibrationDataReader,

@@ -11,19 +11,22 @@ inputs.
 
 :class:`HistogramObserver`
     A histogram keyed by the top 16 bits of the float32 bit pattern (sign, 8 exponent bits, 7
-    mantissa bits), holding per bucket the count ``n_b`` and the float64 sum ``S_b`` of the values,
-    plus the exact minimum and maximum. A bucket of magnitude ``2^e`` spans ``[m, m + 2^(e-7))``:
-    its width is at most ``2^-7`` of its values. It serves every method:
+    mantissa bits). The low 16 bits are the exact offset of a value inside its bucket, so per
+    bucket the observer keeps integers -- the count ``n_b``, the sum ``T_b`` and the sum of squares
+    ``Q_b`` of the centred offsets -- from which the sum and the spread of the bucket's values
+    follow exactly (see :class:`HistogramObserver`), plus the exact minimum and maximum. A bucket
+    of magnitude ``2^e`` spans ``[m, m + 2^(e-7))``: its width is at most ``2^-7`` of its values.
+    It serves every method:
 
-    * ``MinMSE`` exactly (see :func:`minmse_position_from_histogram` for why),
+    * ``MinMSE`` exactly, and the exact quantization error at any position
+      (:func:`histogram_sse`, :func:`minmse_position_from_histogram`),
     * ``Percentile`` within one bucket (relative error below ``2^-7``),
     * ``Entropy`` and ``MSE`` on a linear histogram of ``NumBins`` bins resampled from it.
 
-Numerics of power-of-two quantization (GUIDE §3). A position ``p`` gives the scale ``s = 2^-p``.
-For a signed type the codes are ``q = clip(round_half_even(x / s), qmin, qmax)`` and the
-dequantized value is ``q * s``. An unsigned type with the midpoint zero point (uint8 with zero
-point 128) represents exactly the same values as the signed type of the same width (codes ``0..255``
-minus ``128``), so its positions are computed with the signed limits ``-128..127``.
+The power-of-two numerics (positions, NonOverflow, the MinMSE window and tie rule, the all-zero
+convention) are :mod:`quark_onnx.pof2`'s; only their evaluation on a histogram lives here. An
+unsigned type with the midpoint zero point (uint8 with zero point 128) represents exactly the same
+values as the signed type of the same width (:func:`quark_onnx.pof2.code_range`).
 
 Non-finite values (NaN, +-Inf) are never folded into a range: each observer counts and skips them
 (``nonfinite``); the collector warns with the tensor name and the count.
@@ -35,119 +38,38 @@ import base64
 import functools
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from quark_onnx import pof2
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import CalibrationError, ConfigError
 
 #: Number of histogram buckets: every value of the top 16 bits of a float32.
 NUM_BUCKETS = 1 << 16
 _HALF = 1 << 15
-#: Position returned for a tensor whose values are all zero (any position represents it exactly):
-#: scale 1, the convention onnxruntime uses for an all-zero range.
-DEFAULT_POSITION = 0
-#: Largest position the histogram search considers; above it the subnormal buckets are wider than
-#: half a quantum (scales below 2^-132 never occur in practice).
+#: Largest position at which the histogram error is exact for 8-bit types: above it the subnormal
+#: buckets are wider than half a quantum (far beyond :data:`quark_onnx.pof2.POSITION_MAX`).
 MAX_HIST_POSITION = 132
-
-
-# ------------------------------------------------------------------------------------------------
-# Power-of-two numerics (numpy references)
-# ------------------------------------------------------------------------------------------------
+#: Values binned per step: the step's keys and offsets stay in the CPU cache.
+_CHUNK = 1 << 14
+#: A staged bucket holds ``n_b * 2^40 + sum(low16)``; both parts stay exact while ``n_b < 2^23``.
+_PACK = 1 << 40
+#: Values staged before the staged counts are unpacked (every bucket then has ``n_b < 2^23``).
+_STAGE_LIMIT = (1 << 22) - _CHUNK
 
 
 def signed_limits(qtype: QuantType) -> tuple[int, int]:
-    """Code range ``(lo, hi)`` of ``qtype`` seen as a symmetric type.
+    """Centred code range ``(lo, hi)`` of ``qtype`` (:func:`quark_onnx.pof2.code_range`).
 
-    Signed types keep their limits (int8: -128..127). Unsigned types with the midpoint zero point
-    represent the same values as the signed type of the same width, so uint8 gives -128..127 too.
+    Raises :class:`~quark_onnx.errors.ConfigError` for a type without integer codes.
     """
     qtype = QuantType.coerce(qtype)
     if not qtype.is_integer:
         raise ConfigError(f"power-of-two positions need an integer type, got {qtype}")
-    if qtype.is_signed:
-        return qtype.qmin, qtype.qmax
-    half = 1 << (qtype.bits - 1)
-    return qtype.qmin - half, qtype.qmax - half
-
-
-def quantize_pof2(x: np.ndarray, position: int, qtype: QuantType = QuantType.QInt8) -> np.ndarray:
-    """Dequantized values ``clip(round_half_even(x * 2^p), lo, hi) * 2^-p`` (numpy reference).
-
-    Computed in float64 (``x * 2^p`` is exact there); returned in ``x``'s float dtype (exact: the
-    results are small integers times a power of two) or float64 for non-float input.
-    """
-    lo, hi = signed_limits(qtype)
-    x = np.asarray(x)
-    q = np.clip(np.rint(np.ldexp(x.astype(np.float64), int(position))), lo, hi)
-    out = np.ldexp(q, -int(position))
-    return out.astype(x.dtype) if np.issubdtype(x.dtype, np.floating) else out
-
-
-def nonoverflow_position(absmax: float, qtype: QuantType = QuantType.QInt8) -> int:
-    """The largest ``p`` with ``absmax <= qmax * 2^-p``: the finest scale that never clips.
-
-    ``qmax`` is the positive code limit (127 for int8 and uint8 with zero point 128), which also
-    covers the negative side (``-absmax >= -128 * 2^-p``). ``absmax == 0`` (an all-zero tensor,
-    represented exactly by any scale) gives :data:`DEFAULT_POSITION`.
-    """
-    _, hi = signed_limits(qtype)
-    a = float(absmax)
-    if not math.isfinite(a) or a < 0:
-        raise CalibrationError(f"nonoverflow_position: absmax must be finite and >= 0, got {a}")
-    if a == 0.0:
-        return DEFAULT_POSITION
-    p = math.floor(math.log2(hi / a))
-    # math.log2 may be off by one ulp near powers of two: settle it with exact comparisons.
-    while math.ldexp(hi, -p) < a:
-        p -= 1
-    while math.ldexp(hi, -(p + 1)) >= a:
-        p += 1
-    return p
-
-
-def minmse_position(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
-    """The position minimising ``sum((x - quantize_pof2(x, p))^2)`` over one array, exactly.
-
-    Non-finite values are ignored. Candidates are ``p_no .. p_sat`` (see
-    :func:`minmse_position_from_histogram`); ties go to the smaller ``p`` (the larger scale).
-    8-bit types use the exact histogram search; wider types evaluate every candidate on the array.
-    """
-    x = np.asarray(x)
-    lo, hi = signed_limits(qtype)
-    if max(hi, -lo) <= 128:
-        obs = HistogramObserver()
-        obs.update(x)
-        return obs.minmse_position(qtype)
-    values = np.asarray(x, dtype=np.float64).reshape(-1)
-    values = values[np.isfinite(values)]
-    nz = np.abs(values[values != 0])
-    if nz.size == 0:
-        return DEFAULT_POSITION
-    p_no = nonoverflow_position(float(nz.max()), qtype)
-    p_sat = _saturation_position(float(nz.min()), hi)
-    best, best_sse = p_no, math.inf
-    for p in range(p_no, max(p_no, p_sat) + 1):
-        sse = float(np.sum((values - quantize_pof2(values, p, qtype)) ** 2))
-        if sse < best_sse:
-            best, best_sse = p, sse
-    return best
-
-
-def _saturation_position(min_nonzero: float, hi: int) -> int:
-    """Smallest ``p`` at which every value of magnitude >= ``min_nonzero`` saturates.
-
-    For ``p`` at or above it, all nonzero values lie beyond ``(hi + 0.5) * 2^-p`` and the error
-    ``|x| - hi * 2^-p`` of each of them grows with ``p``, so no larger position can be better.
-    """
-    p = math.ceil(math.log2((hi + 0.5) / min_nonzero))
-    while math.ldexp(hi + 0.5, -p) > min_nonzero:
-        p += 1
-    while math.ldexp(hi + 0.5, -(p - 1)) <= min_nonzero:
-        p -= 1
-    return p
+    return pof2.code_range(qtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,16 +100,33 @@ def bucket_edges() -> tuple[np.ndarray, np.ndarray]:
     return lower, upper
 
 
-def _bucket_keys(x32: np.ndarray) -> np.ndarray:
-    """Top 16 bits of each float32 as intp (the histogram key)."""
-    flat = x32.reshape(-1)
+@functools.lru_cache(maxsize=1)
+def bucket_units() -> tuple[np.ndarray, np.ndarray]:
+    """Per magnitude key: the midpoint ``c`` and the weight ``u`` of the lowest mantissa bit.
+
+    A float32 of magnitude key ``k`` whose low 16 bits are ``low`` has magnitude exactly
+    ``c + t * u`` with ``t = low - 2^15`` (``-2^15 <= t < 2^15``) and ``u = 2^(max(E, 1) - 150)``.
+    """
+    lower, upper = bucket_edges()
+    mid = 0.5 * (lower + upper)
+    e = np.arange(_HALF, dtype=np.int64) >> 7
+    unit = np.ldexp(1.0, np.maximum(e, 1) - 150)
+    mid.setflags(write=False)
+    unit.setflags(write=False)
+    return mid, unit
+
+
+def _halves(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Views of the top 16 bits (the bucket key) and the low 16 bits of each float32."""
+    u16 = x32.reshape(-1).view(np.uint16)
     if sys.byteorder == "little":
-        return flat.view(np.uint16)[1::2].astype(np.intp)
-    return (flat.view(np.uint32) >> 16).astype(np.intp)
+        return u16[1::2], u16[0::2]
+    return u16[0::2], u16[1::2]
 
 
-def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """``x`` as a contiguous float32 array of its finite values, and how many were dropped."""
+def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int, float, float]:
+    """``x`` as a contiguous float32 array of its finite values, how many were dropped, and the
+    minimum and maximum of the kept values (``inf, -inf`` when none)."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
@@ -195,13 +134,14 @@ def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int]:
         x = x.astype(np.float32)
     x = np.ascontiguousarray(x).reshape(-1)
     if x.size == 0:
-        return x, 0
+        return x, 0, math.inf, -math.inf
     lo, hi = x.min(), x.max()  # numpy min/max propagate NaN
     if np.isfinite(lo) and np.isfinite(hi):
-        return x, 0
-    mask = np.isfinite(x)
-    kept = x[mask]
-    return kept, int(x.size - kept.size)
+        return x, 0, float(lo), float(hi)
+    kept = x[np.isfinite(x)]
+    if kept.size == 0:
+        return kept, int(x.size), math.inf, -math.inf
+    return kept, int(x.size - kept.size), float(kept.min()), float(kept.max())
 
 
 def _encode(a: np.ndarray) -> dict[str, Any]:
@@ -293,6 +233,12 @@ class MinMaxObserver:
             return self.ema_min, self.ema_max
         return self.min, self.max
 
+    def nonoverflow_position(self, qtype: QuantType = QuantType.QInt8) -> int:
+        """:func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``."""
+        if self.count == 0:
+            return pof2.ZERO_POSITION
+        return pof2.nonoverflow_position(self.min, self.max, QuantType.coerce(qtype))
+
     def merge(self, other: MinMaxObserver) -> MinMaxObserver:
         """The observer of the union of both data sets."""
         if self.moving_average is not None or other.moving_average is not None:
@@ -345,21 +291,40 @@ class MinMaxObserver:
 
 
 class HistogramObserver:
-    """Per-bucket counts and sums keyed by the top 16 bits of the float32 pattern.
+    """Exact per-bucket statistics keyed by the top 16 bits of the float32 pattern.
 
-    Memory is fixed: 65536 int64 counts and 65536 float64 sums (1 MiB) per tensor. Merging adds the
-    arrays, so shards merge exactly (sums up to float64 rounding of the additions).
+    A finite float32 ``x`` of bucket ``b`` (its top 16 bits) has magnitude exactly
+    ``|x| = c_b + t * u_b``: ``c_b`` is the bucket midpoint, ``u_b`` the weight of the lowest
+    mantissa bit (:func:`bucket_units`) and ``t = low16 - 2^15`` the low 16 bits of the pattern,
+    centred. Per bucket the observer keeps
+
+    * ``n_b`` (int64), the count,
+    * ``T_b = sum t`` (int64, exact), so that ``sum |x| = n_b c_b + u_b T_b``,
+    * ``Q_b = sum t^2`` (float64; exact integers below ``2^53``, i.e. up to ``2^23`` values in one
+      bucket, then rounded to float64), so that ``sum (|x| - c_b)^2 = u_b^2 Q_b``,
+
+    3 x 65536 entries (1.5 MiB) per tensor, plus a 0.5 MiB staging array while data comes in.
+    Merging adds the arrays, so shards merge exactly.
+
+    Binning, per step of :data:`_CHUNK` values: one ``np.add.at`` of ``2^40 + low16`` into the
+    int64 staging array (a count and an offset sum packed in one integer, unpacked every
+    :data:`_STAGE_LIMIT` values, before the count part could reach ``2^23``) and one of ``t^2``
+    into ``Q``. Integer offsets instead of float sums make the statistics exact and merging
+    order-independent, and cost less than the two ``np.bincount`` calls (a count and a float64
+    weighted sum over 65536 buckets) they replace.
     """
 
     kind = "histogram"
 
-    #: Batches smaller than this are buffered and binned together (a bincount over 65536 buckets
-    #: costs as much as binning tens of thousands of values); the buffer is bounded by it.
-    buffer_size = 1 << 16
+    #: Batches smaller than this are buffered and binned together (fewer numpy calls per value).
+    buffer_size = _CHUNK
 
     def __init__(self) -> None:
-        self._counts = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        self._sums = np.zeros(NUM_BUCKETS, dtype=np.float64)
+        self._n = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        self._t = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        self._q = np.zeros(NUM_BUCKETS, dtype=np.float64)
+        self._stage: np.ndarray | None = None
+        self._staged = 0
         self._pending: list[np.ndarray] = []
         self._pending_size = 0
         self.min = math.inf
@@ -367,27 +332,57 @@ class HistogramObserver:
         self.nonfinite = 0
         self.batches = 0
 
+    # --- statistics ---------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        """Bin the buffered values and unpack the staged statistics."""
+        if self._pending:
+            values = np.concatenate(self._pending)
+            self._pending, self._pending_size = [], 0
+            self._bin(values)
+        if self._stage is not None:
+            self._unstage()
+            self._stage = None
+
+    def _unstage(self) -> None:
+        stage = self._stage
+        if stage is None or self._staged == 0:
+            return
+        n = stage >> 40
+        self._n += n
+        self._t += (stage & (_PACK - 1)) - n * _HALF
+        stage[:] = 0
+        self._staged = 0
+
     @property
     def counts(self) -> np.ndarray:
-        """Values per bucket (int64, 65536)."""
-        self._flush()
-        return self._counts
+        """Values per bucket ``n_b`` (int64, 65536)."""
+        self._sync()
+        return self._n
 
-    @counts.setter
-    def counts(self, value: np.ndarray) -> None:
-        self._flush()
-        self._counts = value
+    @property
+    def offset_sums(self) -> np.ndarray:
+        """``T_b``: sum of the centred low-16-bit offsets per bucket (int64, 65536)."""
+        self._sync()
+        return self._t
+
+    @property
+    def offset_squares(self) -> np.ndarray:
+        """``Q_b``: sum of the squared centred offsets per bucket (float64, 65536)."""
+        self._sync()
+        return self._q
 
     @property
     def sums(self) -> np.ndarray:
-        """Float64 sum of the values per bucket (65536)."""
-        self._flush()
-        return self._sums
-
-    @sums.setter
-    def sums(self, value: np.ndarray) -> None:
-        self._flush()
-        self._sums = value
+        """Sum of the values per bucket, ``+-(n_b c_b + u_b T_b)`` (float64, 65536)."""
+        mid, unit = bucket_units()
+        n, t = self.counts, self.offset_sums
+        out = np.zeros(NUM_BUCKETS, dtype=np.float64)
+        keys = np.nonzero(n)[0]
+        mag = keys & (_HALF - 1)
+        sign = np.where(keys >= _HALF, -1.0, 1.0)
+        out[keys] = sign * (n[keys] * mid[mag] + unit[mag] * t[keys])
+        return out
 
     @property
     def count(self) -> int:
@@ -399,38 +394,50 @@ class HistogramObserver:
             return 0.0
         return max(abs(self.min), abs(self.max))
 
+    # --- updates ------------------------------------------------------------------------------
+
     def update(self, x: np.ndarray) -> None:
         """Fold one batch (any shape, any real dtype; converted to float32) into the histogram."""
-        values, dropped = _finite_float32(x)
+        values, dropped, lo, hi = _finite_float32(x)
         self.nonfinite += dropped
         self.batches += 1
         if values.size == 0:
             return
-        self.min = min(self.min, float(values.min()))
-        self.max = max(self.max, float(values.max()))
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
         if values.size >= self.buffer_size:
             self._bin(values)
             return
         self._pending.append(values.copy() if values.base is not None else values)
         self._pending_size += values.size
         if self._pending_size >= self.buffer_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._pending:
             values = np.concatenate(self._pending)
             self._pending, self._pending_size = [], 0
             self._bin(values)
 
     def _bin(self, values: np.ndarray) -> None:
-        keys = _bucket_keys(values)
-        self._counts += np.bincount(keys, minlength=NUM_BUCKETS)
-        self._sums += np.bincount(keys, weights=values, minlength=NUM_BUCKETS)
+        if self._stage is None:
+            self._stage = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        stage, q = self._stage, self._q
+        top, low = _halves(values)
+        for start in range(0, values.size, _CHUNK):
+            if self._staged > _STAGE_LIMIT:
+                self._unstage()
+            end = min(start + _CHUNK, values.size)
+            keys = top[start:end].astype(np.intp)
+            packed = low[start:end].astype(np.int64)
+            packed += _PACK
+            np.add.at(stage, keys, packed)
+            t = (packed - (_PACK + _HALF)).astype(np.float64)
+            t *= t
+            np.add.at(q, keys, t)
+            self._staged += end - start
 
     def merge(self, other: HistogramObserver) -> HistogramObserver:
         out = HistogramObserver()
-        out.counts = self.counts + other.counts
-        out.sums = self.sums + other.sums
+        out._n = self.counts + other.counts
+        out._t = self.offset_sums + other.offset_sums
+        out._q = self.offset_squares + other.offset_squares
         out.min = min(self.min, other.min)
         out.max = max(self.max, other.max)
         out.nonfinite = self.nonfinite + other.nonfinite
@@ -438,11 +445,19 @@ class HistogramObserver:
         return out
 
     def relu(self) -> HistogramObserver:
-        """The histogram of ``max(x, 0)``: positive buckets kept, the rest counted as zeros."""
+        """The histogram of ``max(x, 0)``: positive buckets kept, the rest counted as zeros.
+
+        A zero has key 0 and offset ``t = -2^15``.
+        """
         out = HistogramObserver()
-        out.counts[:_HALF] = self.counts[:_HALF]
-        out.sums[:_HALF] = self.sums[:_HALF]
-        out.counts[0] = self.counts[0] + int(self.counts[_HALF:].sum())
+        n, t, q = self.counts, self.offset_sums, self.offset_squares
+        out._n[:_HALF] = n[:_HALF]
+        out._t[:_HALF] = t[:_HALF]
+        out._q[:_HALF] = q[:_HALF]
+        zeros = int(n[_HALF:].sum())
+        out._n[0] += zeros
+        out._t[0] -= zeros * _HALF
+        out._q[0] += float(zeros) * float(_HALF * _HALF)
         out.nonfinite, out.batches = self.nonfinite, self.batches
         if self.min <= self.max:
             out.min, out.max = max(self.min, 0.0), max(self.max, 0.0)
@@ -454,10 +469,18 @@ class HistogramObserver:
         """Counts per magnitude key (both signs together), shape (32768,)."""
         return self.counts[:_HALF] + self.counts[_HALF:]
 
+    def nonoverflow_position(self, qtype: QuantType = QuantType.QInt8) -> int:
+        """:func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``."""
+        if self.min > self.max:
+            return pof2.ZERO_POSITION
+        return pof2.nonoverflow_position(self.min, self.max, QuantType.coerce(qtype))
+
+    def sse(self, positions: Iterable[int], qtype: QuantType = QuantType.QInt8) -> np.ndarray:
+        """Quantization SSE of all observed values at each position (:func:`histogram_sse`)."""
+        return histogram_sse(self, positions, qtype)
+
     def minmse_position(self, qtype: QuantType = QuantType.QInt8) -> int:
-        return minmse_position_from_histogram(
-            self.counts, self.sums, self.absmax, QuantType.coerce(qtype)
-        )
+        return minmse_position_from_histogram(self, QuantType.coerce(qtype))
 
     def percentile_range(self, percentile: float, symmetric: bool) -> tuple[float, float]:
         """Range keeping ``percentile`` % of the values, within one bucket (see module doc).
@@ -549,7 +572,8 @@ class HistogramObserver:
             "batches": self.batches,
             "keys": _encode(keys),
             "counts": _encode(self.counts[keys]),
-            "sums": _encode(self.sums[keys]),
+            "offset_sums": _encode(self.offset_sums[keys]),
+            "offset_squares": _encode(self.offset_squares[keys]),
         }
 
     @classmethod
@@ -557,7 +581,8 @@ class HistogramObserver:
         out = cls()
         keys = _decode(d["keys"]).astype(np.intp)
         out.counts[keys] = _decode(d["counts"])
-        out.sums[keys] = _decode(d["sums"])
+        out.offset_sums[keys] = _decode(d["offset_sums"])
+        out.offset_squares[keys] = _decode(d["offset_squares"])
         if d["min"] is not None:
             out.min, out.max = float(d["min"]), float(d["max"])
         out.nonfinite, out.batches = int(d["nonfinite"]), int(d["batches"])
@@ -578,71 +603,89 @@ def observer_from_dict(d: dict[str, Any]) -> Observer:
 # Searches on histograms
 # ------------------------------------------------------------------------------------------------
 
+#: Positions evaluated together (a positions x buckets block).
+_POSITION_BLOCK = 16
 
-def minmse_position_from_histogram(
-    counts: np.ndarray, sums: np.ndarray, absmax: float, qtype: QuantType = QuantType.QInt8
-) -> int:
-    """``argmin_p sum (x - dq_p(x))^2`` from the bucket counts and sums.
 
-    Why this is exact for 8-bit types. Take a candidate scale ``s = 2^-p`` and a bucket of width
+def histogram_sse(
+    hist: HistogramObserver, positions: Iterable[int], qtype: QuantType = QuantType.QInt8
+) -> np.ndarray:
+    """``sum_x (x - fake_quant(x, p))^2`` over every value ``hist`` observed, for each ``p``.
+
+    Why this is exact for 8-bit types. Take a scale ``s = 2^-p`` and a bucket of width
     ``w = 2^k`` (its edges are multiples of ``w``). In units of ``s`` the bucket width is
-    ``u = w / s``, a power of two. If ``u <= 1/2`` the rounding boundaries ``(j + 1/2)`` are
-    multiples of ``u``, so none lies strictly inside the bucket: every value of the bucket rounds to
-    the same code ``k_b`` except possibly a value exactly at the lower edge when that edge is a
-    boundary -- a tie, whose squared error ``(s/2)^2`` is the same whichever way it rounds, so the
-    sum is unchanged. If ``u >= 1`` the bucket's magnitudes are ``>= 128 u >= 128``, beyond
-    ``qmax + 1/2``: every value saturates to the same code. Hence, with ``c_b`` the bucket midpoint,
-    ``k_b = clip(rint(|c_b| / s))`` and ``D_b = sum_{x in b} (|x| - |c_b|)``::
+    ``v = w / s``, a power of two. If ``v <= 1/2`` the rounding boundaries ``(j + 1/2) s`` are
+    multiples of ``w``, so none lies strictly inside the bucket: every value of the bucket rounds
+    to the same code ``k_b`` except possibly a value exactly at the lower edge when that edge is a
+    boundary -- a tie, whose squared error ``(s/2)^2`` is the same whichever way it rounds. If
+    ``v >= 1`` the bucket's magnitudes are ``>= 128 v s >= 128 s``: every value rounds to the
+    extreme code (``127`` or ``-128``) or beyond, and saturates there. Hence with the midpoint
+    ``c_b``, ``k_b = clip(rint(c_b / s))`` (the sign's code limit) and ``e_b = c_b - k_b s``, and
+    ``|x| = c_b + t u_b`` (see :class:`HistogramObserver`)::
 
-        SSE(p) = sum_b [ 2 (|c_b| - k_b s) D_b + n_b (|c_b| - k_b s)^2 ] + sum_b sum (|x| - |c_b|)^2
+        SSE(p) = sum_b sum_{x in b} (e_b + t u_b)^2
+               = sum_b [ n_b e_b^2 + 2 e_b u_b T_b + u_b^2 Q_b ]
 
-    and the last term does not depend on ``p``. Writing the error about the bucket midpoint keeps
-    the float64 evaluation accurate to the size of the quantization error itself.
-
-    Candidates: positions below ``p_no`` (:func:`nonoverflow_position`) are never better -- their
-    grids are subsets of ``p_no``'s and nothing clips at ``p_no`` -- and from ``p_sat``
-    (:func:`_saturation_position`) on every nonzero value saturates and the error only grows, so
-    every ``p`` in ``p_no .. p_sat`` is evaluated (capped at :data:`MAX_HIST_POSITION`). Ties go to
-    the smaller ``p`` (the larger scale). An all-zero tensor gives :data:`DEFAULT_POSITION`.
+    from exact integer statistics; only the final float64 arithmetic rounds. The argument needs
+    ``p <= MAX_HIST_POSITION`` (the subnormal buckets are ``2^-133`` wide).
 
     16-bit types: buckets ``2^-7`` wide can span several quanta without saturating; for those the
-    error is modelled as uniform within the bucket (``s^2/12`` per value inside the range, the exact
-    integral for the clipped part), so the result is an approximation there.
+    values are modelled as uniform within the bucket (``s^2/12`` per value inside the range, the
+    exact integral for the clipped part), so the result is an approximation there.
     """
     lo_code, hi_code = signed_limits(qtype)
-    if absmax == 0.0 or not counts.any():
-        return DEFAULT_POSITION
+    positions = np.asarray(list(positions), dtype=np.int64).reshape(-1)
+    out = np.zeros(positions.size, dtype=np.float64)
+    counts = hist.counts
     keys = np.nonzero(counts)[0]
+    if keys.size == 0 or positions.size == 0:
+        return out
+    mid, unit = bucket_units()
     lower, upper = bucket_edges()
-    mag_key = keys & (_HALF - 1)
+    mag = keys & (_HALF - 1)
     negative = keys >= _HALF
     n = counts[keys].astype(np.float64)
-    lo_e, hi_e = lower[mag_key], upper[mag_key]
-    c = 0.5 * (lo_e + hi_e)
-    d = np.where(negative, -sums[keys], sums[keys]) - n * c  # sum of (|x| - c) per bucket
+    c, u = mid[mag], unit[mag]
+    dev_sum = hist.offset_sums[keys].astype(np.float64) * u  # sum (|x| - c_b)
+    dev_sq = hist.offset_squares[keys] * (u * u)  # sum (|x| - c_b)^2
     qside = np.where(negative, -lo_code, hi_code).astype(np.float64)
-
-    p_no = nonoverflow_position(absmax, qtype)
-    nonzero = lo_e > 0
-    min_nonzero = float(lo_e[nonzero].min()) if nonzero.any() else float(hi_e.min())
-    p_sat = min(_saturation_position(min_nonzero, hi_code), MAX_HIST_POSITION)
-    positions = np.arange(p_no, max(p_no, p_sat) + 1)
-
-    best, best_sse = p_no, math.inf
-    for chunk in np.array_split(positions, max(1, len(positions) // 16)):
-        s = np.ldexp(1.0, -chunk.astype(np.int64))[:, None]
+    wide = max(hi_code, -lo_code) > 128
+    for first in range(0, positions.size, _POSITION_BLOCK):
+        block = positions[first : first + _POSITION_BLOCK]
+        s = np.ldexp(1.0, -block)[:, None]
         k = np.minimum(np.rint(c / s), qside)
-        err = c - k * s
-        sse_b = 2.0 * err * d + n * err * err
-        if max(hi_code, -lo_code) > 128:
+        e = c - k * s
+        sse_b = n * e * e + 2.0 * e * dev_sum + dev_sq
+        if wide:
+            lo_e, hi_e = lower[mag], upper[mag]
             sse_b = np.where(
                 _spanning(lo_e, hi_e, s, qside), _uniform_sse(n, lo_e, hi_e, s, qside), sse_b
             )
-        sse = sse_b.sum(axis=1)
-        i = int(np.argmin(sse))
-        if sse[i] < best_sse:
-            best, best_sse = int(chunk[i]), float(sse[i])
-    return best
+        out[first : first + block.size] = sse_b.sum(axis=1)
+    return out
+
+
+def minmse_position_from_histogram(
+    hist: HistogramObserver, qtype: QuantType = QuantType.QInt8
+) -> int:
+    """``argmin_p`` of :func:`histogram_sse` over :func:`quark_onnx.pof2.minmse_window`.
+
+    The window starts at the rounding-aware NonOverflow position of the observed ``[min, max]``
+    and ends at the saturation position of the smallest non-zero bucket's lower edge (a lower
+    bound of the smallest non-zero ``|x|``); ties go to the lower position
+    (:func:`quark_onnx.pof2.best_position`). For 8-bit types this is exactly
+    :func:`quark_onnx.pof2.minmse_position` of the observed values. An all-zero tensor gives
+    :data:`quark_onnx.pof2.ZERO_POSITION`.
+    """
+    if hist.min > hist.max or (hist.min == 0.0 and hist.max == 0.0):
+        return pof2.ZERO_POSITION
+    keys = np.nonzero(hist.counts)[0]
+    lower = bucket_edges()[0][keys & (_HALF - 1)]
+    nonzero = lower > 0
+    # bucket 0 holds zeros and subnormals: bound those below by the smallest subnormal
+    min_nonzero = float(lower[nonzero].min()) if nonzero.any() else math.ldexp(1.0, -149)
+    window = pof2.minmse_window(hist.min, hist.max, min_nonzero, qtype)
+    return pof2.best_position(window, histogram_sse(hist, window, qtype))
 
 
 def _spanning(lo_e, hi_e, s, qside) -> np.ndarray:
@@ -651,15 +694,14 @@ def _spanning(lo_e, hi_e, s, qside) -> np.ndarray:
 
 
 def _uniform_sse(n, lo_e, hi_e, s, qside) -> np.ndarray:
-    """SSE of a bucket whose values are spread uniformly (minus the p-independent term)."""
+    """SSE of a bucket whose values are spread uniformly over it."""
     w = hi_e - lo_e
     t = np.clip((qside + 0.5) * s, lo_e, hi_e)
     inside = (t - lo_e) / w
     top = qside * s
     a, b = t - top, hi_e - top
     clipped = np.where(hi_e > t, (b**3 - a**3) / (3.0 * np.maximum(hi_e - t, 1e-300)), 0.0)
-    sse = n * (inside * s * s / 12.0 + (1.0 - inside) * clipped)
-    return sse - n * w * w / 12.0
+    return n * (inside * s * s / 12.0 + (1.0 - inside) * clipped)
 
 
 def entropy_threshold_from_histogram(

@@ -10,9 +10,11 @@ model it was made for (:func:`model_hash`) and refuses to load for another model
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +29,12 @@ from .observers import (
     HistogramObserver,
     MinMaxObserver,
     Observer,
-    nonoverflow_position,
     observer_from_dict,
     signed_limits,
 )
 
-FORMAT = "quark_onnx.calibration/1"
+#: Version 2: histograms hold exact integer offset statistics (version 1 held float sums).
+FORMAT = "quark_onnx.calibration/2"
 
 
 def model_hash(model: onnx.ModelProto) -> str:
@@ -74,6 +76,11 @@ def model_hash(model: onnx.ModelProto) -> str:
     for sparse in graph.sparse_initializer:
         put("sparse", sparse.SerializeToString(deterministic=True))
     return h.hexdigest()
+
+
+def _zero_error(p: int) -> float:
+    """The error curve of an all-zero tensor: every position represents it exactly."""
+    return 0.0
 
 
 class CalibrationResult:
@@ -126,12 +133,50 @@ class CalibrationResult:
     def position(
         self, name: str, *, method: PowerOfTwoMethod, qtype: QuantType = QuantType.QInt8
     ) -> int:
-        """Power-of-two position ``p`` (scale ``2^-p``) of tensor ``name`` for ``qtype``."""
+        """Power-of-two position ``p`` (scale ``2^-p``) of tensor ``name`` for ``qtype``.
+
+        NonOverflow: :func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``
+        (rounding-aware; the negative side may use code -128). MinMSE: the exact histogram search
+        (:func:`~quark_onnx.calibration.observers.minmse_position_from_histogram`), equal to
+        :func:`quark_onnx.pof2.minmse_position` of all calibration values for 8-bit types. A tensor
+        that was all zeros gets :data:`quark_onnx.pof2.ZERO_POSITION`.
+        """
         method = PowerOfTwoMethod.coerce(method)
         qtype = QuantType.coerce(qtype)
         if method is PowerOfTwoMethod.NonOverflow:
-            return nonoverflow_position(self.absmax(name), qtype)
+            return self.observer(name).nonoverflow_position(qtype)
         return self._histogram(name, "MinMSE").minmse_position(qtype)
+
+    def error_function(
+        self, name: str, qtype: QuantType = QuantType.QInt8
+    ) -> Callable[[int], float] | None:
+        """``p -> MSE`` of tensor ``name`` at position ``p`` over all calibration values (memoised).
+
+        The value is the exact quantization SSE computed from the histogram
+        (:func:`~quark_onnx.calibration.observers.histogram_sse`: exact for 8-bit types,
+        ``p <= 132``) divided by the number of values: a mean per element, the same currency as
+        :func:`quark_onnx.pof2.error_function` for weights, so the NPU constraint solver can
+        compare moves of activations and weights (see that function for why per-element MSE,
+        not SSE, is the right cost).
+
+        Returns ``None`` when the tensor was calibrated with min/max only (NonOverflow, MinMax):
+        its error at a position is not known. Exception: a tensor whose values were all zero (or
+        none finite) gets the constant 0 curve, exact with any statistics, so the solver moves it
+        for free instead of its neighbours.
+        """
+        qtype = QuantType.coerce(qtype)
+        obs = self.observer(name)
+        count = obs.count
+        if count == 0 or (obs.min == 0.0 and obs.max == 0.0):
+            return _zero_error
+        if not isinstance(obs, HistogramObserver):
+            return None
+
+        @functools.cache
+        def cost(p: int) -> float:
+            return float(obs.sse([int(p)], qtype)[0]) / count
+
+        return cost
 
     def range(
         self, name: str, *, method: CalibrationMethod, options: ExtraOptions
@@ -214,6 +259,11 @@ class CalibrationResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "calibration result") -> CalibrationResult:
+        if isinstance(d, dict) and d.get("format") == "quark_onnx.calibration/1":
+            raise CalibrationError(
+                f"{source}: this calibration result was saved in an older format (float bucket "
+                "sums, without the statistics the exact MinMSE error needs); calibrate again"
+            )
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             found = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise CalibrationError(

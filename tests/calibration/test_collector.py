@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 
 import numpy as np
@@ -20,10 +21,10 @@ from quark_onnx.calibration import (
     model_hash,
     reader_for,
 )
-from quark_onnx.calibration.observers import minmse_position, nonoverflow_position
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
 from quark_onnx.errors import CalibrationError
 from quark_onnx.options import ExtraOptions
+from quark_onnx.pof2 import minmse_position, nonoverflow_position
 from quark_onnx.progress import Progress
 
 OPTS = ExtraOptions()
@@ -85,7 +86,7 @@ def test_results_equal_numpy_over_all_data(batch_size, method):
     for name, values in ref.items():
         assert result.absmax(name) == float(np.abs(values).max()), name
         assert result.position(name, method=PowerOfTwoMethod.NonOverflow) == nonoverflow_position(
-            float(np.abs(values).max())
+            float(values.min()), float(values.max())
         )
         lo, hi = result.range(
             name, method=CalibrationMethod.MinMax, options=ExtraOptions(ActivationSymmetric=False)
@@ -321,6 +322,8 @@ def test_save_load_roundtrip_and_refuse_other_model(tmp_path):
         assert loaded.range(name, method=CalibrationMethod.Percentile, options=OPTS) == (
             result.range(name, method=CalibrationMethod.Percentile, options=OPTS)
         )
+        curve, loaded_curve = result.error_function(name), loaded.error_function(name)
+        assert [loaded_curve(p) for p in range(-2, 12)] == [curve(p) for p in range(-2, 12)]
     other = _model()
     other.graph.initializer[0].raw_data = np.ones((4, 3), np.float32).tobytes()
     with pytest.raises(CalibrationError, match="another model"):
@@ -333,6 +336,10 @@ def test_save_load_roundtrip_and_refuse_other_model(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(CalibrationError, match="not a quark_onnx calibration result"):
+        CalibrationResult.load(bad, model)
+    old = json.loads(path.read_text()) | {"format": "quark_onnx.calibration/1"}
+    bad.write_text(json.dumps(old))
+    with pytest.raises(CalibrationError, match="older format.*calibrate again"):
         CalibrationResult.load(bad, model)
 
 

@@ -1,4 +1,8 @@
-"""Observers against exact numpy oracles on the concatenated data."""
+"""Observers against exact numpy oracles on the concatenated data.
+
+One oracle (numpy, independent of quark_onnx) checks both paths of the power-of-two numerics: the
+array functions of :mod:`quark_onnx.pof2` (weights) and the histogram observers (activations).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,13 @@ import math
 import numpy as np
 import pytest
 
+from quark_onnx import pof2
+from quark_onnx.calibration import CalibrationResult, quantize_pof2
 from quark_onnx.calibration.observers import (
-    DEFAULT_POSITION,
     HistogramObserver,
     MinMaxObserver,
     bucket_edges,
     entropy_threshold_from_histogram,
-    minmse_position,
-    nonoverflow_position,
-    quantize_pof2,
 )
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import CalibrationError
@@ -38,16 +40,43 @@ def _data(kind: str, n: int, seed: int) -> np.ndarray:
 
 KINDS = ["normal", "student2", "cauchy_relu", "integers"]
 
+# --- the numpy oracle ----------------------------------------------------------------------------
 
-def _sse(x: np.ndarray, p: int, qtype: QuantType) -> float:
+#: centred code range (qmin - z, qmax - z); uint8 with zero point 128 is int8's
+CODES = {
+    QuantType.QInt8: (-128, 127),
+    QuantType.QUInt8: (-128, 127),
+    QuantType.QInt16: (-32768, 32767),
+}
+
+
+def oracle_fake_quant(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.ndarray:
+    """clip(round_half_even(x * 2^p), lo, hi) * 2^-p in float64."""
+    lo, hi = CODES[qtype]
+    return np.clip(np.round(x.astype(np.float64) * 2.0**p), lo, hi) * 2.0**-p
+
+
+def oracle_sse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
     x64 = x.astype(np.float64)
-    return float(np.sum((x64 - quantize_pof2(x64, p, qtype)) ** 2))
+    return float(np.sum((x64 - oracle_fake_quant(x64, p, qtype)) ** 2))
 
 
-def exhaustive_minmse(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
-    """argmin over p in [p_no, p_no + 60] of the SSE on all data; ties -> smaller p."""
-    p0 = nonoverflow_position(float(np.abs(x).max()), qtype)
-    sses = [_sse(x, p, qtype) for p in range(p0, p0 + 61)]
+def oracle_nonoverflow(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
+    """Largest p in [-40, 40] at which no rounded code leaves the code range."""
+    lo, hi = CODES[qtype]
+    x64 = x.astype(np.float64)
+    fits = []
+    for p in range(-40, 41):
+        codes = np.round(x64 * 2.0**p)
+        if codes.min() >= lo and codes.max() <= hi:
+            fits.append(p)
+    return max(fits)
+
+
+def oracle_minmse(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
+    """argmin over p in [p_nonoverflow, 40] of the SSE on all data; ties -> smaller p."""
+    p0 = oracle_nonoverflow(x, qtype)
+    sses = [oracle_sse(x, p, qtype) for p in range(p0, 41)]
     return p0 + int(np.argmin(sses))
 
 
@@ -59,32 +88,63 @@ def _stream(obs, x: np.ndarray, parts: int, seed: int):
     return obs
 
 
-def test_quantize_pof2_reference():
+# --- one definition, two paths -------------------------------------------------------------------
+
+
+def test_quantize_pof2_is_pof2_fake_quant_and_matches_the_oracle():
+    assert quantize_pof2 is pof2.fake_quant
     x = np.array([0.0, 0.3, 0.5, 1.5, 2.5, -2.5, 100.0, -100.0], np.float32)
     # p = 0: round half to even, clip to [-128, 127]
-    np.testing.assert_array_equal(quantize_pof2(x, 0), [0, 0, 0, 2, 2, -2, 100, -100])
+    np.testing.assert_array_equal(pof2.fake_quant(x, 0), [0, 0, 0, 2, 2, -2, 100, -100])
     # p = 1: scale 1/2, codes clip at 127 -> 63.5, -128 -> -64
-    np.testing.assert_array_equal(quantize_pof2(x, 1), [0, 0.5, 0.5, 1.5, 2.5, -2.5, 63.5, -64])
+    np.testing.assert_array_equal(pof2.fake_quant(x, 1), [0, 0.5, 0.5, 1.5, 2.5, -2.5, 63.5, -64])
     # uint8 with zero point 128 represents the same values as int8
-    np.testing.assert_array_equal(quantize_pof2(x, 1, QuantType.QUInt8), quantize_pof2(x, 1))
-    assert quantize_pof2(np.array([300.0]), 0, QuantType.QInt16)[0] == 300.0
+    np.testing.assert_array_equal(pof2.fake_quant(x, 1, QuantType.QUInt8), pof2.fake_quant(x, 1))
+    assert pof2.fake_quant(np.array([300.0]), 0, QuantType.QInt16)[0] == 300.0
+    for p in (-2, 0, 3, 9):
+        for q in CODES:
+            np.testing.assert_array_equal(pof2.fake_quant(x, p, q), oracle_fake_quant(x, p, q))
 
 
 @pytest.mark.parametrize("absmax", [1e-6, 0.1, 0.99, 1.0, 3.0, 127.0, 127.5, 128.0, 1e5])
 @pytest.mark.parametrize("qtype", [QuantType.QInt8, QuantType.QUInt8, QuantType.QInt16])
-def test_nonoverflow_is_largest_position_that_covers(absmax, qtype):
-    p = nonoverflow_position(absmax, qtype)
-    qmax = 32767 if qtype is QuantType.QInt16 else 127
-    assert absmax <= qmax * 2.0**-p
-    assert absmax > qmax * 2.0 ** -(p + 1)
+def test_nonoverflow_is_the_oracle_on_both_paths(absmax, qtype):
+    for x in (np.array([-absmax, absmax], np.float32), np.array([0.0, absmax], np.float32)):
+        expected = oracle_nonoverflow(x, qtype)
+        assert pof2.nonoverflow_position(x.min(), x.max(), qtype) == expected
+        for obs in (MinMaxObserver(), HistogramObserver()):
+            obs.update(x)
+            assert obs.nonoverflow_position(qtype) == expected
     # never clips: the max quantizes to within half a step, not to the clip value
-    assert abs(quantize_pof2(np.array([absmax]), p, qtype)[0] - absmax) <= 2.0 ** -(p + 1)
+    p = pof2.position_for_abs_max(absmax, qtype)
+    got = pof2.fake_quant(np.array([absmax]), p, qtype)[0]
+    assert abs(got - np.float32(absmax)) <= 2.0 ** -(p + 1)
 
 
-def test_nonoverflow_zero_and_invalid():
-    assert nonoverflow_position(0.0) == DEFAULT_POSITION
-    with pytest.raises(CalibrationError):
-        nonoverflow_position(float("nan"))
+def test_nonoverflow_negative_side_uses_code_minus_128():
+    # -1.0 * 2^7 = -128 fits; +1.0 * 2^7 = 128 does not: an asymmetric range is finer
+    x = np.array([-1.0, 0.5], np.float32)
+    assert oracle_nonoverflow(x) == 7
+    for obs in (MinMaxObserver(), HistogramObserver()):
+        obs.update(x)
+        assert obs.nonoverflow_position() == 7
+    assert pof2.position_for_abs_max(1.0) == 6
+
+
+def test_all_zero_is_pof2_zero_position_everywhere():
+    zeros = np.zeros(10, np.float32)
+    assert pof2.ZERO_POSITION == pof2.POSITION_MAX
+    assert pof2.nonoverflow_position(0.0, 0.0) == pof2.ZERO_POSITION
+    assert pof2.minmse_position(zeros) == pof2.ZERO_POSITION
+    assert pof2.weight_position(zeros, "NonOverflow") == pof2.ZERO_POSITION
+    assert pof2.bias_position(zeros) == pof2.ZERO_POSITION
+    for obs in (MinMaxObserver(), HistogramObserver()):
+        assert obs.nonoverflow_position() == pof2.ZERO_POSITION  # nothing observed
+        obs.update(zeros)
+        assert obs.nonoverflow_position() == pof2.ZERO_POSITION
+    assert obs.minmse_position() == pof2.ZERO_POSITION
+    with pytest.raises(ValueError, match="not finite"):
+        pof2.nonoverflow_position(float("nan"), 1.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -93,47 +153,80 @@ def test_streamed_minmax_and_nonoverflow_equal_numpy(kind, seed):
     x = _data(kind, 20_000, seed)
     mm = _stream(MinMaxObserver(), x, 7, seed)
     hist = _stream(HistogramObserver(), x, 7, seed)
+    expected = oracle_nonoverflow(x)
     for obs in (mm, hist):
         assert obs.min == float(x.min()) and obs.max == float(x.max())
         assert obs.count == x.size
-        expected = nonoverflow_position(float(np.abs(x).max()))
-        assert nonoverflow_position(obs.absmax) == expected
+        assert obs.nonoverflow_position() == expected
+    assert pof2.weight_position(x, "NonOverflow") == expected
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_streamed_minmse_equals_exhaustive_argmin(kind, seed):
+def test_streamed_minmse_equals_exhaustive_argmin_and_pof2(kind, seed):
     x = _data(kind, 20_000, seed)
     obs = _stream(HistogramObserver(), x, 5, seed)
-    assert obs.minmse_position(QuantType.QInt8) == exhaustive_minmse(x)
-    assert obs.minmse_position(QuantType.QUInt8) == exhaustive_minmse(x, QuantType.QUInt8)
-    assert minmse_position(x) == exhaustive_minmse(x)
+    for qtype in (QuantType.QInt8, QuantType.QUInt8):
+        expected = oracle_minmse(x, qtype)
+        assert obs.minmse_position(qtype) == expected
+        assert pof2.minmse_position(x, qtype) == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_histogram_sse_equals_oracle_at_every_position(kind):
+    x = _data(kind, 20_000, 12)
+    obs = _stream(HistogramObserver(), x, 4, 12)
+    p0 = oracle_nonoverflow(x)
+    positions = list(range(p0 - 6, min(p0 + 20, 41)))
+    expected = np.array([oracle_sse(x, p) for p in positions])
+    np.testing.assert_allclose(obs.sse(positions), expected, rtol=1e-9, atol=0)
+    np.testing.assert_allclose([pof2.sse(x, p) for p in positions], expected, rtol=1e-12, atol=0)
+    # the activation error curve is the MSE, the same currency as pof2.error_function's
+    result = CalibrationResult("h", "MinMSE", 1, {"t": obs})
+    curve, weight_curve = result.error_function("t"), pof2.error_function(x)
+    for p, sse in zip(positions, expected, strict=True):
+        assert curve(p) == pytest.approx(sse / x.size, rel=1e-9)
+        assert weight_curve(p) == pytest.approx(sse / x.size, rel=1e-12)
+
+
+def test_error_function_needs_a_histogram_except_for_zeros():
+    mm = MinMaxObserver()
+    mm.update(np.array([0.5, -1.0], np.float32))
+    zero = MinMaxObserver()
+    zero.update(np.zeros(3, np.float32))
+    result = CalibrationResult("h", "NonOverflow", 1, {"a": mm, "z": zero})
+    assert result.error_function("a") is None
+    z = result.error_function("z")
+    assert [z(p) for p in (-40, 0, 40)] == [0.0, 0.0, 0.0]
+    with pytest.raises(CalibrationError, match="did you mean 'a'"):
+        result.error_function("aa")
 
 
 def test_minmse_can_clip_and_differs_from_nonoverflow():
     # one huge outlier: clipping it is cheaper than coarsening everything else
     x = np.concatenate([np.random.default_rng(0).standard_normal(10_000), [40.0]])
     x = x.astype(np.float32)
-    p = minmse_position(x)
-    assert p == exhaustive_minmse(x)
-    assert p > nonoverflow_position(float(np.abs(x).max()))
+    p = pof2.minmse_position(x)
+    assert p == oracle_minmse(x) == _stream(HistogramObserver(), x, 3, 0).minmse_position()
+    assert p > oracle_nonoverflow(x)
 
 
 def test_minmse_ties_go_to_the_larger_scale():
     # 63.75: p = 0 rounds it to 64, p = 1 clips it to 63.5 -- both errors are 0.25
     x = np.array([63.75, 1.0], np.float32)
-    assert nonoverflow_position(63.75) == 0
-    assert _sse(x, 0, QuantType.QInt8) == _sse(x, 1, QuantType.QInt8) == 0.0625
-    assert minmse_position(x) == 0 == exhaustive_minmse(x)
-
-
-def test_minmse_all_zero_is_default():
-    assert minmse_position(np.zeros(10, np.float32)) == DEFAULT_POSITION
+    assert oracle_nonoverflow(x) == 0
+    assert oracle_sse(x, 0) == oracle_sse(x, 1) == 0.0625
+    h = HistogramObserver()
+    h.update(x)
+    assert list(h.sse([0, 1])) == [0.0625, 0.0625]
+    assert pof2.minmse_position(x) == h.minmse_position() == 0 == oracle_minmse(x)
+    assert pof2.best_position([3, 1, 2], [1.0, 1.0, 0.5]) == 2
+    assert pof2.best_position([3, 1, 2], [0.5, 0.5, 0.5]) == 1
 
 
 def test_minmse_int16_exact_on_one_array():
     x = _data("student2", 5_000, 4)
-    assert minmse_position(x, QuantType.QInt16) == exhaustive_minmse(x, QuantType.QInt16)
+    assert pof2.minmse_position(x, QuantType.QInt16) == oracle_minmse(x, QuantType.QInt16)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,7 +246,10 @@ def test_merge_of_shards_equals_one_observer(kind):
         ms.append(m)
     h = hs[0].merge(hs[1]).merge(hs[2].merge(hs[3]))
     m = ms[0].merge(ms[1]).merge(ms[2]).merge(ms[3])
+    # integer statistics: shards merge exactly, in any order
     np.testing.assert_array_equal(h.counts, whole_h.counts)
+    np.testing.assert_array_equal(h.offset_sums, whole_h.offset_sums)
+    np.testing.assert_array_equal(h.offset_squares, whole_h.offset_squares)
     np.testing.assert_allclose(h.sums, whole_h.sums, rtol=1e-12, atol=0)
     assert (h.min, h.max, m.min, m.max) == (whole_h.min, whole_h.max, whole_m.min, whole_m.max)
     assert m.count == whole_m.count == x.size
@@ -239,6 +335,9 @@ def test_relu_derivation_is_exact():
     direct_h.update(np.maximum(x, 0))
     direct_m.update(np.maximum(x, 0))
     np.testing.assert_array_equal(h.relu().magnitude_counts(), direct_h.magnitude_counts())
+    np.testing.assert_array_equal(h.relu().offset_sums, direct_h.offset_sums)
+    np.testing.assert_array_equal(h.relu().offset_squares, direct_h.offset_squares)
+    np.testing.assert_array_equal(h.relu().sse(range(-3, 20)), direct_h.sse(range(-3, 20)))
     assert h.relu().minmse_position() == direct_h.minmse_position()
     assert (m.relu().min, m.relu().max) == (direct_m.min, direct_m.max)
 
@@ -263,5 +362,41 @@ def test_roundtrip_dict():
     h2 = HistogramObserver.from_dict(h.to_dict())
     np.testing.assert_array_equal(h.counts, h2.counts)
     np.testing.assert_array_equal(h.sums, h2.sums)
+    np.testing.assert_array_equal(h.offset_sums, h2.offset_sums)
+    np.testing.assert_array_equal(h.offset_squares, h2.offset_squares)
     assert (h2.min, h2.max) == (h.min, h.max)
     assert math.isclose(h2.absmax, float(np.abs(x).max()))
+
+
+def test_histogram_statistics_equal_numpy_of_the_bit_pattern():
+    # the staged, packed integer accumulation against a direct numpy reference, across several
+    # unpackings of the staging array (more values than one staging period)
+    x = _data("normal", 3 * (1 << 20), 13)
+    x[::7] = 0.0
+    obs = HistogramObserver()
+    for part in np.array_split(x, 5):
+        obs.update(part)
+    bits = x.view(np.uint32)
+    keys = (bits >> 16).astype(np.intp)
+    t = (bits & 0xFFFF).astype(np.int64) - (1 << 15)
+    np.testing.assert_array_equal(obs.counts, np.bincount(keys, minlength=1 << 16))
+    sum_t = np.zeros(1 << 16, np.int64)
+    np.add.at(sum_t, keys, t)
+    sum_t2 = np.zeros(1 << 16, np.int64)
+    np.add.at(sum_t2, keys, t * t)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    np.testing.assert_array_equal(obs.offset_squares, sum_t2.astype(np.float64))
+    ref = np.bincount(keys, weights=x.astype(np.float64), minlength=1 << 16)
+    np.testing.assert_allclose(obs.sums, ref, rtol=1e-12, atol=0)
+
+
+def test_small_batches_are_buffered_and_give_the_same_statistics():
+    x = _data("student2", 50_000, 14)
+    one, many = HistogramObserver(), HistogramObserver()
+    one.update(x)
+    for part in np.array_split(x, 997):  # ~50 values per batch: buffered
+        many.update(part)
+    assert many.batches == 997
+    np.testing.assert_array_equal(one.counts, many.counts)
+    np.testing.assert_array_equal(one.offset_sums, many.offset_sums)
+    np.testing.assert_array_equal(one.offset_squares, many.offset_squares)
