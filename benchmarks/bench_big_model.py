@@ -195,7 +195,10 @@ def main() -> None:
                     f"stopped: the quantizer's RSS reached {watched / GIB:.2f} GiB "
                     f"({watched / size:.2f}x the model), above --max-rss-gb {args.max_rss_gb}"
                 )
-            raise SystemExit(f"quantization failed with exit code {returncode}")
+            raise SystemExit(
+                f"quantization failed with exit code {returncode}; highest RSS seen "
+                f"{watched / GIB:.2f} GiB ({watched / size:.2f}x the model)"
+            )
         child = json.loads(stdout.strip().splitlines()[-1])
         result = {
             "model_bytes": size,

@@ -78,6 +78,25 @@ def run_case(family: str, model_name: str, case_seed: int, steps: int, folder: P
     return "ok"
 
 
+#: Cases the fuzz found, kept as regression tests (outcome before the fix in the comment).
+FINDINGS = [
+    # a flipped byte made a node name invalid UTF-8: it parsed, passed the ONNX checker and
+    # crashed onnx_ir serialization (SerdeError); now a ModelLoadError at load
+    ("bytes", "conv_chain", 217666558, 1),
+    # a Gemm weight with an inf: ValueError from pof2.minmse_position (commit fab1a3b)
+    ("structure", "residual", 130, 2),
+]
+
+
+@pytest.mark.parametrize("case", FINDINGS, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+def test_fuzz_findings_stay_fixed(case, tmp_path):
+    logging.disable(logging.CRITICAL)
+    try:
+        run_case(*case, tmp_path)  # a QuarkOnnxError or a valid model, nothing else
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def _replay(family: str, model_name: str, case_seed: int, steps: int) -> str:
     return f"run_case({family!r}, {model_name!r}, {case_seed}, {steps}, folder)"
 
