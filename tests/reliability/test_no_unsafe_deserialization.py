@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import quark_onnx
+from quark_onnx.errors import QuarkOnnxError
 
 PACKAGE = Path(quark_onnx.__file__).resolve().parent
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "joblib"}
@@ -124,15 +125,34 @@ def test_scanner_allows(snippet):
     assert not scan(snippet), snippet
 
 
-def test_npz_readers_refuse_pickled_arrays(tmp_path):
+def _pickled_npz(tmp_path):
     import numpy as np
 
-    from quark_onnx.calibration.readers import NpzDataReader
-    from quark_onnx.errors import CalibrationError
-
     path = tmp_path / "evil.npz"
-    np.savez(path, x=np.array([{"a": 1}], dtype=object))
-    with pytest.raises(CalibrationError):
-        reader = NpzDataReader(path)
+    np.savez(path, x=np.array([{"a": 1}], dtype=object))  # an object array is stored pickled
+    return path
+
+
+def test_npz_calibration_data_is_never_unpickled(tmp_path):
+    from quark_onnx.calibration.readers import NpzDataReader
+
+    with pytest.raises((ValueError, QuarkOnnxError), match="(?i)pickle|object"):
+        reader = NpzDataReader(_pickled_npz(tmp_path))
         while reader.get_next() is not None:
             pass
+
+
+@pytest.mark.xfail(
+    strict=True, reason="NpzDataReader lets numpy's ValueError escape (readers change requested)"
+)
+def test_pickled_npz_is_a_calibration_error(tmp_path):
+    from fuzz_models import conv_chain, quantizer
+
+    from quark_onnx.errors import CalibrationError
+
+    src = tmp_path / "m.onnx"
+    src.write_bytes(conv_chain().SerializeToString())
+    with pytest.raises(CalibrationError, match="evil.npz"):
+        quantizer(UseRandomData=False).quantize_model(
+            src, None, calibration_data_path=_pickled_npz(tmp_path)
+        )
