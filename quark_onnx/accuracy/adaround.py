@@ -1,0 +1,432 @@
+"""AdaRound: learn, layer by layer, whether each int8 weight rounds down or up.
+
+Positions never change (int8, per tensor, power of two ``s = 2^-p``); only the rounding of each
+code between ``floor(w / s)`` and ``floor(w / s) + 1`` is learned, so every NPU rule still holds.
+
+The objective. For a layer with float weights ``W`` and (dequantized, fixed) bias ``b``, ``X`` the
+im2col columns of the layer's input *in the quantized model* (the already-quantized prefix) and
+``T`` the *float model's* output of that layer, the reconstruction error of weights ``V`` is::
+
+    L(V) = sum || V X - (T - b) ||^2 = tr(V G V^T) - 2 tr(V C) + const,
+    G = X X^T + mu I,   C = X (T - b)^T + mu W^T
+
+per convolution group. ``G`` and ``C`` are accumulated once per layer over all samples and output
+positions, so an iteration costs ``O(out_channels * K^2)`` whatever the amount of data. The damping
+``mu = Damping * mean(diag(X X^T))`` keeps weights in directions the data does not excite near
+their float values (otherwise a Gemm fed by 32 samples could round them arbitrarily).
+
+AdaRound (Nagel et al., 2020): ``V = s * (floor(W / s) + h(A))`` with the rectified sigmoid
+``h(A) = clip(sigmoid(A) (zeta - gamma) + gamma, 0, 1)``, ``zeta = 1.1``, ``gamma = -0.1``, ``A``
+initialised so that ``h = frac(W / s)`` (round-to-nearest's starting point), minimising::
+
+    L(V) / L(nearest) + lambda * mean(1 - |2 h - 1|^beta)
+
+with Adam; the first 20 % of iterations have no regulariser, then ``beta`` anneals from 20 to 2,
+pushing every ``h`` to 0 or 1. The result is ``floor(W / s) + [h >= 0.5]``, clipped to int8; codes
+whose floor is already outside ``[-128, 127]`` stay saturated. The learned rounding is kept only
+when its loss is below round-to-nearest's.
+
+Settings (``extra_options["FastFinetune"]``): ``NumIterations`` (default 500), ``NumBatches``
+(samples used, default all kept), ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer``
+(seconds of optimisation per layer, default 5; the loop stops early and keeps the best so far).
+Supported layers: 2-D Conv (any group, stride, dilation, padding) and Gemm (alpha = beta = 1,
+transA = 0); others are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from quark_onnx.accuracy.layerwise import (
+    Layer,
+    Replay,
+    find_layers,
+    ir_model_to_proto,
+    set_codes,
+    tensor_names,
+)
+from quark_onnx.errors import ConfigError, QuantizationError
+from quark_onnx.options import ExtraOptions, closest_name
+from quark_onnx.plan import QuantPlan
+from quark_onnx.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+ZETA = 1.1
+GAMMA = -0.1
+#: Fraction of iterations without the rounding regulariser.
+WARMUP = 0.2
+BETA_START = 20.0
+BETA_END = 2.0
+#: Weight of the rounding regulariser against the normalised reconstruction loss.
+REG_WEIGHT = 10.0
+#: Ridge damping relative to the mean diagonal of X X^T.
+DAMPING = 0.01
+
+
+@dataclass(frozen=True)
+class AdaRoundSettings:
+    """Typed ``FastFinetune`` settings (see the module docstring)."""
+
+    NumIterations: int = 500
+    NumBatches: int = 0
+    LearningRate: float = 0.05
+    TimeBudgetPerLayer: float = 5.0
+
+    @classmethod
+    def from_options(cls, raw: dict[str, Any] | None) -> AdaRoundSettings:
+        """Validate ``extra_options["FastFinetune"]``; unknown keys name the closest valid one."""
+        names = [f.name for f in fields(cls)]
+        values: dict[str, Any] = {}
+        for key, value in (raw or {}).items():
+            if key not in names:
+                close = closest_name(str(key), names)
+                hint = f"; did you mean {close!r}?" if close else ""
+                raise ConfigError(
+                    f"unknown FastFinetune setting {key!r}{hint} (valid: {', '.join(names)})"
+                )
+            want = float if key in ("LearningRate", "TimeBudgetPerLayer") else int
+            ok = isinstance(value, (int, float)) if want is float else isinstance(value, int)
+            if isinstance(value, bool) or not ok:
+                raise ConfigError(
+                    f"FastFinetune setting {key!r} expects {want.__name__}, got {value!r}"
+                )
+            if value < 0 or (key == "LearningRate" and value == 0):
+                raise ConfigError(f"FastFinetune setting {key!r} must be positive, got {value!r}")
+            values[key] = want(value)
+        return cls(**values)
+
+
+@dataclass
+class RoundingResult:
+    """Codes chosen for one weight tensor and the losses that decided it."""
+
+    codes: np.ndarray
+    loss_nearest: float
+    loss_learned: float
+    accepted: bool
+    iterations: int
+    seconds: float
+
+
+def _quadratic_loss(w: np.ndarray, gram: np.ndarray, cross: np.ndarray, const: float) -> float:
+    """``sum_g tr(W_g G_g W_g^T) - 2 tr(W_g C_g) + const`` for ``w`` of shape (g, O, K)."""
+    wg = np.matmul(w, gram)
+    return float(np.sum(wg * w) - 2.0 * np.sum(w * np.swapaxes(cross, 1, 2)) + const)
+
+
+def learn_rounding(
+    w: np.ndarray,
+    position: int,
+    gram: np.ndarray,
+    cross: np.ndarray,
+    const: float = 0.0,
+    *,
+    iterations: int = 500,
+    learning_rate: float = 0.05,
+    time_budget: float = float("inf"),
+    qmin: int = -128,
+    qmax: int = 127,
+) -> RoundingResult:
+    """AdaRound on one weight tensor (module doc) against the quadratic loss ``(gram, cross)``.
+
+    Args:
+        w: float weights grouped as (groups, out_per_group, K).
+        position: the weight's power-of-two position (unchanged).
+        gram: (groups, K, K); cross: (groups, K, out_per_group); const: ``sum ||T - b||^2``.
+
+    Returns:
+        The codes (int8, shape of ``w``) and the losses of nearest and learned rounding.
+    """
+    start = time.perf_counter()
+    step = math.ldexp(1.0, -position)
+    x = w.astype(np.float64) / step
+    base = np.floor(x)
+    free = (base >= qmin) & (base < qmax)
+    base = np.clip(base, qmin, qmax)
+    frac = np.where(free, x - np.floor(x), 0.0)
+    nearest = np.clip(np.rint(x), qmin, qmax)
+    gram = gram.astype(np.float64)
+    cross = cross.astype(np.float64)
+    loss_nearest = _quadratic_loss(nearest * step, gram, cross, const)
+    scale = max(loss_nearest, 1e-30)
+    n_free = max(int(np.count_nonzero(free)), 1)
+    ratio = np.clip((frac - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
+    a = np.log(ratio / (1.0 - ratio))
+    m = np.zeros_like(a)
+    v = np.zeros_like(a)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    cross_t = np.swapaxes(cross, 1, 2)
+    done = 0
+    warm = int(WARMUP * iterations)
+    for it in range(iterations):
+        if time.perf_counter() - start > time_budget:
+            break
+        sig = 1.0 / (1.0 + np.exp(-a))
+        h_raw = sig * (ZETA - GAMMA) + GAMMA
+        h = np.clip(h_raw, 0.0, 1.0)
+        soft = (base + h * free) * step
+        grad_w = 2.0 * (np.matmul(soft, gram) - cross_t) / scale
+        grad_h = grad_w * step
+        if it >= warm:
+            t = (it - warm) / max(iterations - warm, 1)
+            beta = BETA_START + (BETA_END - BETA_START) * t
+            d = 2.0 * h - 1.0
+            grad_h = grad_h + REG_WEIGHT / n_free * (
+                -beta * np.abs(d) ** (beta - 1.0) * np.sign(d) * 2.0
+            )
+        grad_a = grad_h * free * ((h_raw > 0) & (h_raw < 1)) * sig * (1.0 - sig) * (ZETA - GAMMA)
+        m = b1 * m + (1 - b1) * grad_a
+        v = b2 * v + (1 - b2) * grad_a * grad_a
+        mh = m / (1 - b1 ** (it + 1))
+        vh = v / (1 - b2 ** (it + 1))
+        a = a - learning_rate * mh / (np.sqrt(vh) + eps)
+        done = it + 1
+    sig = 1.0 / (1.0 + np.exp(-a))
+    h = np.clip(sig * (ZETA - GAMMA) + GAMMA, 0.0, 1.0)
+    learned = np.clip(base + (h >= 0.5) * free, qmin, qmax)
+    loss_learned = _quadratic_loss(learned * step, gram, cross, const)
+    accepted = loss_learned < loss_nearest
+    codes = (learned if accepted else nearest).astype(np.int8)
+    return RoundingResult(
+        codes, loss_nearest, loss_learned, accepted, done, time.perf_counter() - start
+    )
+
+
+# --- layer statistics ------------------------------------------------------------------------
+
+
+@dataclass
+class _Geometry:
+    groups: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilations: tuple[int, int]
+    pads: tuple[int, int, int, int]
+
+
+def _conv_geometry(node: ir.Node, weight_shape: tuple[int, ...]) -> _Geometry | None:
+    if len(weight_shape) != 4:
+        return None
+    attrs = node.attributes
+    if attrs.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    pads = tuple(attrs.get_ints("pads", (0, 0, 0, 0)) or (0, 0, 0, 0))
+    return _Geometry(
+        groups=attrs.get_int("group", 1),
+        kernel=(weight_shape[2], weight_shape[3]),
+        strides=tuple(attrs.get_ints("strides", (1, 1)) or (1, 1)),  # type: ignore[arg-type]
+        dilations=tuple(attrs.get_ints("dilations", (1, 1)) or (1, 1)),  # type: ignore[arg-type]
+        pads=pads,  # type: ignore[arg-type]
+    )
+
+
+def im2col(x: np.ndarray, geo: _Geometry) -> np.ndarray:
+    """Columns of a (N, C, H, W) input: (groups, C/groups * kh * kw, N * OH * OW), ONNX order."""
+    n, c, _, _ = x.shape
+    kh, kw = geo.kernel
+    sh, sw = geo.strides
+    dh, dw = geo.dilations
+    top, left, bottom, right = geo.pads
+    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    hp, wp = xp.shape[2], xp.shape[3]
+    oh = (hp - dh * (kh - 1) - 1) // sh + 1
+    ow = (wp - dw * (kw - 1) - 1) // sw + 1
+    cols = np.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            cols[:, :, i, j] = xp[
+                :,
+                :,
+                i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                j * dw : j * dw + sw * (ow - 1) + 1 : sw,
+            ]
+    g = geo.groups
+    cols = cols.reshape(n, g, (c // g) * kh * kw, oh * ow)
+    return np.ascontiguousarray(np.transpose(cols, (1, 2, 0, 3))).reshape(g, -1, n * oh * ow)
+
+
+def _statistics(
+    layer: Layer,
+    w_float: np.ndarray,
+    bias: np.ndarray,
+    xs: Sequence[np.ndarray],
+    ts: Sequence[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
+    """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup, or None (unsupported)."""
+    node = layer.node
+    if layer.op_type == "Conv":
+        geo = _conv_geometry(node, w_float.shape)
+        if geo is None or w_float.shape[0] % geo.groups:
+            return None
+        g = geo.groups
+        cout = w_float.shape[0]
+        wg = w_float.reshape(g, cout // g, -1).astype(np.float64)
+        k = wg.shape[2]
+        gram = np.zeros((g, k, k))
+        cross = np.zeros((g, k, cout // g))
+        const = 0.0
+        for x, t in zip(xs, ts, strict=True):
+            cols = im2col(np.asarray(x, dtype=np.float64), geo)
+            tt = np.asarray(t, dtype=np.float64) - bias.reshape(1, -1, 1, 1)
+            tg = np.transpose(tt.reshape(tt.shape[0], g, cout // g, -1), (1, 2, 0, 3)).reshape(
+                g, cout // g, -1
+            )
+            if tg.shape[2] != cols.shape[2]:
+                return None
+            gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
+            cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
+            const += float(np.sum(tg * tg))
+        return wg, gram, cross, const, w_float.shape
+    if layer.op_type == "Gemm":
+        attrs = node.attributes
+        if (
+            attrs.get_float("alpha", 1.0) != 1.0
+            or attrs.get_float("beta", 1.0) != 1.0
+            or attrs.get_int("transA", 0)
+        ):
+            return None
+        trans_b = attrs.get_int("transB", 0)
+        wm = w_float if trans_b else w_float.T  # (M, K)
+        wg = wm[None].astype(np.float64)
+        k = wm.shape[1]
+        gram = np.zeros((1, k, k))
+        cross = np.zeros((1, k, wm.shape[0]))
+        const = 0.0
+        for x, t in zip(xs, ts, strict=True):
+            a = np.asarray(x, dtype=np.float64).reshape(-1, k)
+            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - bias.reshape(1, -1)
+            gram[0] += a.T @ a
+            cross[0] += a.T @ tt
+            const += float(np.sum(tt * tt))
+        return wg, gram, cross, const, ("gemm", trans_b, w_float.shape)
+    return None
+
+
+def _ungroup(codes: np.ndarray, how: Any) -> np.ndarray:
+    if isinstance(how, tuple) and how and how[0] == "gemm":
+        _, trans_b, shape = how
+        m = codes[0]
+        return m if trans_b else m.T.reshape(shape)
+    return codes.reshape(how)
+
+
+def adaround(
+    prepared: onnx.ModelProto,
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    plan: QuantPlan,
+    positions: dict[str, int],
+    options: ExtraOptions,
+) -> dict[str, Any]:
+    """Learn the rounding of every supported layer's int8 weights in place; JSON summary.
+
+    Layers are visited in graph order; each one's input is taken from the quantized model with the
+    earlier layers already re-rounded, its target from the float model (:class:`~.layerwise.Replay`,
+    one pass over each model in total).
+    """
+    settings = AdaRoundSettings.from_options(options.FastFinetune)
+    start = time.perf_counter()
+    summary: dict[str, Any] = {"layers": 0, "accepted": 0, "settings": settings.__dict__.copy()}
+    if not samples:
+        logger.warning("AdaRound skipped: no calibration samples were kept")
+        summary["skipped_reason"] = "no calibration samples kept (AccuracySamples = 0?)"
+        return summary
+    used = list(samples[: settings.NumBatches] if settings.NumBatches else samples)
+    layers, skipped = find_layers(model, tensor_names(prepared))
+    float_weights = {t.name: t for t in prepared.graph.initializer}
+    quant = Replay(ir_model_to_proto(model), used, "AdaRound (quantized model)")
+    flt = Replay(prepared, used, "AdaRound (float model)")
+    per_layer: list[dict[str, Any]] = []
+    with Progress(len(layers), desc="AdaRound", unit="layers", logger=logger) as progress:
+        for layer in layers:
+            progress.update()
+            w_name = _float_weight_name(layer)
+            if layer.weight_codes.dtype != np.int8 or w_name not in float_weights:
+                skipped.append({"node": layer.name, "reason": "no float int8-quantized weight"})
+                continue
+            w_float = onnx.numpy_helper.to_array(float_weights[w_name]).astype(np.float32)
+            bias = _dequantized_bias(layer, w_float)
+            (xs,) = quant.get([layer.input])
+            (ts,) = flt.get([layer.float_output])
+            t0 = time.perf_counter()
+            stats = _statistics(layer, w_float, bias, xs, ts)
+            if stats is None:
+                skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
+                continue
+            wg, gram, cross, const, how = stats
+            diag = np.mean(np.diagonal(gram, axis1=1, axis2=2), axis=1)
+            mu = DAMPING * np.maximum(diag, 1e-12)
+            gram = gram + mu[:, None, None] * np.eye(gram.shape[1])[None]
+            cross = cross + mu[:, None, None] * np.swapaxes(wg, 1, 2)
+            const = const + float(np.sum(mu[:, None, None] * wg * wg))
+            stat_seconds = time.perf_counter() - t0
+            result = learn_rounding(
+                wg,
+                layer.weight_position,
+                gram,
+                cross,
+                const,
+                iterations=settings.NumIterations,
+                learning_rate=settings.LearningRate,
+                time_budget=settings.TimeBudgetPerLayer,
+            )
+            codes = _ungroup(result.codes, how)
+            changed = int(np.count_nonzero(codes != layer.weight_codes))
+            if result.accepted and changed:
+                set_codes(layer.weight, codes)
+                quant.set_initializer(layer.weight.name or "", codes)
+            summary["layers"] += 1
+            summary["accepted"] += int(result.accepted)
+            per_layer.append(
+                {
+                    "node": layer.name,
+                    "loss_nearest": result.loss_nearest,
+                    "loss_learned": result.loss_learned,
+                    "accepted": result.accepted,
+                    "changed_codes": changed if result.accepted else 0,
+                    "iterations": result.iterations,
+                    "seconds": round(result.seconds + stat_seconds, 3),
+                }
+            )
+            logger.debug("AdaRound %s: %s", layer.name, per_layer[-1])
+    summary["per_layer"] = per_layer
+    summary["skipped"] = skipped
+    summary["samples"] = len(used)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    logger.info(
+        "AdaRound: %d layer(s), %d improved on round-to-nearest, %d skipped, %.1f s",
+        summary["layers"],
+        summary["accepted"],
+        len(skipped),
+        summary["seconds"],
+    )
+    return summary
+
+
+def _float_weight_name(layer: Layer) -> str:
+    """The float weight's name: the DQ's output is ``W_DequantizeLinear_Output``; the codes are
+    ``W_quantized`` (InsertQDQ)."""
+    name = layer.weight.name or ""
+    return name[: -len("_quantized")] if name.endswith("_quantized") else name
+
+
+def _dequantized_bias(layer: Layer, w_float: np.ndarray) -> np.ndarray:
+    cout = w_float.shape[0]
+    if layer.op_type == "Gemm" and not layer.node.attributes.get_int("transB", 0):
+        cout = w_float.shape[1]
+    codes = layer.bias_codes
+    if codes is None or layer.bias_position is None:
+        return np.zeros(cout)
+    if codes.size != cout:
+        raise QuantizationError(f"{layer.name}: bias has {codes.size} values for {cout} outputs")
+    return codes.astype(np.float64) * math.ldexp(1.0, -layer.bias_position)

@@ -1,0 +1,397 @@
+"""Bias correction, AdaRound and per-layer error analysis on tiny Conv graphs.
+
+Oracles: numpy references (im2col against onnxruntime's Conv, power-of-two arithmetic), the
+float graph run by onnxruntime, and losses measured on held-out data the stages never saw.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper
+
+from quark_onnx import pof2
+from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround, im2col, learn_rounding
+from quark_onnx.accuracy.bias_correction import correct_bias, requantize_bias
+from quark_onnx.accuracy.error_analysis import (
+    fallback_cost,
+    layer_errors,
+    sqnr_db,
+    worst_layers,
+)
+from quark_onnx.accuracy.layerwise import Replay, find_layers, position_of_scale
+from quark_onnx.config import get_default_config
+from quark_onnx.errors import ConfigError
+from quark_onnx.model_io import to_ir, to_proto
+from quark_onnx.options import ExtraOptions
+from quark_onnx.passes.insert_qdq import InsertQDQ
+from quark_onnx.plan import build_plan
+
+CONV = {
+    "kernel_shape": [3, 3],
+    "pads": [1, 1, 1, 1],
+    "strides": [1, 1],
+    "dilations": [1, 1],
+    "group": 1,
+}
+
+
+def _conv_chain(rng: np.random.Generator, n: int = 2, bias: bool = True) -> onnx.ModelProto:
+    """x (1,4,8,8) -> n x [Conv 3x3 (4->4) -> Relu] -> y."""
+    nodes, inits = [], {}
+    prev = "x"
+    for i in range(n):
+        w = rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)
+        w[0] *= 8.0  # one wide channel: per-tensor quantization is coarse for the others
+        inits[f"w{i}"] = w
+        ins = [prev, f"w{i}"]
+        if bias:
+            inits[f"b{i}"] = rng.normal(0, 0.2, 4).astype(np.float32)
+            ins.append(f"b{i}")
+        nodes.append(helper.make_node("Conv", ins, [f"c{i}"], name=f"conv{i}", **CONV))
+        out = "y" if i == n - 1 else f"r{i}"
+        nodes.append(helper.make_node("Relu", [f"c{i}"], [out], name=f"relu{i}"))
+        prev = out
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        inits,
+    )
+
+
+def _samples(rng: np.random.Generator, n: int, offset: float = 0.0) -> list[dict]:
+    return [{"x": (rng.normal(offset, 1.0, (1, 4, 8, 8))).astype(np.float32)} for _ in range(n)]
+
+
+def _smooth_samples(rng: np.random.Generator, n: int) -> list[dict]:
+    """Spatially and channel-correlated inputs (like images): a 4x4 field upsampled to 8x8."""
+    out = []
+    for _ in range(n):
+        field = np.kron(rng.normal(0, 1, (1, 1, 4, 4)), np.ones((1, 1, 2, 2)))
+        mix = rng.normal(1, 0.3, (1, 4, 1, 1))
+        x = field * mix + 0.1 * rng.normal(0, 1, (1, 4, 8, 8))
+        out.append({"x": x.astype(np.float32)})
+    return out
+
+
+def _quantize(proto: onnx.ModelProto, samples: list[dict], **extra):
+    """Plan + positions (MinMSE on the samples) + InsertQDQ, like the quantizer does."""
+    qc = get_default_config("XINT8")
+    qc.extra_options.update(extra)
+    options = qc.validate()
+    model = to_ir(proto)
+    prepared = to_proto(model)
+    plan = build_plan(model, qc, options)
+    acts = plan.activation_names()
+    from conftest import run_ort as _run
+
+    m = onnx.ModelProto()
+    m.CopyFrom(prepared)
+    for t in acts:
+        if t not in {o.name for o in m.graph.output}:
+            m.graph.output.append(onnx.ValueInfoProto(name=t))
+    names = [o.name for o in m.graph.output]
+    values: dict[str, list[np.ndarray]] = {t: [] for t in acts}
+    for s in samples:
+        for name, arr in zip(names, _run(m, s), strict=True):
+            if name in values:
+                values[name].append(arr)
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in prepared.graph.initializer}
+    positions = {}
+    for t, spec in plan.tensors.items():
+        if t in values:
+            positions[t] = pof2.minmse_position(np.concatenate([v.ravel() for v in values[t]]))
+        elif spec.kind.value == "weight":
+            positions[t] = pof2.weight_position(consts[t])
+        else:
+            positions[t] = pof2.bias_position(consts[t])
+    from quark_onnx.constraints import solve_positions
+
+    solved = solve_positions(plan, positions, options)
+    InsertQDQ(plan, solved.positions)(model)
+    return prepared, model, plan, solved.positions, options
+
+
+def _layer_mse(float_proto, quant_proto, samples, tensor="c0") -> float:
+    """Mean squared error of a Conv output (quantized vs float model) over ``samples``."""
+    err = []
+    for s in samples:
+        f = _outputs(float_proto, s, [tensor])[0]
+        q = _outputs(quant_proto, s, [tensor])[0]
+        err.append(np.mean((f - q) ** 2))
+    return float(np.mean(err))
+
+
+def _outputs(proto, feed, names):
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    for n in names:
+        if n not in {o.name for o in m.graph.output}:
+            m.graph.output.append(onnx.ValueInfoProto(name=n))
+    out_names = [o.name for o in m.graph.output]
+    res = dict(zip(out_names, run_ort(m, feed), strict=True))
+    return [res[n] for n in names]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def test_position_of_scale_exact_powers_only():
+    assert position_of_scale(0.25) == 2
+    assert position_of_scale(8.0) == -3
+    assert position_of_scale(0.3) is None
+    assert position_of_scale(0.0) is None
+
+
+@pytest.mark.parametrize(
+    "group,stride,dilation,pads", [(1, 1, 1, 1), (2, 2, 1, 0), (4, 1, 2, 2), (1, 2, 2, 1)]
+)
+def test_im2col_matches_onnxruntime_conv(group, stride, dilation, pads):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 4, 9, 7)).astype(np.float32)
+    w = rng.normal(size=(6 if group != 4 else 4, 4 // group, 3, 3)).astype(np.float32)
+    attrs = {
+        "kernel_shape": [3, 3],
+        "pads": [pads, pads, pads, pads],
+        "strides": [stride, stride],
+        "dilations": [dilation, dilation],
+        "group": group,
+    }
+    model = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None] * 4)],
+        {"w": w},
+    )
+    (want,) = run_ort(model, {"x": x})
+
+    from quark_onnx.accuracy.adaround import _Geometry
+
+    geo = _Geometry(group, (3, 3), (stride, stride), (dilation, dilation), (pads,) * 4)
+    cols = im2col(x.astype(np.float64), geo)  # (g, K, N*P)
+    wg = w.reshape(group, -1, cols.shape[1]).astype(np.float64)
+    got = np.matmul(wg, cols)  # (g, O, N*P)
+    n, p = x.shape[0], want.shape[2] * want.shape[3]
+    got = got.reshape(group, wg.shape[1], n, p).transpose(2, 0, 1, 3).reshape(want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_replay_segments_equal_whole_model_and_run_each_node_once():
+    rng = np.random.default_rng(1)
+    proto = _conv_chain(rng, n=3)
+    samples = _samples(rng, 3)
+    replay = Replay(proto, samples, "test")
+    (c0,) = replay.get(["c0"])
+    (c2, y) = replay.get(["c2", "y"])
+    for i, s in enumerate(samples):
+        want = _outputs(proto, s, ["c0", "c2", "y"])
+        np.testing.assert_array_equal(c0[i], want[0])
+        np.testing.assert_array_equal(c2[i], want[1])
+        np.testing.assert_array_equal(y[i], want[2])
+    assert replay.runs == 2 * len(samples)  # two segments, each run once per sample
+    with pytest.raises(Exception, match="no longer kept"):
+        replay.get(["c0"])  # consumed earlier and dropped: memory stays bounded
+
+
+# --- bias correction ---------------------------------------------------------------------------
+
+
+def test_requantize_bias_rounds_and_saturates():
+    codes = np.array([10, 120, -120], dtype=np.int8)
+    new, saturated = requantize_bias(codes, 2, np.array([0.26, 3.0, -0.125]))
+    # 10 + 1.04 -> 11; 120 + 12 -> 132 saturates at 127; -120 - 0.5 -> -120 (half to even)
+    assert new.tolist() == [11, 127, -120]
+    assert saturated == 1
+
+
+def test_bias_correction_reduces_mean_output_error_on_held_out_data():
+    rng = np.random.default_rng(2)
+    proto = _conv_chain(rng, n=2)  # the NPU checker wants at least two Conv nodes
+    calib = _samples(rng, 16, offset=0.5)
+    held_out = _samples(rng, 16, offset=0.5)
+    prepared, model, plan, positions, options = _quantize(proto, calib)
+    before = to_proto(model)
+    found, _ = find_layers(model)
+    old_codes = found[0].bias_codes.copy()
+
+    def mean_error(quant_proto):
+        diffs = [
+            _outputs(prepared, s, ["c0"])[0] - _outputs(quant_proto, s, ["c0"])[0] for s in held_out
+        ]
+        per_channel = np.mean(np.stack(diffs), axis=(0, 1, 3, 4))
+        return float(np.mean(np.abs(per_channel)))
+
+    summary = correct_bias(prepared, model, calib, plan, positions, options)
+    after = to_proto(model)
+    assert summary["layers"] == 2 and summary["changed_channels"] > 0
+    assert mean_error(after) < 0.5 * mean_error(before)
+    # positions unchanged: the bias DQ scale is the same, only the codes moved
+    new_codes = find_layers(model)[0][0].bias_codes
+    assert new_codes.dtype == np.int8 and not np.array_equal(new_codes, old_codes)
+    from quark_onnx.check import check
+
+    assert check(after).ready, check(after).summary()
+
+
+def test_bias_correction_leaves_exact_layers_alone():
+    """Weights already on the int8 grid and inputs on their grid: no shift, nothing changes."""
+    rng = np.random.default_rng(3)
+    w = (rng.integers(-20, 20, (4, 4, 1, 1)) / 16).astype(np.float32)
+    b = (rng.integers(-20, 20, 4) / 16).astype(np.float32)
+    proto = make_model(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[1, 1], name="conv")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4, 4])],
+        {"w": w, "b": b},
+    )
+    samples = [
+        {"x": (rng.integers(-60, 60, (1, 4, 4, 4)) / 16).astype(np.float32)} for _ in range(4)
+    ]
+    prepared, model, plan, positions, options = _quantize(proto, samples)
+    summary = correct_bias(prepared, model, samples, plan, positions, options)
+    assert summary["changed_channels"] == 0
+
+
+def test_bias_correction_without_samples_reports_and_does_nothing():
+    rng = np.random.default_rng(4)
+    proto = _conv_chain(rng, n=1)
+    prepared, model, plan, positions, options = _quantize(proto, _samples(rng, 4))
+    summary = correct_bias(prepared, model, [], plan, positions, options)
+    assert summary["layers"] == 0 and "skipped_reason" in summary
+
+
+def test_bias_correction_skips_conv_without_bias():
+    rng = np.random.default_rng(5)
+    proto = _conv_chain(rng, n=1, bias=False)
+    calib = _samples(rng, 4)
+    prepared, model, plan, positions, options = _quantize(proto, calib)
+    summary = correct_bias(prepared, model, calib, plan, positions, options)
+    assert summary["layers"] == 0
+    assert summary["skipped"][0]["node"] == "conv0"
+
+
+# --- AdaRound ----------------------------------------------------------------------------------
+
+
+def test_learn_rounding_beats_nearest_on_its_quadratic():
+    rng = np.random.default_rng(6)
+    w = rng.normal(0, 0.5, (1, 8, 16))
+    z = rng.normal(0, 1, (4, 400))  # correlated inputs: what rounding jointly can exploit
+    x = rng.normal(0, 1, (16, 4)) @ z + 0.1 * rng.normal(0, 1, (16, 400))
+    t = w[0] @ x
+    gram = (x @ x.T)[None]
+    cross = (x @ t.T)[None]
+    res = learn_rounding(w, 4, gram, cross, float(np.sum(t * t)), iterations=400)
+    assert res.accepted and res.loss_learned < 0.5 * res.loss_nearest
+    # every code is the floor or the ceiling of w / s
+    x_over_s = w * 16
+    assert np.all((res.codes == np.floor(x_over_s)) | (res.codes == np.ceil(x_over_s)))
+
+
+def test_learn_rounding_keeps_saturated_codes():
+    w = np.array([[[10.0, -10.0, 0.3]]])  # at p=4: 160 and -160 are outside int8
+    gram = np.eye(3)[None]
+    cross = np.swapaxes(w, 1, 2)
+    res = learn_rounding(w, 4, gram, cross, float(np.sum(w * w)), iterations=50)
+    assert res.codes[0, 0, 0] == 127 and res.codes[0, 0, 1] == -128
+
+
+def test_adaround_single_conv_beats_nearest_on_held_out_data():
+    rng = np.random.default_rng(7)
+    proto = _conv_chain(rng, n=2)
+    calib = _smooth_samples(rng, 16)
+    held_out = _smooth_samples(rng, 16)
+    prepared, model, plan, positions, options = _quantize(proto, calib)
+    nearest = to_proto(model)
+    options = ExtraOptions(FastFinetune={"NumIterations": 500, "TimeBudgetPerLayer": 30.0})
+    summary = adaround(prepared, model, calib, plan, positions, options)
+    learned = to_proto(model)
+    assert summary["layers"] == 2 and summary["accepted"] >= 1
+    assert _layer_mse(prepared, learned, held_out) < 0.9 * _layer_mse(prepared, nearest, held_out)
+    # positions unchanged: same scales in the graph, codes int8
+    scales = lambda m: {  # noqa: E731
+        t.name: onnx.numpy_helper.to_array(t).item()
+        for t in m.graph.initializer
+        if t.name.endswith("_scale")
+    }
+    assert scales(learned) == scales(nearest)
+    from quark_onnx.check import check
+
+    assert check(learned).ready
+
+
+def test_adaround_settings_are_validated():
+    with pytest.raises(ConfigError, match="NumIterations"):
+        AdaRoundSettings.from_options({"NumIteration": 10})
+    with pytest.raises(ConfigError, match="expects int"):
+        AdaRoundSettings.from_options({"NumIterations": 1.5})
+    with pytest.raises(ConfigError, match="positive"):
+        AdaRoundSettings.from_options({"LearningRate": 0})
+    s = AdaRoundSettings.from_options({"LearningRate": 1, "NumBatches": 4})
+    assert s.LearningRate == 1.0 and s.NumBatches == 4
+
+
+# --- error analysis ----------------------------------------------------------------------------
+
+
+def test_sqnr_db():
+    assert sqnr_db(100.0, 1.0) == pytest.approx(20.0)
+    assert sqnr_db(1.0, 0.0) == 200.0
+
+
+def test_error_analysis_ranks_a_damaged_layer_worst():
+    rng = np.random.default_rng(8)
+    proto = _conv_chain(rng, n=3)
+    calib = _samples(rng, 8)
+    prepared, model, plan, _positions, _options = _quantize(proto, calib)
+    # damage conv1: flip the sign of a third of its int8 weight codes
+    layers, _ = find_layers(model)
+    damaged = layers[1]
+    codes = damaged.weight_codes.copy()
+    flat = codes.reshape(-1)
+    flat[::3] = -flat[::3]
+    from quark_onnx.accuracy.layerwise import set_codes
+
+    set_codes(damaged.weight, codes)
+    errors = layer_errors(prepared, model, calib, plan)
+    assert errors == sorted(errors, key=lambda e: e["sqnr_db"])
+    assert {e["tensor"] for e in errors} >= {"x", "r0", "r1", "y"}
+    assert worst_layers(errors, 1) == ["conv1"]
+    assert len(worst_layers(errors, 2)) == 2
+    assert worst_layers(errors, 0) == []
+
+
+def test_error_analysis_without_damage_has_high_sqnr_everywhere():
+    rng = np.random.default_rng(9)
+    proto = _conv_chain(rng, n=2)
+    calib = _samples(rng, 4)
+    prepared, model, plan, _, _ = _quantize(proto, calib)
+    errors = layer_errors(prepared, model, calib, plan)
+    assert min(e["sqnr_db"] for e in errors) > 15.0
+
+
+def test_fallback_cost_counts_partitions():
+    rng = np.random.default_rng(10)
+    proto = _conv_chain(rng, n=3)
+    calib = _samples(rng, 2)
+    prepared, _model, plan, _, _ = _quantize(proto, calib)
+    none = fallback_cost(plan, prepared, [])
+    assert none["partitions_before"] == none["partitions_after"] == 1
+    mid = fallback_cost(plan, prepared, ["conv1"])
+    assert mid["partitions_after"] == 2 and mid["boundary_edges_after"] == 2
+
+
+def test_nodes_to_exclude_keeps_a_layer_float():
+    rng = np.random.default_rng(11)
+    proto = _conv_chain(rng, n=2)
+    qc = get_default_config("XINT8")
+    qc.nodes_to_exclude = ["conv1"]
+    plan = build_plan(to_ir(proto), qc, qc.validate())
+    assert "conv1" in {f.name for f in plan.float_nodes}
+    assert "conv1" not in {n.name for n in plan.nodes}
+    assert math.isfinite(len(plan.nodes))
