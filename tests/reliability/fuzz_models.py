@@ -212,7 +212,10 @@ def _mutate_initializer(model: onnx.ModelProto, rnd: random.Random) -> None:
             [TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT8, TensorProto.INT64]
         )
     elif kind == "values" and t.data_type == TensorProto.FLOAT:
-        arr = onnx.numpy_helper.to_array(t).copy()
+        try:
+            arr = onnx.numpy_helper.to_array(t).copy()
+        except ValueError:  # an earlier mutation already broke its length
+            return
         if arr.size:
             arr.flat[rnd.randrange(arr.size)] = rnd.choice(
                 [np.nan, np.inf, -np.inf, 0.0, 1e30, -1e-30]
