@@ -82,7 +82,7 @@ def image_arrays(model: str, split: str) -> tuple[np.ndarray, np.ndarray | None]
     cache = WORK / f"{model}_{split}.npz"
     if cache.exists():
         data = np.load(cache)
-        return data["x"], data["y"] if "y" in data else None
+        return data["x"], data.get("y", None)
     folder = SHARED / "data" / "imagenet" / split
     reader = ImageFolderDataReader(folder, MODELS[model], PreprocessSpec.parse(SPECS[model]))
     xs = []
