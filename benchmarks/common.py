@@ -31,7 +31,9 @@ Measures:
 * latency: median wall time of ``session.run`` on one batch-1 input, onnxruntime CPU,
   one intra-op thread, full graph optimisation (so QDQ pairs fuse into int8 kernels); the
   quantized and the float model are timed interleaved, and the ratio is taken from that pair.
-* peak RSS: ``ru_maxrss`` of the child process, read with ``os.wait4`` when it exits.
+* peak RSS: ``ru_maxrss`` of the child process (and its descendants), read with ``os.wait4``
+  by a small launcher process, so it does not inherit the driver's memory; each runner also
+  reports its own ``VmHWM`` as a cross-check.
 """
 
 from __future__ import annotations
@@ -360,7 +362,17 @@ def runner_args(tool: str) -> argparse.Namespace:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux ``ru_maxrss`` is KiB)."""
+    """Peak resident set size of this process image so far, in MiB.
+
+    Reads ``VmHWM`` from ``/proc/self/status``, which starts afresh at exec (unlike
+    ``ru_maxrss``, which keeps the parent's high-water mark across fork + exec).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -395,43 +407,77 @@ class ChildRun:
     timed_out: bool
 
 
+# A minimal launcher, run with ``python -S``: it forks + execs the measured command and reports
+# the command's own rusage. Linux carries a process's ``ru_maxrss`` high-water mark across fork
+# and exec, so a child forked directly from the driver (which holds evaluation arrays and
+# onnxruntime sessions) would report the driver's RSS as its peak; forked from this ~10 MiB
+# launcher, the child's ``ru_maxrss`` is its own (and its descendants') peak.
+_LAUNCHER = r"""
+import json, os, signal, sys, time
+report, timeout, argv = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(argv[0], argv)
+    finally:
+        os._exit(127)
+timed_out = False
+while True:
+    done, status, ru = os.wait4(pid, os.WNOHANG)
+    if done == pid:
+        break
+    if time.perf_counter() - t0 > timeout:
+        timed_out = True
+        os.kill(pid, signal.SIGKILL)
+        done, status, ru = os.wait4(pid, 0)
+        break
+    time.sleep(0.02)
+wall = time.perf_counter() - t0
+with open(report, "w") as f:
+    json.dump({"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_kb": ru.ru_maxrss,
+               "returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out}, f)
+"""
+
+
 def run_measured(
     cmd: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> ChildRun:
-    """Run ``cmd``; return its exit code, wall time and peak RSS (``ru_maxrss`` via wait4).
+    """Run ``cmd``; return its exit code, wall time, CPU time and peak RSS (``ru_maxrss``).
 
-    stdout/stderr go to temporary files so a chatty tool cannot block on a full pipe.
+    The command runs under a small launcher (see ``_LAUNCHER``) so that its ``ru_maxrss`` does
+    not inherit the driver's memory. ``cmd[0]`` must be an executable path. stdout/stderr go to
+    temporary files so a chatty tool cannot block on a full pipe.
     """
+    import shutil
     import tempfile
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    exe = cmd[0] if os.sep in cmd[0] else shutil.which(cmd[0]) or cmd[0]
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        report = Path(tmp) / "rusage.json"
+        launcher = [sys.executable, "-S", "-c", _LAUNCHER, str(report), str(timeout_s)]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
-        timed_out = False
-        status = None
-        rusage = None
-        while True:
-            pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
-            if pid == proc.pid:
-                break
-            if time.perf_counter() - t0 > timeout_s:
-                timed_out = True
-                proc.kill()
-                _, status, rusage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.02)
+        proc = subprocess.run([*launcher, exe, *cmd[1:]], stdout=out, stderr=err, env=env, cwd=cwd)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+        if not report.exists():
+            return ChildRun(proc.returncode, wall, 0.0, 0.0, stdout, stderr, False)
+        ru = json.loads(report.read_text())
         return ChildRun(
-            returncode=proc.returncode,
-            wall_s=wall,
-            cpu_s=rusage.ru_utime + rusage.ru_stime,
-            maxrss_mb=rusage.ru_maxrss / 1024.0,
-            stdout=out.read().decode(errors="replace"),
-            stderr=err.read().decode(errors="replace"),
-            timed_out=timed_out,
+            returncode=ru["returncode"],
+            wall_s=ru["wall_s"],
+            cpu_s=ru["cpu_s"],
+            maxrss_mb=ru["maxrss_kb"] / 1024.0,
+            stdout=stdout,
+            stderr=stderr,
+            timed_out=ru["timed_out"],
         )
 
 

@@ -47,6 +47,7 @@ def main() -> int:
             raise RuntimeError(f"quark_onnx returned without writing {args.out}")
         result["quant_s"] = time.perf_counter() - t1
         result["quant_cpu_s"] = time.process_time() - c1
+        result["vmhwm_mb"] = common.peak_rss_mb()
         result["ok"] = True
     except BaseException as exc:  # recorded, the driver reports it
         result["error"] = common.error_text(exc)

@@ -46,6 +46,7 @@ def main() -> int:
         result["quant_s"] = time.perf_counter() - t1
         result["quant_cpu_s"] = time.process_time() - c1
         result["approximations"] = list(quantizer.last_approximations)
+        result["vmhwm_mb"] = common.peak_rss_mb()
         result["ok"] = True
     except BaseException as exc:  # recorded, the driver reports it
         result["error"] = common.error_text(exc)
