@@ -12,9 +12,10 @@ inputs.
 :class:`HistogramObserver`
     A histogram keyed by the top 16 bits of the float32 bit pattern (sign, 8 exponent bits, 7
     mantissa bits). The low 16 bits are the exact offset of a value inside its bucket, so per
-    bucket the observer keeps integers -- the count ``n_b``, the sum ``T_b`` and the sum of squares
-    ``Q_b`` of the centred offsets -- from which the sum and the spread of the bucket's values
-    follow exactly (see :class:`HistogramObserver`), plus the exact minimum and maximum. A bucket
+    bucket the observer keeps two integers -- the count ``n_b`` and the sum ``T_b`` of the centred
+    offsets, from which the bucket's sum follows exactly (see :class:`HistogramObserver`) -- plus
+    the sums of squares of the positive and of the negative values and the exact minimum and
+    maximum. A bucket
     of magnitude ``2^e`` spans ``[m, m + 2^(e-7))``: its width is at most ``2^-7`` of its values.
     It serves every method:
 
@@ -296,22 +297,24 @@ class HistogramObserver:
     A finite float32 ``x`` of bucket ``b`` (its top 16 bits) has magnitude exactly
     ``|x| = c_b + t * u_b``: ``c_b`` is the bucket midpoint, ``u_b`` the weight of the lowest
     mantissa bit (:func:`bucket_units`) and ``t = low16 - 2^15`` the low 16 bits of the pattern,
-    centred. Per bucket the observer keeps
+    centred. The observer keeps
 
-    * ``n_b`` (int64), the count,
-    * ``T_b = sum t`` (int64, exact), so that ``sum |x| = n_b c_b + u_b T_b``,
-    * ``Q_b = sum t^2`` (float64; exact integers below ``2^53``, i.e. up to ``2^23`` values in one
-      bucket, then rounded to float64), so that ``sum (|x| - c_b)^2 = u_b^2 Q_b``,
+    * per bucket ``n_b`` (int64), the count, and ``T_b = sum t`` (int64, exact), so that
+      ``sum |x| = n_b c_b + u_b T_b``;
+    * ``square_sums = (sum x^2 over x > 0, sum x^2 over x < 0)`` (float64; each ``x^2`` of a float32
+      is exact in float64, only the additions round): the part of the quantization error that no
+      position changes (:func:`histogram_sse`);
+    * the exact minimum and maximum.
 
-    3 x 65536 entries (1.5 MiB) per tensor, plus a 0.5 MiB staging array while data comes in.
-    Merging adds the arrays, so shards merge exactly.
+    2 x 65536 entries (1 MiB) per tensor, plus a 0.5 MiB staging array while data comes in.
+    Merging adds the statistics, so shards merge exactly (the square sums up to float64 rounding).
 
-    Binning, per step of :data:`_CHUNK` values: one ``np.add.at`` of ``2^40 + low16`` into the
-    int64 staging array (a count and an offset sum packed in one integer, unpacked every
-    :data:`_STAGE_LIMIT` values, before the count part could reach ``2^23``) and one of ``t^2``
-    into ``Q``. Integer offsets instead of float sums make the statistics exact and merging
-    order-independent, and cost less than the two ``np.bincount`` calls (a count and a float64
-    weighted sum over 65536 buckets) they replace.
+    Binning, per step of :data:`_CHUNK` values (cache-sized): one ``np.add.at`` of ``2^40 + low16``
+    into the int64 staging array -- a count and an offset sum packed in one integer, unpacked every
+    :data:`_STAGE_LIMIT` values, before the count part could reach ``2^23`` -- and two float64 sums
+    of squares. That is one scatter per value instead of the two ``np.bincount`` calls (a count and
+    a float64 weighted sum over 65536 buckets) that a float-sum histogram needs, and the integer
+    offsets make the bucket sums exact.
     """
 
     kind = "histogram"
@@ -322,11 +325,12 @@ class HistogramObserver:
     def __init__(self) -> None:
         self._n = np.zeros(NUM_BUCKETS, dtype=np.int64)
         self._t = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        self._q = np.zeros(NUM_BUCKETS, dtype=np.float64)
         self._stage: np.ndarray | None = None
         self._staged = 0
         self._pending: list[np.ndarray] = []
         self._pending_size = 0
+        self._pending_negative = False
+        self.square_sums = (0.0, 0.0)
         self.min = math.inf
         self.max = -math.inf
         self.nonfinite = 0
@@ -336,13 +340,17 @@ class HistogramObserver:
 
     def _sync(self) -> None:
         """Bin the buffered values and unpack the staged statistics."""
-        if self._pending:
-            values = np.concatenate(self._pending)
-            self._pending, self._pending_size = [], 0
-            self._bin(values)
+        self._flush_pending()
         if self._stage is not None:
             self._unstage()
             self._stage = None
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            values = np.concatenate(self._pending)
+            negative = self._pending_negative
+            self._pending, self._pending_size, self._pending_negative = [], 0, False
+            self._bin(values, negative)
 
     def _unstage(self) -> None:
         stage = self._stage
@@ -365,12 +373,6 @@ class HistogramObserver:
         """``T_b``: sum of the centred low-16-bit offsets per bucket (int64, 65536)."""
         self._sync()
         return self._t
-
-    @property
-    def offset_squares(self) -> np.ndarray:
-        """``Q_b``: sum of the squared centred offsets per bucket (float64, 65536)."""
-        self._sync()
-        return self._q
 
     @property
     def sums(self) -> np.ndarray:
@@ -406,20 +408,21 @@ class HistogramObserver:
         self.min = min(self.min, lo)
         self.max = max(self.max, hi)
         if values.size >= self.buffer_size:
-            self._bin(values)
+            self._bin(values, lo < 0.0)
             return
         self._pending.append(values.copy() if values.base is not None else values)
         self._pending_size += values.size
+        self._pending_negative |= lo < 0.0
         if self._pending_size >= self.buffer_size:
-            values = np.concatenate(self._pending)
-            self._pending, self._pending_size = [], 0
-            self._bin(values)
+            self._flush_pending()
 
-    def _bin(self, values: np.ndarray) -> None:
+    def _bin(self, values: np.ndarray, negative: bool = True) -> None:
+        """Fold ``values`` (finite float32); ``negative=False`` promises none is below zero."""
         if self._stage is None:
             self._stage = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        stage, q = self._stage, self._q
+        stage = self._stage
         top, low = _halves(values)
+        pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
             if self._staged > _STAGE_LIMIT:
                 self._unstage()
@@ -428,16 +431,25 @@ class HistogramObserver:
             packed = low[start:end].astype(np.int64)
             packed += _PACK
             np.add.at(stage, keys, packed)
-            t = (packed - (_PACK + _HALF)).astype(np.float64)
-            t *= t
-            np.add.at(q, keys, t)
             self._staged += end - start
+            x64 = values[start:end].astype(np.float64)
+            if negative:
+                neg = np.minimum(x64, 0.0)
+                neg *= neg
+                neg_sq += float(neg.sum())
+                np.maximum(x64, 0.0, out=x64)
+            x64 *= x64
+            pos_sq += float(x64.sum())
+        self.square_sums = (self.square_sums[0] + pos_sq, self.square_sums[1] + neg_sq)
 
     def merge(self, other: HistogramObserver) -> HistogramObserver:
         out = HistogramObserver()
         out._n = self.counts + other.counts
         out._t = self.offset_sums + other.offset_sums
-        out._q = self.offset_squares + other.offset_squares
+        out.square_sums = (
+            self.square_sums[0] + other.square_sums[0],
+            self.square_sums[1] + other.square_sums[1],
+        )
         out.min = min(self.min, other.min)
         out.max = max(self.max, other.max)
         out.nonfinite = self.nonfinite + other.nonfinite
@@ -450,14 +462,13 @@ class HistogramObserver:
         A zero has key 0 and offset ``t = -2^15``.
         """
         out = HistogramObserver()
-        n, t, q = self.counts, self.offset_sums, self.offset_squares
+        n, t = self.counts, self.offset_sums
         out._n[:_HALF] = n[:_HALF]
         out._t[:_HALF] = t[:_HALF]
-        out._q[:_HALF] = q[:_HALF]
         zeros = int(n[_HALF:].sum())
         out._n[0] += zeros
         out._t[0] -= zeros * _HALF
-        out._q[0] += float(zeros) * float(_HALF * _HALF)
+        out.square_sums = (self.square_sums[0], 0.0)
         out.nonfinite, out.batches = self.nonfinite, self.batches
         if self.min <= self.max:
             out.min, out.max = max(self.min, 0.0), max(self.max, 0.0)
@@ -573,7 +584,7 @@ class HistogramObserver:
             "keys": _encode(keys),
             "counts": _encode(self.counts[keys]),
             "offset_sums": _encode(self.offset_sums[keys]),
-            "offset_squares": _encode(self.offset_squares[keys]),
+            "square_sums": list(self.square_sums),
         }
 
     @classmethod
@@ -582,7 +593,8 @@ class HistogramObserver:
         keys = _decode(d["keys"]).astype(np.intp)
         out.counts[keys] = _decode(d["counts"])
         out.offset_sums[keys] = _decode(d["offset_sums"])
-        out.offset_squares[keys] = _decode(d["offset_squares"])
+        pos, neg = d["square_sums"]
+        out.square_sums = (float(pos), float(neg))
         if d["min"] is not None:
             out.min, out.max = float(d["min"]), float(d["max"])
         out.nonfinite, out.batches = int(d["nonfinite"]), int(d["batches"])
@@ -624,10 +636,15 @@ def histogram_sse(
     ``|x| = c_b + t u_b`` (see :class:`HistogramObserver`)::
 
         SSE(p) = sum_b sum_{x in b} (e_b + t u_b)^2
-               = sum_b [ n_b e_b^2 + 2 e_b u_b T_b + u_b^2 Q_b ]
+               = sum_b [ n_b e_b^2 + 2 e_b u_b T_b ]  +  C,
+        C      = sum_b sum_{x in b} (t u_b)^2 = sum x^2 - sum_b [ n_b c_b^2 + 2 c_b u_b T_b ].
 
-    from exact integer statistics; only the final float64 arithmetic rounds. The argument needs
-    ``p <= MAX_HIST_POSITION`` (the subnormal buckets are ``2^-133`` wide).
+    The first sum (all that depends on ``p``) comes from exact integer statistics and is written
+    about the bucket midpoints, so it is as accurate as the quantization error itself: the argmin
+    is exact. ``C``, the spread of the values about their bucket midpoints, is the same at every
+    position; it comes from the float64 sum of squares (relative rounding about ``1e-16`` of
+    ``sum x^2``). The argument needs ``p <= MAX_HIST_POSITION`` (the subnormal buckets are
+    ``2^-133`` wide).
 
     16-bit types: buckets ``2^-7`` wide can span several quanta without saturating; for those the
     values are modelled as uniform within the bucket (``s^2/12`` per value inside the range, the
@@ -647,7 +664,7 @@ def histogram_sse(
     n = counts[keys].astype(np.float64)
     c, u = mid[mag], unit[mag]
     dev_sum = hist.offset_sums[keys].astype(np.float64) * u  # sum (|x| - c_b)
-    dev_sq = hist.offset_squares[keys] * (u * u)  # sum (|x| - c_b)^2
+    spread = max(0.0, sum(hist.square_sums) - float(np.sum(n * c * c + 2.0 * c * dev_sum)))
     qside = np.where(negative, -lo_code, hi_code).astype(np.float64)
     wide = max(hi_code, -lo_code) > 128
     for first in range(0, positions.size, _POSITION_BLOCK):
@@ -655,13 +672,13 @@ def histogram_sse(
         s = np.ldexp(1.0, -block)[:, None]
         k = np.minimum(np.rint(c / s), qside)
         e = c - k * s
-        sse_b = n * e * e + 2.0 * e * dev_sum + dev_sq
+        sse_b = n * e * e + 2.0 * e * dev_sum
         if wide:
             lo_e, hi_e = lower[mag], upper[mag]
             sse_b = np.where(
                 _spanning(lo_e, hi_e, s, qside), _uniform_sse(n, lo_e, hi_e, s, qside), sse_b
             )
-        out[first : first + block.size] = sse_b.sum(axis=1)
+        out[first : first + block.size] = np.maximum(sse_b.sum(axis=1) + spread, 0.0)
     return out
 
 
@@ -694,14 +711,16 @@ def _spanning(lo_e, hi_e, s, qside) -> np.ndarray:
 
 
 def _uniform_sse(n, lo_e, hi_e, s, qside) -> np.ndarray:
-    """SSE of a bucket whose values are spread uniformly over it."""
+    """SSE of a bucket whose values are spread uniformly over it, minus their spread about the
+    midpoint (``n w^2 / 12``, which :func:`histogram_sse` adds back as part of ``C``)."""
     w = hi_e - lo_e
     t = np.clip((qside + 0.5) * s, lo_e, hi_e)
     inside = (t - lo_e) / w
     top = qside * s
     a, b = t - top, hi_e - top
     clipped = np.where(hi_e > t, (b**3 - a**3) / (3.0 * np.maximum(hi_e - t, 1e-300)), 0.0)
-    return n * (inside * s * s / 12.0 + (1.0 - inside) * clipped)
+    sse = n * (inside * s * s / 12.0 + (1.0 - inside) * clipped)
+    return sse - n * w * w / 12.0
 
 
 def entropy_threshold_from_histogram(
