@@ -9,7 +9,8 @@ Loading never writes anything. The order of the checks keeps every failure cheap
    ``..`` and symbolic links are resolved, goes through no symbolic link, names an existing file,
    and ``offset + length`` fits in it (else ``UnsafePathError`` or ``ModelLoadError``);
 4. the ONNX checker passes (run before the weights are read, so models above the 2 GB protobuf
-   limit are checked too);
+   limit are checked too), and so does strict shape inference (after the weights are read when
+   they are external, as it needs the values of shape tensors; skipped above 2 GB);
 5. a default-domain opset below :data:`MIN_OPSET` is upgraded with onnx's version converter (also
    before the weights are read);
 6. the external weights are read into the model.
@@ -130,12 +131,19 @@ def load_model(path: str | os.PathLike, *, upgrade_opset: bool = True) -> onnx.M
         raise ModelLoadError(
             f"{p}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
         ) from exc
+    if not external:
+        _check_shapes(model, str(p))
     opset = default_opset(model)
     if upgrade_opset and 0 < opset < MIN_OPSET:
         model = upgrade(model, MIN_OPSET, source=str(p))
         external = _external_tensors(model)
     if external:
         _read_external_data(external, p)
+        # inference needs the values of shape-like tensors; above 2 GB it cannot run in memory
+        if fits_in_protobuf(model):
+            _check_shapes(model, str(p))
+        else:
+            logger.info("%s: above 2 GB, strict shape inference skipped", p)
     return model
 
 
@@ -160,6 +168,23 @@ def _check_text(message, source: str, where: str = "model") -> None:
                 label = name if isinstance(name, str) else ""
                 inner = f"{field.name}[{label or i}]" if _is_repeated(field) else field.name
                 _check_text(v, source, f"{where}.{inner}" if where != "model" else inner)
+
+
+def _check_shapes(model: onnx.ModelProto, source: str) -> None:
+    """Strict ONNX shape inference as a check (its result is not kept).
+
+    It refuses attribute values the checker lets through but that native code divides by or
+    indexes with (a Conv stride of 0 passes the checker and kills the process with SIGFPE inside
+    onnxsim), and inputs whose shapes cannot meet. Nodes of domains without a schema are skipped
+    by the inference, so custom ops are not refused here.
+    """
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except onnx.shape_inference.InferenceError as exc:
+        raise ModelLoadError(
+            f"{source}: fails ONNX shape inference: {_one_line(exc)}; fix the node's attributes "
+            "or input shapes, or re-export the model"
+        ) from exc
 
 
 def validate_proto(model: onnx.ModelProto, *, source: str = "<model>") -> onnx.ModelProto:
@@ -188,6 +213,7 @@ def validate_proto(model: onnx.ModelProto, *, source: str = "<model>") -> onnx.M
             raise ModelLoadError(
                 f"{source}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
             ) from exc
+        _check_shapes(model, source)
     if 0 < default_opset(model) < MIN_OPSET:
         if not fits_in_protobuf(model):
             raise ModelLoadError(

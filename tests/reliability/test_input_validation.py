@@ -259,3 +259,35 @@ def test_every_error_is_one_hierarchy():
 
     classes = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
     assert all(issubclass(c, errors.QuarkOnnxError) for c in classes)
+
+
+def test_zero_stride_is_refused_before_it_crashes_onnxsim(tmp_path):
+    # fuzz finding: a Conv stride of 0 passes the ONNX checker and onnxsim.simplify then dies
+    # with SIGFPE, killing the process. Run in a subprocess so a regression cannot take pytest
+    # down with it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = conv_chain()
+    strides = next(a for a in model.graph.node[0].attribute if a.name == "strides")
+    strides.ints[0] = 0
+    src = _save(model, tmp_path / "stride0.onnx")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from fuzz_models import quantizer\n"
+        "from quark_onnx.errors import ModelLoadError\n"
+        "try:\n"
+        "    quantizer(optimize=True).quantize_model(sys.argv[1])\n"
+        "except ModelLoadError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, src, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert "stride0.onnx" in proc.stdout and "conv0" in proc.stdout
+    assert "strides must only contain positive values" in proc.stdout
