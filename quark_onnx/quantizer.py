@@ -257,6 +257,9 @@ class ModelQuantizer:
                     # than the bound, so the quantized tensor saturates there.
                     p = max(p, pof2.position_for_abs_max(spec.range_max, spec.qtype))
                 positions[name] = p
+                curve = result.error_function(name, spec.qtype)
+                if curve is not None:  # histogram methods: the solver then minimises error
+                    errors[name] = curve
             elif spec.kind is TensorKind.WEIGHT:
                 w = constants[name]
                 positions[name] = pof2.weight_position(w, method, spec.qtype)
