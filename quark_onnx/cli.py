@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from quark_onnx import model_io
 from quark_onnx.errors import CalibrationError, ConfigError, ModelSaveError, QuarkOnnxError
 
 logger = logging.getLogger("quark_onnx.cli")
@@ -1142,7 +1143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=_log_level(args), format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr
     )
     try:
-        return args.func(args)
+        # SIGTERM unwinds like Ctrl-C so that temporary outputs are removed (nothing partial).
+        with model_io.sigterm_as_interrupt():
+            return args.func(args)
+    except model_io.Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 143
     except QuarkOnnxError as exc:
         print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         if args.debug:

@@ -96,7 +96,7 @@ class ModelQuantizer:
 
         with _stage(report, "load"):
             if isinstance(model_input, onnx.ModelProto):
-                proto = model_input
+                proto = model_io.validate_proto(model_input)
             else:
                 proto = model_io.load_model(model_input)
             model = model_io.to_ir(proto)
@@ -246,7 +246,6 @@ class ModelQuantizer:
                 f"calibrate_method {method} does not give power-of-two "
                 "scales; XINT8 needs PowerOfTwoMethod.MinMSE or NonOverflow"
             )
-        constants = _constant_arrays(model)
         positions: dict[str, int] = {}
         errors: dict[str, Any] = {}
         for name, spec in plan.tensors.items():
@@ -261,27 +260,40 @@ class ModelQuantizer:
                 if curve is not None:  # histogram methods: the solver then minimises error
                     errors[name] = curve
             elif spec.kind is TensorKind.WEIGHT:
-                w = constants[name]
+                w = _constant_array(model, name)
                 positions[name] = pof2.weight_position(w, method, spec.qtype)
                 errors[name] = pof2.error_function(w, spec.qtype)
             else:
-                positions[name] = pof2.bias_position(constants[name])
+                positions[name] = pof2.bias_position(_constant_array(model, name))
         return positions, errors
 
 
-def _constant_arrays(model: Any) -> dict[str, np.ndarray]:
+def _constant_array(model: Any, name: str) -> np.ndarray:
+    """The data of the planned weight or bias ``name``, refusing non-finite values."""
     from quark_onnx.passes._graph import constant_array
 
-    arrays: dict[str, np.ndarray] = {}
-    for name, value in model.graph.initializers.items():
-        arrays[name] = value.const_value.numpy()
-    for node in model.graph:
-        if node.op_type == "Constant":
-            for out in node.outputs:
-                arr = constant_array(out)
-                if arr is not None:
-                    arrays[out.name] = arr
-    return arrays
+    value = model.graph.initializers.get(name)
+    if value is None:
+        value = next(
+            (
+                out
+                for node in model.graph
+                if node.op_type == "Constant"
+                for out in node.outputs
+                if out.name == name
+            ),
+            None,
+        )
+    array = constant_array(value)
+    if array is None:
+        raise QuantizationError(f"weight {name!r} is not a constant; it cannot be quantized")
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise QuantizationError(
+            f"weight {name!r} holds {bad} NaN/Inf value(s); fix the float model (or exclude "
+            "the node with nodes_to_exclude) before quantizing"
+        )
+    return array
 
 
 class _PeekableReader:

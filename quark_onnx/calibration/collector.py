@@ -39,6 +39,7 @@ import onnxruntime as ort
 
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
 from quark_onnx.errors import CalibrationError
+from quark_onnx.model_io import fits_in_protobuf, save_model
 from quark_onnx.options import ExtraOptions, closest_name
 from quark_onnx.progress import Progress
 
@@ -48,7 +49,6 @@ from .result import CalibrationResult, model_hash
 
 logger = logging.getLogger(__name__)
 
-_PROTOBUF_LIMIT = 2**31 - 1
 _FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,
     onnx.TensorProto.FLOAT16,
@@ -239,7 +239,7 @@ class Collector:
         types: dict[str, int] = {}
         model = self.model
         try:
-            if model.ByteSize() < _PROTOBUF_LIMIT:
+            if fits_in_protobuf(model):
                 model = onnx.shape_inference.infer_shapes(model)
         except Exception as exc:  # inference is a help, not a requirement
             logger.debug("shape inference failed (%s); types unknown", exc)
@@ -290,21 +290,16 @@ class Collector:
 
     def _make_session(self, proto: onnx.ModelProto) -> ort.InferenceSession:
         try:
-            if proto.ByteSize() < _PROTOBUF_LIMIT:
+            if fits_in_protobuf(proto):
                 return ort.InferenceSession(
                     proto.SerializeToString(), session_options(), providers=self.providers
                 )
             if self._tmpdir is None:
                 self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
             path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
-            onnx.save_model(
-                proto,
-                str(path),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=path.name + ".data",
-                size_threshold=1024,
-            )
+            # Above 2 GB the model cannot be passed as bytes: stream it to a private temporary
+            # folder with its weights as external data (never beside the user's model).
+            save_model(proto, path, external_data=True)
             return ort.InferenceSession(str(path), session_options(), providers=self.providers)
         except Exception as exc:
             if isinstance(exc, CalibrationError):

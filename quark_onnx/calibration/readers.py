@@ -255,7 +255,13 @@ class NpzDataReader(ArrayDataReader):
                     close = closest_name(chosen, keys)
                     hint = f"; did you mean {close!r}?" if close else ""
                     raise CalibrationError(f"{p}: no array {chosen!r}{hint} (arrays: {keys})")
-                array = loaded[chosen]
+                try:
+                    array = loaded[chosen]
+                except ValueError as exc:  # object arrays need pickle, which is never allowed
+                    raise CalibrationError(
+                        f"{p}: array {chosen!r} holds Python objects (it would need pickle, "
+                        "which quark_onnx never loads); save plain numeric arrays"
+                    ) from exc
         if limit is not None:
             array = array[:limit]
         self.path = p

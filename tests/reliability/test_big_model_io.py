@@ -51,12 +51,11 @@ def test_external_data_model_quantizes_to_external_data(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model_io, "_PROTOBUF_LIMIT", 2048)  # "above 2 GB" from 2 kB on
     monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)  # int8 weights are small
-    monkeypatch.setattr(collector, "_PROTOBUF_LIMIT", 2048)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the collector's copy goes
     made: list[str] = []
-    real_save = onnx.save_model
+    real_save = collector.save_model
     monkeypatch.setattr(
-        collector.onnx, "save_model", lambda m, p, **kw: (made.append(p), real_save(m, p, **kw))
+        collector, "save_model", lambda m, p, **kw: (made.append(str(p)), real_save(m, p, **kw))
     )
 
     out = outdir / "m.quant.onnx"

@@ -142,9 +142,6 @@ def test_npz_calibration_data_is_never_unpickled(tmp_path):
             pass
 
 
-@pytest.mark.xfail(
-    strict=True, reason="NpzDataReader lets numpy's ValueError escape (readers change requested)"
-)
 def test_pickled_npz_is_a_calibration_error(tmp_path):
     from fuzz_models import conv_chain, quantizer
 
