@@ -180,7 +180,9 @@ def _check_shapes(model: onnx.ModelProto, source: str) -> None:
     """
     try:
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    except onnx.shape_inference.InferenceError as exc:
+    # InferenceError for inconsistent shapes; ValueError for values the checker lets through but
+    # inference cannot represent (e.g. a tensor data type code of 127 in a Constant).
+    except (onnx.shape_inference.InferenceError, ValueError) as exc:
         raise ModelLoadError(
             f"{source}: fails ONNX shape inference: {_one_line(exc)}; fix the node's attributes "
             "or input shapes, or re-export the model"
