@@ -19,7 +19,8 @@ ImageNet models calibrate on the 100 images of ``data/imagenet/calib`` and are s
 of ``data/imagenet/val`` (labels from its ``labels.txt``; '#' lines are comments). The decoded,
 pre-processed arrays are cached under ``benchmarks/.work/accuracy/`` (never in the repository).
 
-Each variant starts from the XINT8 preset and switches techniques on: ``base`` (none), ``cle``
+Each variant starts from the XINT8 preset with every technique off and switches some on:
+``base`` (none), ``cle``
 (``include_cle``), ``bc`` (``include_bias_correction``), ``adaround`` (``include_fast_ft``), and
 combinations joined with ``+``. For each the benchmark prints top-1, the drop from float in points,
 the time of each accuracy stage (``report.timings``), the total quantization time and whether the
@@ -137,6 +138,8 @@ def run_variant(model: str, variant: str, cx: np.ndarray, tx: np.ndarray, ty: np
     from quark_onnx import Config, ModelQuantizer, get_default_config
 
     qc = get_default_config("XINT8")
+    for field in TECHNIQUES.values():  # a variant names exactly the techniques that are on
+        setattr(qc, field, False)
     techniques = [] if variant == "base" else variant.split("+")
     for t in techniques:
         if t not in TECHNIQUES:

@@ -111,6 +111,24 @@ def _shift(layer: Layer, yf: Sequence[np.ndarray], yq: Sequence[np.ndarray]) -> 
     return num / np.maximum(den, 1)
 
 
+def _held_out_shift(layer: Layer, yf: Sequence[np.ndarray], yq: Sequence[np.ndarray]) -> np.ndarray:
+    """The per-channel shift over all samples, kept only for channels where it generalises.
+
+    The shift is estimated on the first half of the samples and checked on the second half: a
+    channel is corrected only when subtracting the first half's estimate brings the second half's
+    mean error closer to zero. A mean shift that is noise (it differs between halves more than it
+    is large) is left alone, so the correction cannot add error on data it has not seen. With
+    fewer than four samples there is nothing to hold out and every channel is corrected.
+    """
+    delta = _shift(layer, yf, yq)
+    half = len(yq) // 2
+    if half < 2:
+        return delta
+    fit = _shift(layer, yf[:half], yq[:half])
+    check = _shift(layer, yf[half:], yq[half:])
+    return np.where(np.abs(check - fit) < np.abs(check), delta, 0.0)
+
+
 def _bias_step(layer: Layer) -> np.ndarray:
     assert layer.bias_position is not None
     return np.float64(math.ldexp(1.0, -layer.bias_position))
@@ -156,7 +174,7 @@ def correct_bias(
                 continue
             (yq,) = quant.get([layer.output])
             (yf,) = flt.get([layer.float_output])
-            delta = _shift(layer, yf, yq)
+            delta = _held_out_shift(layer, yf, yq)
             codes = layer.bias_codes
             assert codes is not None
             if delta.shape != codes.shape:
