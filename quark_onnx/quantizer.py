@@ -343,8 +343,12 @@ def _make_reader(
         reader = NpzDataReader(npz_path)
     elif isinstance(reader, dict):
         reader = ArrayDataReader(reader)
+    if reader is None and options.UseRandomData:
+        from quark_onnx.calibration import reader_for
+
+        reader = reader_for(model, None, options)  # kept samples then serve bias correction too
     if reader is None:
-        return None  # random data (UseRandomData) or a saved calibration result
+        return None  # a saved calibration result
     if not callable(getattr(reader, "get_next", None)):
         raise ConfigError(
             f"calibration_data_reader must have get_next() (onnxruntime's "

@@ -124,3 +124,24 @@ def test_model_without_quantizable_op_is_an_error_and_writes_nothing(tmp_path):
             str(src), str(tmp_path / "out.onnx"), ArrayDataReader({"x": np.ones((2, 1, 4), "f")})
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "shufflenet", "squeezenet", "inception_v1"])
+def test_zoo_light_models_quantize_ready(name, tmp_path):
+    from test_pipeline import _zoo_with_random_weights
+
+    src = tmp_path / f"{name}.onnx"
+    proto = _zoo_with_random_weights(name)
+    del proto.graph.output[1:]  # the helper exposes the Softmax input for its own comparison
+    src.write_bytes(proto.SerializeToString())
+    qc = get_default_config("XINT8")
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=4)
+    out = tmp_path / f"{name}.xint8.onnx"
+    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(str(src), str(out))
+    verdict = check(str(out))
+    # ready: every finding left is an op that runs on the CPU, named with its node
+    assert verdict.ready, verdict.summary()
+    for finding in verdict.warnings:
+        assert finding.rule == "unsupported_op" and finding.node
