@@ -27,6 +27,7 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
+
 from quark_onnx.passes._graph import constant_array
 from quark_onnx.passes.base import QuarkPass
 
@@ -93,6 +94,27 @@ def remove_if_unused(graph: ir.Graph, value: ir.Value) -> None:
         graph.initializers.pop(value.name)
 
 
+def float_clips(model: ir.Model) -> list[tuple[ir.Node, object, object]]:
+    """Every standard-domain Clip on a float tensor, with its bounds (see :func:`clip_bounds`)."""
+    found = []
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if node.op_type != "Clip" or node.domain != "":
+            continue
+        if not node.inputs or node.inputs[0] is None or not is_float_tensor(node.inputs[0]):
+            continue
+        found.append((node, *clip_bounds(node)))
+    return found
+
+
+def replace_by_relu(node: ir.Node) -> None:
+    """Turn the Clip ``node`` into a Relu in place and drop bound constants nothing else reads."""
+    graph = node.graph
+    dropped = make_relu_in_place(node)
+    if graph is not None:
+        for value in dropped:
+            remove_if_unused(graph, value)
+
+
 class ConvertClipToRelu(QuarkPass):
     """Replace ``Clip(x, 0, hi)`` by ``Relu(x)`` and record ``hi`` as the output's range cap."""
 
@@ -100,26 +122,17 @@ class ConvertClipToRelu(QuarkPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0
-        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
-            if node.op_type != "Clip" or node.domain != "":
-                continue
-            if not node.inputs or node.inputs[0] is None or not is_float_tensor(node.inputs[0]):
-                continue
-            lo, hi = clip_bounds(node)
+        for node, lo, hi in float_clips(model):
             if lo is NOT_CONSTANT or hi is NOT_CONSTANT or lo is None or lo != 0.0:
                 continue
             if hi is not None and hi < 0.0:
                 continue
-            graph = node.graph
-            dropped = make_relu_in_place(node)
+            replace_by_relu(node)
             if hi is not None and hi < _FLOAT32_MAX:
                 out = node.outputs[0]
                 previous = out.metadata_props.get(RANGE_MAX_KEY)
                 cap = hi if previous is None else min(hi, float(previous))
                 out.metadata_props[RANGE_MAX_KEY] = repr(float(cap))
-            if graph is not None:
-                for value in dropped:
-                    remove_if_unused(graph, value)
             logger.debug("Clip %s (0, %s) -> Relu", node.name, hi)
             count += 1
         if count:

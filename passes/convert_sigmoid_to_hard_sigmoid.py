@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
+
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -18,13 +18,9 @@ from __future__ import annotations
 import logging
 
 import onnx_ir as ir
+
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.convert_clip_to_relu import (
-    clip_bounds,
-    is_float_tensor,
-    make_relu_in_place,
-    remove_if_unused,
-)
+from quark_onnx.passes.convert_clip_to_relu import float_clips, replace_by_relu
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +32,10 @@ class ReplaceClip6Relu(QuarkPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0
-        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
-            if node.op_type != "Clip" or node.domain != "":
-                continue
-            if not node.inputs or node.inputs[0] is None or not is_float_tensor(node.inputs[0]):
-                continue
-            lo, hi = clip_bounds(node)
+        for node, lo, hi in float_clips(model):
             if lo != 0.0 or hi != 6.0:  # also rejects None and the NOT_CONSTANT sentinel
                 continue
-            graph = node.graph
-            dropped = make_relu_in_place(node)
-            if graph is not None:
-                for value in dropped:
-                    remove_if_unused(graph, value)
+            replace_by_relu(node)
             logger.debug("Clip %s (0, 6) -> Relu", node.name)
             count += 1
         if count:

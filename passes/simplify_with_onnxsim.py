@@ -21,6 +21,7 @@ import logging
 
 import onnx
 import onnx_ir as ir
+
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import ConvertClipToRelu
 from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 

@@ -9,6 +9,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import ConvertReduceMeanToGlobalAvgPool
 
 RNG = np.random.default_rng(1)

@@ -8,6 +8,7 @@ import onnx_ir as ir
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import ConvertSigmoidToHardSigmoid
 
 X = np.linspace(-8, 8, 4001, dtype=np.float32).reshape(1, 4001)

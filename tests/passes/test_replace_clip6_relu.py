@@ -9,6 +9,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import ReplaceClip6Relu
 
 X = np.linspace(-10, 10, 2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)

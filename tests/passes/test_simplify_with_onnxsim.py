@@ -11,6 +11,7 @@ import onnxsim
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import SimplifyWithOnnxsim
 
 

@@ -11,6 +11,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
 from quark_onnx.passes import SplitLargeKernelPool
 from quark_onnx.passes.split_large_kernel_pool import choose_split
 
