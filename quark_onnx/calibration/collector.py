@@ -109,6 +109,36 @@ def calibrate(
         collector.close()
 
 
+def _keep_only_what_feeds(graph: onnx.GraphProto, wanted: set[str]) -> None:
+    """Drop the nodes and outputs of the calibration copy that no calibrated tensor depends on.
+
+    onnxruntime then neither runs them nor needs to know them: a custom op after the quantized part
+    (or one it cannot run at all) no longer stops calibration, and nothing is computed for
+    nothing. Graphs with subgraph attributes (If/Loop/Scan) are left whole: their bodies read
+    outer values that the node's inputs do not list.
+    """
+    if any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+        for node in graph.node
+        for a in node.attribute
+    ):
+        return
+    needed = set(wanted)
+    keep = []
+    for node in reversed(graph.node):  # ONNX nodes are in topological order
+        if any(out in needed for out in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    if not keep:  # only graph inputs are wanted: onnxruntime refuses a graph without nodes
+        return
+    keep.reverse()
+    outputs = [o for o in graph.output if o.name in wanted]
+    del graph.node[:]
+    graph.node.extend(keep)
+    del graph.output[:]
+    graph.output.extend(outputs)
+
+
 class Collector:
     """The session, the observers and the streaming loop of one calibration."""
 
@@ -286,6 +316,7 @@ class Collector:
                 elem = self.types.get(src, onnx.TensorProto.FLOAT)
                 g.output.append(onnx.helper.make_tensor_value_info(src, elem, None))
             self.fetch.append(src)
+        _keep_only_what_feeds(g, set(self.fetch))
         self.session = self._make_session(graph_copy)
 
     def _make_session(self, proto: onnx.ModelProto) -> ort.InferenceSession:

@@ -134,11 +134,6 @@ def test_known_custom_domain_node_stays_float_and_is_reported(tmp_path):
     assert "QuantizeLinear" not in consumers  # left in float
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the calibration copy keeps nodes onnxruntime cannot run even when no calibrated "
-    "tensor depends on them (collector change requested)",
-)
 def test_unknown_custom_op_after_the_quantized_part(tmp_path):
     node = h.make_node("MyOp", ["y"], ["z"], domain="com.example", name="mystery")
     model = _with_tail(node, [h.make_opsetid("com.example", 1)])
