@@ -248,6 +248,7 @@ class ModelQuantizer:
             )
         positions: dict[str, int] = {}
         errors: dict[str, Any] = {}
+        constants = _constant_values(model)  # one scan; arrays are read one weight at a time
         for name, spec in plan.tensors.items():
             if spec.kind is TensorKind.ACTIVATION:
                 p = result.position(name, method=method, qtype=spec.qtype)
@@ -260,30 +261,28 @@ class ModelQuantizer:
                 if curve is not None:  # histogram methods: the solver then minimises error
                     errors[name] = curve
             elif spec.kind is TensorKind.WEIGHT:
-                w = _constant_array(model, name)
+                w = _constant_array(constants, name)
                 positions[name] = pof2.weight_position(w, method, spec.qtype)
                 errors[name] = pof2.error_function(w, spec.qtype)
             else:
-                positions[name] = pof2.bias_position(_constant_array(model, name))
+                positions[name] = pof2.bias_position(_constant_array(constants, name))
         return positions, errors
 
 
-def _constant_array(model: Any, name: str) -> np.ndarray:
+def _constant_values(model: Any) -> dict[str, Any]:
+    """Name -> value of every initializer and Constant-node output (no data is copied)."""
+    values = dict(model.graph.initializers)
+    for node in model.graph:
+        if node.op_type == "Constant":
+            values.update((out.name, out) for out in node.outputs)
+    return values
+
+
+def _constant_array(constants: dict[str, Any], name: str) -> np.ndarray:
     """The data of the planned weight or bias ``name``, refusing non-finite values."""
     from quark_onnx.passes._graph import constant_array
 
-    value = model.graph.initializers.get(name)
-    if value is None:
-        value = next(
-            (
-                out
-                for node in model.graph
-                if node.op_type == "Constant"
-                for out in node.outputs
-                if out.name == name
-            ),
-            None,
-        )
+    value = constants.get(name)
     array = constant_array(value)
     if array is None:
         raise QuantizationError(f"weight {name!r} is not a constant; it cannot be quantized")
