@@ -378,6 +378,43 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def run_tool(tool: str, description: str, prepare: Any) -> int:
+    """The measurement every ``run_*.py`` runner shares; returns the process exit code.
+
+    ``prepare(args, spec, imported)`` imports the tool, calls ``imported()`` right after its
+    imports (so import time is reported apart), builds the reader and quantizer, and returns a
+    callable that quantizes ``spec.float_path`` into ``args.out`` and may return extra result
+    fields. Only that call is timed (wall and CPU); a tool that fails is recorded with its error
+    text, never raised, so the driver can report it and go on.
+    """
+    args = runner_args(description)
+    spec = MODELS[args.model]
+    result: dict[str, Any] = {"tool": tool, "model": args.model, "ok": False}
+    try:
+        t0 = time.perf_counter()
+
+        def imported() -> None:
+            result["import_s"] = time.perf_counter() - t0
+
+        quantize = prepare(args, spec, imported)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result["rss_before_quant_mb"] = peak_rss_mb()
+        t1, c1 = time.perf_counter(), time.process_time()
+        extra = quantize()
+        if not args.out.exists():
+            raise RuntimeError(f"{tool} returned without writing {args.out}")
+        result["quant_s"] = time.perf_counter() - t1
+        result["quant_cpu_s"] = time.process_time() - c1
+        if isinstance(extra, dict):  # tools return their own objects; only dicts are results
+            result.update(extra)
+        result["vmhwm_mb"] = peak_rss_mb()
+        result["ok"] = True
+    except BaseException as exc:  # recorded, the driver reports it
+        result["error"] = error_text(exc)
+    write_result(args.result, result)
+    return 0 if result["ok"] else 1
+
+
 def write_result(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=str))

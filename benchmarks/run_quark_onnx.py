@@ -15,7 +15,6 @@ file exists; imports and reading the cached calibration arrays are outside it.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,34 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 
+def prepare(args, spec, imported):
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+
+    imported()
+    import numpy as np
+
+    reader = ArrayDataReader({spec.input_name: np.load(spec.calib_path)}, batch_size=1)
+    qc = get_default_config("XINT8")  # as shipped: bias correction on, CLE and AdaRound off
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    return lambda: quantizer.quantize_model(str(spec.float_path), str(args.out), reader)
+
+
 def main() -> int:
-    args = common.runner_args("quark_onnx (XINT8)")
-    spec = common.MODELS[args.model]
-    result: dict = {"tool": "quark_onnx", "model": args.model, "ok": False}
-    try:
-        t0 = time.perf_counter()
-        from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-
-        result["import_s"] = time.perf_counter() - t0
-        import numpy as np
-
-        reader = ArrayDataReader({spec.input_name: np.load(spec.calib_path)}, batch_size=1)
-        qc = get_default_config("XINT8")  # as shipped: bias correction on, CLE and AdaRound off
-        quantizer = ModelQuantizer(Config(global_quant_config=qc))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result["rss_before_quant_mb"] = common.peak_rss_mb()
-        t1, c1 = time.perf_counter(), time.process_time()
-        quantizer.quantize_model(str(spec.float_path), str(args.out), reader)
-        if not args.out.exists():
-            raise RuntimeError(f"quark_onnx returned without writing {args.out}")
-        result["quant_s"] = time.perf_counter() - t1
-        result["quant_cpu_s"] = time.process_time() - c1
-        result["vmhwm_mb"] = common.peak_rss_mb()
-        result["ok"] = True
-    except BaseException as exc:  # recorded, the driver reports it
-        result["error"] = common.error_text(exc)
-    common.write_result(args.result, result)
-    return 0 if result["ok"] else 1
+    return common.run_tool("quark_onnx", "quark_onnx (XINT8)", prepare)
 
 
 if __name__ == "__main__":
