@@ -1,28 +1,69 @@
-"""InsertQDQ: write the plan's quantization into the graph as QuantizeLinear/DequantizeLinear.
+"""InsertQDQ: write tensors' quantization parameters into the graph in standard ONNX ops.
 
-The form written (the one :mod:`quark_onnx.check` reads), with ``s = 2^-p`` a float32 0-d
-initializer and the zero point a 0-d initializer:
+Two calls, one writer:
 
-* activation ``T`` (graph input or node output)::
+* ``InsertQDQ(params)`` with an ordered mapping tensor name -> :class:`~quark_onnx.qparams.
+  QuantParams` writes any data type and granularity (see below);
+* ``InsertQDQ(plan, positions)`` (the XINT8 flow) converts every planned tensor to
+  ``qparams.from_position(positions[t], spec.qtype)`` (scale ``2^-p``, symmetric zero point) and
+  writes those; its output is byte-identical to what the power-of-two-only writer produced.
+
+The arithmetic written is ONNX ``QuantizeLinear``/``DequantizeLinear`` (:mod:`quark_onnx.qparams`
+is its numpy reference)::
+
+    integer:  q = saturate(round_half_even(x / scale) + zero_point)
+    float8:   q = float8_e4m3fn(clip(x / scale, -448, 448))
+    x' = (q - zero_point) * scale
+
+The forms written, for a tensor ``T`` (names are made unique by one
+:class:`~quark_onnx.passes._graph.NameGenerator`; a suffix ``_1``, ``_2`` ... on a clash):
+
+* activation (graph input or node output), static::
 
       T -> QuantizeLinear(T, T_scale, T_zero_point) -> T_QuantizeLinear_Output
         -> DequantizeLinear(..., T_scale, T_zero_point) -> T_DequantizeLinear_Output -> consumers
 
-  int8 zero point 0, or uint8 zero point 128 for ``QuantType.QUInt8`` (same representable values).
-  When ``T`` is a graph output its producer now writes ``T_QuantizeLinear_Input`` and the
-  DequantizeLinear writes ``T``, so output names do not change.
-* weight ``W`` (constant): ``W_quantized = clip(round_half_even(W / s), -128, 127)`` as an int8
-  initializer -> ``DequantizeLinear(W_quantized, W_scale, W_zero_point)`` ->
-  ``W_DequantizeLinear_Output``. No QuantizeLinear. The float initializer is removed when unused.
-* bias: int8 with its own position, or int32 at ``s_in * s_w`` (position ``p_in + p_w``, as the
-  solver sets it with ``Int32Bias``), same pattern as a weight.
-* fused intermediates (Conv -> Relu with a RemoveQDQ* option, pool -> DPU Mul) are not in the plan
-  and get nothing.
+  ``axis``/``block_size`` become attributes of both nodes (per channel: scale of shape ``(C,)``;
+  per group: the block shape, opset 21). When ``T`` is a graph output its producer now writes
+  ``T_QuantizeLinear_Input`` and the DequantizeLinear writes ``T``, so output names do not change
+  (the same renaming, with ``T_Cast_Input``, for a Cast pair).
+* constant (initializer or ``Constant`` output) ``W``: its codes -- ``params.codes`` when given,
+  else ``qparams.quantize(W)`` -- as the initializer ``W_quantized`` ->
+  ``DequantizeLinear(W_quantized, W_scale, W_zero_point)`` -> ``W_DequantizeLinear_Output``. No
+  QuantizeLinear. The float constant is removed when nothing else reads it.
+* float16/bfloat16 (``qparams.CAST_TYPES``, no scale): an activation goes through
+  ``T -> Cast(to=type) -> T_Cast_Output -> Cast(to=float) -> T_CastFloat_Output``; a constant is
+  stored in the type as ``W_quantized`` -> ``Cast(to=float)`` -> ``W_CastFloat_Output``.
+* dynamic activation (``params.dynamic``; the scale is computed at run time from ``T``, equal to
+  :func:`quark_onnx.qparams.dynamic_params` on the same values):
 
-Names are made unique with one :class:`~quark_onnx.passes._graph.NameGenerator`; tensors are
-processed in plan order and every pair is placed right after its producer (weights: right before
-their first consumer), so the output is byte-identical for the same input. The value index is
-built once, so the pass costs O(number of Q/DQ pairs + nodes).
+  - uint8 asymmetric: ``DynamicQuantizeLinear(T) -> (T_QuantizeLinear_Output, T_scale,
+    T_zero_point) -> DequantizeLinear``. ONNX defines ``scale = (max(0, max T) - min(0, min T)) /
+    255`` and ``zero_point = saturate(round(-min(0, min T) / scale))``.
+  - symmetric integer types: ``T_amax = ReduceMax(Abs(T))`` (all axes, keepdims 0),
+    ``T_scale = Where(Greater(T_amax, 0), Div(T_amax, qmax), 1)`` (an all-zero input gets scale
+    1), then ``QuantizeLinear/DequantizeLinear`` with that runtime scale and the constant zero
+    point (0 for signed types, ``2^(bits-1)`` for unsigned). ``max|T|`` and one float32 division
+    are exact IEEE operations, so the runtime scale equals the numpy reference bit for bit.
+
+  A dynamic constant is simply quantized ahead of time with ``dynamic_params`` of its values.
+
+Opset. Each written node needs a default-domain opset: QuantizeLinear/DequantizeLinear 10 (13
+with ``axis``), DynamicQuantizeLinear 11, Cast to bfloat16 13, float8 e4m3fn 19, int16/uint16/
+int4/uint4 and ``block_size`` 21. When the model's opset is lower than the highest need, the whole
+model is first converted with ``onnx.version_converter`` (its adapters rewrite the nodes whose
+schema changed, e.g. ``Reduce*`` axes becoming an input at 18) and checked with
+``onnx.checker``; the model's graph is replaced by the converted one (value objects held from
+before the pass are stale). If conversion fails, :class:`~quark_onnx.errors.PassError` names the
+tensor, its type and the opset it needs. The IR version is raised to what the opset and types
+need (float8: 9, int4: 10), never lowered; nothing changes when no need exceeds the model's.
+
+Every parameter set is checked with ``QuantParams.validate(shape, name)`` before anything is
+written; a name not in the graph, codes on an activation, codes of the wrong type or shape, an
+int32 activation or an asymmetric dynamic type other than uint8 are a ``PassError`` naming the
+tensor. Tensors are processed in the mapping's order and every pair is placed right after its
+producer (constants: right before their first consumer), so the output is byte-identical for the
+same input. The value index is built once: the pass costs O(number of tensors + nodes).
 """
 
 from __future__ import annotations
@@ -31,111 +72,312 @@ import logging
 from collections.abc import Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
-from quark_onnx import pof2
+from quark_onnx import qparams
 from quark_onnx.enums import QuantType
-from quark_onnx.errors import PassError
+from quark_onnx.errors import PassError, QuantizationError
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.plan import QuantPlan, TensorKind, TensorSpec
+from quark_onnx.plan import QuantPlan, TensorKind
+from quark_onnx.qparams import QuantParams
 
 logger = logging.getLogger(__name__)
 
+_OPSET_21_TYPES = frozenset(
+    {QuantType.QInt16, QuantType.QUInt16, QuantType.QInt4, QuantType.QUInt4}
+)
+_IR_FOR_TYPE = {QuantType.QFLOAT8E4M3FN: 9, QuantType.QInt4: 10, QuantType.QUInt4: 10}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+def required_opset(params: QuantParams) -> int:
+    """The lowest default-domain opset in which the nodes written for ``params`` exist."""
+    qtype = params.qtype
+    need = 10
+    if params.axis is not None:
+        need = 13
+    if params.is_cast:
+        need = 13 if qtype is QuantType.QBFloat16 else need
+    elif params.dynamic and not params.symmetric:
+        need = max(need, 11)
+    if qtype is QuantType.QFLOAT8E4M3FN:
+        need = max(need, 19)
+    if qtype in _OPSET_21_TYPES or params.block_size is not None:
+        need = max(need, 21)
+    return need
+
+
+def params_from_positions(plan: QuantPlan, positions: Mapping[str, int]) -> dict[str, QuantParams]:
+    """The power-of-two parameters of every planned tensor, in plan order (XINT8).
+
+    Raises:
+        PassError: a planned tensor has no position, or is planned with a float scale.
+    """
+    missing = [n for n in plan.tensors if n not in positions]
+    if missing:
+        raise PassError(
+            f"InsertQDQ: no position for {len(missing)} planned tensor(s) "
+            f"({', '.join(missing[:5])}); pass the solver's positions for every tensor"
+        )
+    for name, spec in plan.tensors.items():
+        if not spec.power_of_two:
+            raise PassError(
+                f"InsertQDQ: tensor {name} is planned with a float scale; pass its QuantParams "
+                "(InsertQDQ(params)) instead of a position"
+            )
+    return {
+        name: qparams.from_position(positions[name], spec.qtype)
+        for name, spec in plan.tensors.items()
+    }
+
 
 class InsertQDQ(QuarkPass):
-    """Insert Q/DQ pairs, quantized weights and biases for ``plan`` at ``positions``.
+    """Write quantization parameters into the graph (see the module docstring for the forms).
 
     Args:
-        plan: from :func:`quark_onnx.plan.build_plan` on this model.
-        positions: tensor -> power-of-two position (``SolveResult.positions``), one per planned
-            tensor.
+        params: tensor name -> :class:`~quark_onnx.qparams.QuantParams`, written in this order;
+            or, for the XINT8 flow, a :class:`~quark_onnx.plan.QuantPlan` from
+            :func:`quark_onnx.plan.build_plan` on this model, with ``positions``.
+        positions: with a plan: tensor -> power-of-two position (``SolveResult.positions``), one
+            per planned tensor.
     """
 
     changes_numerics = True
 
-    def __init__(self, plan: QuantPlan, positions: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, QuantParams] | QuantPlan,
+        positions: Mapping[str, int] | None = None,
+    ) -> None:
         super().__init__()
-        self.plan = plan
-        self.positions = dict(positions)
+        #: with a plan: tensor -> "is a weight/bias" (the plan decides); else found in the graph
+        self._plan_constants: dict[str, bool] | None = None
+        if isinstance(params, QuantPlan):
+            if positions is None:
+                raise TypeError("InsertQDQ(plan, positions): the positions are required")
+            self.params = params_from_positions(params, positions)
+            self._plan_constants = {
+                n: s.kind is not TensorKind.ACTIVATION for n, s in params.tensors.items()
+            }
+        else:
+            if positions is not None:
+                raise TypeError("InsertQDQ(params): positions are only taken with a QuantPlan")
+            self.params = dict(params)
+
+    # -- the pass -------------------------------------------------------------------------------
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        missing = [n for n in self.plan.tensors if n not in self.positions]
-        if missing:
-            raise PassError(
-                f"InsertQDQ: no position for {len(missing)} planned tensor(s) "
-                f"({', '.join(missing[:5])}); pass the solver's positions for every tensor"
-            )
-        for name, spec in self.plan.tensors.items():
-            if not spec.power_of_two:
-                raise PassError(
-                    f"InsertQDQ: tensor {name} is planned with a float scale; this pass writes "
-                    "power-of-two (XINT8) scales only"
-                )
-        values: dict[str, ir.Value] = {}
-        for v in graph.inputs:
-            values[v.name or ""] = v
-        for name, v in graph.initializers.items():
-            values.setdefault(name, v)
-        order: dict[int, int] = {}
-        for i, node in enumerate(graph):
-            order[id(node)] = i
-            for out in node.outputs:
-                if out.name:
-                    values[out.name] = out
-        self._names = NameGenerator(graph)
-        self._first = next(iter(graph), None)
-        self._order = order
-        modified = False
-        for name, spec in self.plan.tensors.items():
+        if not self.params:
+            return ir.passes.PassResult(model, False)
+        values = _value_index(model.graph)
+        entries: list[tuple[str, ir.Value, QuantParams, bool]] = []
+        for name, params in self.params.items():
             value = values.get(name)
             if value is None:
                 raise PassError(
-                    f"InsertQDQ: planned tensor {name} is not in graph {graph.name!r}; build the "
-                    "plan on the same model"
+                    f"InsertQDQ: tensor {name} is not in graph {model.graph.name!r}; "
+                    "the parameters must be computed for this model"
                 )
-            p = self.positions[name]
-            if spec.kind is TensorKind.ACTIVATION:
-                self._activation(graph, value, spec, p)
+            is_constant = self._is_constant(value)
+            self._validate(name, value, params, is_constant)
+            entries.append((name, value, params, is_constant))
+
+        if self._raise_opset(model, entries):
+            values = _value_index(model.graph)
+            entries = [(n, values[n], p, c) for n, _, p, c in entries]
+        self._raise_ir_version(model, entries)
+
+        graph = model.graph
+        self._names = NameGenerator(graph)
+        self._first = next(iter(graph), None)
+        self._order = {id(node): i for i, node in enumerate(graph)}
+        for _name, value, params, is_constant in entries:
+            if is_constant:
+                if params.dynamic:
+                    params = _static_dynamic(constant_array(value), params)
+                self._constant(graph, value, params)
+            elif params.is_cast:
+                self._cast_activation(graph, value, params)
+            elif params.dynamic:
+                self._dynamic_activation(graph, value, params)
             else:
-                self._constant(graph, value, spec, p)
-            modified = True
-        logger.info("InsertQDQ: %d tensor(s) quantized", len(self.plan.tensors))
-        return ir.passes.PassResult(model, modified)
+                self._activation(graph, value, params)
+        logger.info("InsertQDQ: %d tensor(s) quantized", len(entries))
+        return ir.passes.PassResult(model, True)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _is_constant(self, value: ir.Value) -> bool:
+        name = value.name or ""
+        if self._plan_constants is not None:
+            if not self._plan_constants[name]:
+                return False
+            if constant_array(value) is None:
+                raise PassError(f"InsertQDQ: weight/bias {name} is not a constant")
+            return True
+        if value.is_graph_input():
+            return False  # an initializer that is also a graph input can be fed at run time
+        return constant_array(value) is not None
+
+    def _validate(self, name: str, value: ir.Value, params: QuantParams, is_constant: bool) -> None:
+        qtype = params.qtype
+        if value.dtype is not None and value.dtype != ir.DataType.FLOAT:
+            raise PassError(
+                f"InsertQDQ: tensor {name} is {value.dtype.name}; only float32 tensors are "
+                "quantized (convert the model to float32 first)"
+            )
+        if is_constant:
+            array = constant_array(value)
+            shape = tuple(array.shape) if array is not None else None
+        else:
+            shape = _static_shape(value)
+            if params.codes is not None:
+                raise PassError(
+                    f"InsertQDQ: activation {name} carries codes; only constants have codes"
+                )
+            if qtype is QuantType.QInt32:
+                raise PassError(
+                    f"InsertQDQ: activation {name}: QuantizeLinear has no int32 output; use "
+                    "int32 for biases (constants) only"
+                )
+            if params.dynamic and not params.is_cast:
+                if not qtype.is_integer:
+                    raise PassError(
+                        f"InsertQDQ: dynamic activation {name}: {qtype.name} has no run-time "
+                        "scale rule; dynamic quantization takes integer types"
+                    )
+                if not params.symmetric and qtype is not QuantType.QUInt8:
+                    raise PassError(
+                        f"InsertQDQ: dynamic activation {name}: asymmetric dynamic quantization "
+                        f"is uint8 (DynamicQuantizeLinear), not {qtype.name}"
+                    )
+        try:
+            params.validate(shape, name)
+        except QuantizationError as error:
+            raise PassError(f"InsertQDQ: {error}") from error
+        if params.codes is not None:
+            expected = qparams.numpy_dtype(qtype)
+            if params.codes.dtype != expected:
+                raise PassError(
+                    f"InsertQDQ: constant {name}: codes dtype {params.codes.dtype} is not "
+                    f"{expected} ({qtype.name})"
+                )
+            if shape is not None and tuple(params.codes.shape) != shape:
+                raise PassError(
+                    f"InsertQDQ: constant {name}: codes shape {tuple(params.codes.shape)} != "
+                    f"tensor shape {shape}"
+                )
+
+    # -- opset and IR version ---------------------------------------------------------------------
+
+    def _raise_opset(
+        self, model: ir.Model, entries: list[tuple[str, ir.Value, QuantParams, bool]]
+    ) -> bool:
+        """Convert the model to the opset the written nodes need; True when it was converted."""
+        current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        needs = [(required_opset(p), n, p) for n, _, p, _ in entries]
+        need, tensor, params = max(needs, key=lambda t: t[0])
+        if current is None:
+            model.opset_imports[""] = need
+            return False
+        if current >= need:
+            return False
+        logger.info(
+            "InsertQDQ: converting the model from opset %d to %d (tensor %s is %s)",
+            current,
+            need,
+            tensor,
+            params.qtype.name,
+        )
+        try:
+            proto = ir.serde.serialize_model(model)
+            converted = onnx.version_converter.convert_version(proto, need)
+            converted.ir_version = max(converted.ir_version, _min_ir_version(need))
+            onnx.checker.check_model(converted)
+            new = ir.serde.deserialize_model(converted)
+        except Exception as error:  # the converter raises plain RuntimeError/ValidationError
+            raise PassError(
+                f"InsertQDQ: tensor {tensor} ({params.qtype.name}, {params.granularity}) needs "
+                f"opset {need}, but the model (opset {current}) could not be converted: {error}. "
+                "Upgrade the model's opset first, or choose a type the opset supports"
+            ) from error
+        model.graph = new.graph
+        model.ir_version = new.ir_version
+        model.functions.clear()
+        model.functions.update(new.functions)
+        return True
+
+    def _raise_ir_version(
+        self, model: ir.Model, entries: list[tuple[str, ir.Value, QuantParams, bool]]
+    ) -> None:
+        need = max((_IR_FOR_TYPE.get(p.qtype, 0) for _, _, p, _ in entries), default=0)
+        if need > model.ir_version:
+            model.ir_version = need
+
+    # -- writers --------------------------------------------------------------------------------
 
     def _parameters(
-        self, graph: ir.Graph, base: str, p: int, qtype: QuantType
+        self, graph: ir.Graph, base: str, params: QuantParams
     ) -> tuple[ir.Value, ir.Value]:
-        scale = add_initializer(graph, self._names(f"{base}_scale"), np.array(pof2.scale_of(p)))
-        zero = np.array(pof2.zero_point(qtype), dtype=pof2.numpy_dtype(qtype))
-        zero_point = add_initializer(graph, self._names(f"{base}_zero_point"), zero)
+        assert params.scale is not None and params.zero_point is not None
+        scale = add_initializer(
+            graph, self._names(f"{base}_scale"), np.asarray(params.scale, dtype=np.float32)
+        )
+        zero_point = add_initializer(
+            graph, self._names(f"{base}_zero_point"), np.asarray(params.zero_point)
+        )
         return scale, zero_point
 
-    def _activation(self, graph: ir.Graph, value: ir.Value, spec: TensorSpec, p: int) -> None:
+    def _output_value(self, value: ir.Value, suffix: str, input_suffix: str) -> ir.Value:
+        """The value that replaces ``value`` for its consumers (and keeps a graph output's name).
+
+        Must be called before the intermediate names are drawn (the legacy naming order).
+        """
         name = value.name or ""
-        scale, zero_point = self._parameters(graph, name, p, spec.qtype)
-        as_output = value.is_graph_output() and not value.is_graph_input()
         if value.is_graph_output() and value.is_graph_input():
             logger.warning(
                 "tensor %s is both a graph input and output; the output stays float", name
             )
-        if as_output:
-            value.name = self._names(f"{name}_QuantizeLinear_Input")
-            dq_out = ir.Value(name=name, shape=value.shape, type=value.type)
+        if value.is_graph_output() and not value.is_graph_input():
+            value.name = self._names(f"{name}_{input_suffix}")
+            return ir.Value(name=name, shape=value.shape, type=value.type)
+        return ir.Value(name=self._names(f"{name}_{suffix}"), shape=value.shape, type=value.type)
+
+    def _rewire(self, value: ir.Value, out: ir.Value) -> None:
+        as_output = value.is_graph_output() and not value.is_graph_input()
+        value.replace_all_uses_with(out, replace_graph_outputs=as_output)
+
+    def _place_after(self, graph: ir.Graph, value: ir.Value, nodes: list[ir.Node]) -> None:
+        producer = value.producer()
+        if producer is not None and producer.graph is graph:
+            graph.insert_after(producer, nodes)
+        elif self._first is not None:
+            graph.insert_before(self._first, nodes)
         else:
-            dq_name = self._names(f"{name}_DequantizeLinear_Output")
-            dq_out = ir.Value(name=dq_name, shape=value.shape, type=value.type)
-        value.replace_all_uses_with(dq_out, replace_graph_outputs=as_output)
+            graph.extend(nodes)
+
+    def _qdq_nodes(
+        self,
+        value: ir.Value,
+        name: str,
+        params: QuantParams,
+        scale: ir.Value,
+        zero_point: ir.Value,
+        dq_out: ir.Value,
+    ) -> list[ir.Node]:
         q_out = ir.Value(
             name=self._names(f"{name}_QuantizeLinear_Output"),
             shape=value.shape,
-            type=ir.TensorType(ir.DataType.from_numpy(pof2.numpy_dtype(spec.qtype))),
+            type=ir.TensorType(_ir_dtype(params.qtype)),
         )
+        attrs = _granularity_attributes(params)
         q = ir.Node(
             "",
             "QuantizeLinear",
             [value, scale, zero_point],
+            attributes=attrs,
             outputs=[q_out],
             name=self._names(f"{name}_QuantizeLinear"),
         )
@@ -143,50 +385,161 @@ class InsertQDQ(QuarkPass):
             "",
             "DequantizeLinear",
             [q_out, scale, zero_point],
+            attributes=_granularity_attributes(params),
             outputs=[dq_out],
             name=self._names(f"{name}_DequantizeLinear"),
         )
-        producer = value.producer()
-        if producer is not None and producer.graph is graph:
-            graph.insert_after(producer, [q, dq])
-        elif self._first is not None:
-            graph.insert_before(self._first, [q, dq])
-        else:
-            graph.extend([q, dq])
+        return [q, dq]
 
-    def _constant(self, graph: ir.Graph, value: ir.Value, spec: TensorSpec, p: int) -> None:
+    def _activation(self, graph: ir.Graph, value: ir.Value, params: QuantParams) -> None:
+        name = value.name or ""
+        scale, zero_point = self._parameters(graph, name, params)
+        dq_out = self._output_value(value, "DequantizeLinear_Output", "QuantizeLinear_Input")
+        self._rewire(value, dq_out)
+        nodes = self._qdq_nodes(value, name, params, scale, zero_point, dq_out)
+        self._place_after(graph, value, nodes)
+
+    def _dynamic_activation(self, graph: ir.Graph, value: ir.Value, params: QuantParams) -> None:
+        name = value.name or ""
+        qtype = params.qtype
+        dq_out = self._output_value(value, "DequantizeLinear_Output", "QuantizeLinear_Input")
+        self._rewire(value, dq_out)
+        scalar = ir.Shape([])
+        f32 = ir.TensorType(ir.DataType.FLOAT)
+        if not params.symmetric:  # uint8: DynamicQuantizeLinear
+            q_out = ir.Value(
+                name=self._names(f"{name}_QuantizeLinear_Output"),
+                shape=value.shape,
+                type=ir.TensorType(ir.DataType.UINT8),
+            )
+            scale = ir.Value(name=self._names(f"{name}_scale"), shape=scalar, type=f32)
+            zero_point = ir.Value(
+                name=self._names(f"{name}_zero_point"),
+                shape=scalar,
+                type=ir.TensorType(ir.DataType.UINT8),
+            )
+            dyn = ir.Node(
+                "",
+                "DynamicQuantizeLinear",
+                [value],
+                outputs=[q_out, scale, zero_point],
+                name=self._names(f"{name}_DynamicQuantizeLinear"),
+            )
+            dq = ir.Node(
+                "",
+                "DequantizeLinear",
+                [q_out, scale, zero_point],
+                outputs=[dq_out],
+                name=self._names(f"{name}_DequantizeLinear"),
+            )
+            self._place_after(graph, value, [dyn, dq])
+            return
+        qmax = add_initializer(
+            graph, self._names(f"{name}_qmax"), np.array(qtype.qmax, dtype=np.float32)
+        )
+        zero = add_initializer(graph, self._names(f"{name}_zero"), np.array(0, dtype=np.float32))
+        one = add_initializer(graph, self._names(f"{name}_one"), np.array(1, dtype=np.float32))
+        zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+        zero_point = add_initializer(
+            graph,
+            self._names(f"{name}_zero_point"),
+            np.array(zero_code, dtype=qparams.numpy_dtype(qtype)),
+        )
+
+        def step(
+            op: str,
+            inputs: list[ir.Value],
+            out: str,
+            dtype: ir.DataType = ir.DataType.FLOAT,
+            shape: ir.Shape = scalar,
+            **attrs: int,
+        ) -> tuple[ir.Node, ir.Value]:
+            result = ir.Value(name=self._names(out), shape=shape, type=ir.TensorType(dtype))
+            node = ir.node(
+                op, inputs, attrs or None, outputs=[result], name=self._names(f"{name}_{op}")
+            )
+            return node, result
+
+        abs_node, abs_out = step("Abs", [value], f"{name}_abs", shape=value.shape)
+        max_node, amax = step("ReduceMax", [abs_out], f"{name}_amax", keepdims=0)
+        div_node, ratio = step("Div", [amax, qmax], f"{name}_amax_over_qmax")
+        gt_node, positive = step("Greater", [amax, zero], f"{name}_amax_positive", ir.DataType.BOOL)
+        where_node, scale = step("Where", [positive, ratio, one], f"{name}_scale")
+        nodes = [abs_node, max_node, div_node, gt_node, where_node]
+        nodes += self._qdq_nodes(value, name, params, scale, zero_point, dq_out)
+        self._place_after(graph, value, nodes)
+
+    def _cast_activation(self, graph: ir.Graph, value: ir.Value, params: QuantParams) -> None:
+        name = value.name or ""
+        out = self._output_value(value, "CastFloat_Output", "Cast_Input")
+        self._rewire(value, out)
+        low = _ir_dtype(params.qtype)
+        cast_out = ir.Value(
+            name=self._names(f"{name}_Cast_Output"), shape=value.shape, type=ir.TensorType(low)
+        )
+        cast = ir.node(
+            "Cast", [value], {"to": low}, outputs=[cast_out], name=self._names(f"{name}_Cast")
+        )
+        back = ir.node(
+            "Cast",
+            [cast_out],
+            {"to": ir.DataType.FLOAT},
+            outputs=[out],
+            name=self._names(f"{name}_CastFloat"),
+        )
+        self._place_after(graph, value, [cast, back])
+
+    def _constant(self, graph: ir.Graph, value: ir.Value, params: QuantParams) -> None:
         name = value.name or ""
         array = constant_array(value)
-        if array is None:
-            raise PassError(f"InsertQDQ: {spec.kind.value} {name} is not a constant")
-        codes = pof2.quantize(array.astype(np.float32), p, spec.qtype)
+        assert array is not None  # checked by _is_constant
+        codes = params.codes if params.codes is not None else _codes(array, params)
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
-        scale, zero_point = self._parameters(graph, name, p, spec.qtype)
-        saturated = int(np.count_nonzero((codes == spec.qtype.qmin) | (codes == spec.qtype.qmax)))
-        if saturated and spec.kind is TensorKind.BIAS:
-            logger.info("bias %s: %d value(s) saturate at position %d", name, saturated, p)
-        dq_out = ir.Value(
-            name=self._names(f"{name}_DequantizeLinear_Output"),
-            shape=ir.Shape(array.shape),
-            type=ir.TensorType(ir.DataType.FLOAT),
-        )
+        if params.is_cast:
+            out = ir.Value(
+                name=self._names(f"{name}_CastFloat_Output"),
+                shape=ir.Shape(array.shape),
+                type=ir.TensorType(ir.DataType.FLOAT),
+            )
+            node = ir.node(
+                "Cast",
+                [quantized],
+                {"to": ir.DataType.FLOAT},
+                outputs=[out],
+                name=self._names(f"{name}_CastFloat"),
+            )
+        else:
+            scale, zero_point = self._parameters(graph, name, params)
+            saturated = int(
+                np.count_nonzero((codes == params.qtype.qmin) | (codes == params.qtype.qmax))
+                if params.qtype.is_integer
+                else 0
+            )
+            if saturated:
+                logger.debug("constant %s: %d code(s) at the type's limits", name, saturated)
+            out = ir.Value(
+                name=self._names(f"{name}_DequantizeLinear_Output"),
+                shape=ir.Shape(array.shape),
+                type=ir.TensorType(ir.DataType.FLOAT),
+            )
+            node = ir.Node(
+                "",
+                "DequantizeLinear",
+                [quantized, scale, zero_point],
+                attributes=_granularity_attributes(params),
+                outputs=[out],
+                name=self._names(f"{name}_DequantizeLinear"),
+            )
         consumers = [use.node for use in value.uses()]
-        value.replace_all_uses_with(dq_out)
-        dq = ir.Node(
-            "",
-            "DequantizeLinear",
-            [quantized, scale, zero_point],
-            outputs=[dq_out],
-            name=self._names(f"{name}_DequantizeLinear"),
-        )
+        value.replace_all_uses_with(out)
         local = [c for c in consumers if id(c) in self._order]
         anchor = min(local, key=lambda c: self._order[id(c)]) if local else self._first
         if anchor is not None:
-            graph.insert_before(anchor, dq)
+            graph.insert_before(anchor, node)
         else:
-            graph.append(dq)
+            graph.append(node)
         if self._first is anchor and anchor is not None:
-            self._first = dq
+            self._first = node
         self._drop_if_unused(graph, value)
 
     def _drop_if_unused(self, graph: ir.Graph, value: ir.Value) -> None:
@@ -201,3 +554,70 @@ class InsertQDQ(QuarkPass):
                 nodes = list(graph)
                 self._first = nodes[1] if len(nodes) > 1 else None
             graph.remove(producer, safe=True)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _value_index(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Name -> value over the top-level graph: inputs, initializers, node outputs."""
+    values: dict[str, ir.Value] = {}
+    for v in graph.inputs:
+        values[v.name or ""] = v
+    for name, v in graph.initializers.items():
+        values.setdefault(name, v)
+    for node in graph:
+        for out in node.outputs:
+            if out.name:
+                values[out.name] = out
+    return values
+
+
+def _static_shape(value: ir.Value) -> tuple[int, ...] | None:
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def _ir_dtype(qtype: QuantType) -> ir.DataType:
+    return ir.DataType.from_numpy(qparams.numpy_dtype(qtype))
+
+
+def _granularity_attributes(params: QuantParams) -> dict[str, ir.Attr]:
+    attrs: dict[str, ir.Attr] = {}
+    if params.axis is not None:
+        attrs["axis"] = ir.AttrInt64("axis", int(params.axis))
+    if params.block_size is not None:
+        attrs["block_size"] = ir.AttrInt64("block_size", int(params.block_size))
+    return attrs
+
+
+def _codes(array: np.ndarray, params: QuantParams) -> np.ndarray:
+    """The codes of a constant (``qparams.quantize``; int32 saturates in float64).
+
+    ``qparams.quantize`` clips in float32, where ``2^31 - 1`` rounds up to ``2^31`` and the cast
+    to int32 overflows; int32 (bias) codes are therefore rounded and clipped in float64 here.
+    """
+    if params.qtype is QuantType.QInt32 and params.scale is not None:
+        x = np.asarray(array, dtype=np.float32)
+        scale = qparams.broadcast_parameter(
+            params.scale.astype(np.float32), x.shape, params.axis, params.block_size
+        )
+        assert params.zero_point is not None
+        zero = qparams.broadcast_parameter(
+            params.zero_point.astype(np.float64), x.shape, params.axis, params.block_size
+        )
+        q = np.rint(x.astype(np.float64) / scale.astype(np.float64)) + zero
+        return np.clip(q, QuantType.QInt32.qmin, QuantType.QInt32.qmax).astype(np.int32)
+    return qparams.quantize(array, params)
+
+
+def _static_dynamic(array: np.ndarray | None, params: QuantParams) -> QuantParams:
+    """Parameters of a constant marked dynamic: its own range, computed now."""
+    assert array is not None
+    return qparams.dynamic_params(array, params.qtype, params.symmetric)
+
+
+def _min_ir_version(opset: int) -> int:
+    return int(onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", opset)]))
