@@ -441,6 +441,7 @@ def _quantized_entry(
     zero = np.repeat(np.moveaxis(params.zero_point.astype(np.int32), axis, -1), repeat, axis=-1)
     zero = zero.reshape(-1)
     q = moved_codes.reshape(-1, GGML_BLOCK)
+    onnx_q, onnx_zero = q, zero
     if params.qtype is QuantType.QInt4:  # same values with codes and zero point shifted by 8
         q, zero = q + 8, zero + 8
     d16 = scale.astype(np.float16)
@@ -449,41 +450,27 @@ def _quantized_entry(
     if np.any(d16 == 0):
         return f"a scale ({scale[d16 == 0][0]:.6g}) is below float16's smallest value (2^-24)"
     d_bytes = d16.astype("<f2").view(np.uint8).reshape(-1, 2)
+    m_zero = np.zeros_like(zero)  # the zero point m holds (Q4_1 only)
     if ggml_type == "Q8_0":
         body = [d_bytes, q.astype(np.int8).view(np.uint8)]
-        m_exact = m16 = np.zeros_like(scale)
+        m_off = np.zeros(scale.shape, dtype=bool)
     else:
-        # the d·z of the stored d: exact in float32 (11-bit × 5-bit), rounded once to float16
-        m_exact = -(d16.astype(np.float32) * zero.astype(np.float32))
-        if ggml_type == "Q4_0":
-            m16 = m_exact  # Q4_0 has no m: the offset 8 is implicit and exact
-            extra = []
-        else:
+        extra = []
+        m_off = np.zeros(scale.shape, dtype=bool)
+        if ggml_type == "Q4_1":  # Q4_0 has no m: its offset 8 is implicit and exact
+            m_zero = zero
+            # -d·z of the stored d: exact in float32 (11 × 4 bits), rounded once to float16
+            m_exact = -(d16.astype(np.float32) * zero.astype(np.float32))
             m16 = m_exact.astype(np.float16)
             if np.any(~np.isfinite(m16)):
                 return "-scale·zero_point is above float16's range (65504)"
+            m_off = m16.astype(np.float32) != m_exact
             extra = [m16.astype("<f2").view(np.uint8).reshape(-1, 2)]
         nibbles = q.astype(np.uint8)
         packed = nibbles[:, : GGML_BLOCK // 2] | (nibbles[:, GGML_BLOCK // 2 :] << np.uint8(4))
         body = [d_bytes, *extra, packed]
     blocks = np.concatenate(body, axis=1)
-    stored = blocks.reshape(*moved_codes.shape[:-1], -1)
-    qtype_enum = gguf.GGMLQuantizationType[ggml_type]
-    read = gguf.quants.dequantize(stored, qtype_enum)
-    read = np.moveaxis(read.reshape(moved_codes.shape), -1, axis)
-    reference = qparams.dequantize(codes, params)
-    diff = np.abs(read.astype(np.float64) - reference.astype(np.float64))
-    scale_full = qparams.broadcast_parameter(params.scale, shape, axis, params.block_size)
-    zero_full = qparams.broadcast_parameter(
-        params.zero_point.astype(np.float64), shape, axis, params.block_size
-    )
-    # the zero point m encodes: shifted by 8 for int4 in Q4_1; none for Q4_0/Q8_0
-    m_zero = zero_full + 8 if params.qtype is QuantType.QInt4 else zero_full
-    if ggml_type != "Q4_1":
-        m_zero = np.zeros_like(zero_full)
-    bound = _bound(codes, scale_full, zero_full, m_zero, reference)
-    d_off = d16.astype(np.float32) != scale
-    m_off = np.asarray(m16, dtype=np.float32) != m_exact
+    stats = _measure(gguf, ggml_type, blocks, onnx_q, onnx_zero, m_zero, scale, name=name)
     gguf_name = _gguf_name(name, names)
     axes = None if axis == codes.ndim - 1 else [*(i for i in range(codes.ndim) if i != axis), axis]
     info = {
@@ -493,40 +480,67 @@ def _quantized_entry(
         "onnx_shape": list(shape),
         "gguf_shape": list(reversed(moved_codes.shape)),
         "axes": axes,
-        "exact": bool(np.all(diff == 0)),
-        "max_abs_error": float(diff.max(initial=0.0)),
-        "max_step_error": float((diff / scale_full.astype(np.float64)).max(initial=0.0)),
-        "bound": float(bound.max(initial=0.0)),
-        "inexact_blocks": int(np.count_nonzero(d_off | m_off)),
+        **stats,
+        "inexact_blocks": int(np.count_nonzero((d16.astype(np.float32) != scale) | m_off)),
     }
-    if np.any(diff > bound):  # would be a bug in the packing, not a property of the data
-        raise QuantizationError(
-            f"tensor {name!r}: GGUF read-back differs from DequantizeLinear by "
-            f"{info['max_abs_error']:.3g}, above the float16 bound {info['bound']:.3g}"
-        )
+    stored = blocks.reshape(*moved_codes.shape[:-1], -1)
     return _Entry(name=gguf_name, array=stored, ggml_type=ggml_type, raw=True, info=info, axes=axes)
 
 
-def _bound(
-    codes: np.ndarray,
-    scale: np.ndarray,
+#: Blocks measured at a time (bounds the float64 temporaries to a few tens of MB).
+_MEASURE_CHUNK = 1 << 16
+
+
+def _measure(
+    gguf: ModuleType,
+    ggml_type: str,
+    blocks: np.ndarray,
+    q: np.ndarray,
     zero: np.ndarray,
     m_zero: np.ndarray,
-    reference: np.ndarray,
-) -> np.ndarray:
-    """Elementwise bound of ``|gguf - onnx|`` (module docstring), float16 subnormals included.
+    scale: np.ndarray,
+    *,
+    name: str,
+) -> dict[str, Any]:
+    """Compare what ``gguf.quants.dequantize`` reads from ``blocks`` with DequantizeLinear.
 
-    ``zero`` is the ONNX zero point, ``m_zero`` the one stored through ``m = fp16(-d·m_zero)``
-    (0 where the block has no ``m``).
+    ``q``: ONNX codes, one row of 32 per block; ``zero``/``scale``: ONNX zero point and scale per
+    block; ``m_zero``: the zero point the block's ``m`` holds (0 without ``m``). The reference
+    is the float32 ``(q - z)·s`` of :func:`quark_onnx.qparams.dequantize`; the bound is the
+    module docstring's, with float16 subnormals (absolute ``2^-25``) included.
     """
-    s = scale.astype(np.float64)
-    q = codes.astype(np.float64)
-    z = zero.astype(np.float64)
-    mz = np.abs(m_zero.astype(np.float64))
-    err_d = np.maximum(_FP16_U * s, _FP16_SUBNORMAL_HALF_ULP)
-    err_m = np.where(mz != 0, np.maximum(_FP16_U * s * mz, _FP16_SUBNORMAL_HALF_ULP), 0.0)
-    first = np.abs(q - z) * err_d + err_m + 2 * _F32_U * np.abs(reference.astype(np.float64))
-    return first / (1 - _F32_U)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    max_abs = max_step = max_bound = 0.0
+    exact = True
+    for start in range(0, len(blocks), _MEASURE_CHUNK):
+        part = slice(start, start + _MEASURE_CHUNK)
+        s32 = scale[part].astype(np.float32)[:, None]
+        qf = q[part].astype(np.float32)
+        zf = zero[part].astype(np.float32)[:, None]
+        reference = ((qf - zf) * s32).astype(np.float32)
+        read = gguf.quants.dequantize(blocks[part], qtype).reshape(reference.shape)
+        diff = np.abs(read.astype(np.float64) - reference.astype(np.float64))
+        s = s32.astype(np.float64)
+        mz = np.abs(m_zero[part].astype(np.float64))[:, None]
+        err_d = np.maximum(_FP16_U * s, _FP16_SUBNORMAL_HALF_ULP)
+        err_m = np.where(mz != 0, np.maximum(_FP16_U * s * mz, _FP16_SUBNORMAL_HALF_ULP), 0.0)
+        rounding = 2 * _F32_U * np.abs(reference.astype(np.float64))
+        bound = (np.abs(qf - zf) * err_d + err_m + rounding) / (1 - _F32_U)
+        if np.any(diff > bound):  # a packing bug, not a property of the data
+            raise QuantizationError(
+                f"tensor {name!r}: GGUF read-back differs from DequantizeLinear by "
+                f"{diff.max():.3g}, above the float16 bound {bound.max():.3g}"
+            )
+        exact = exact and not np.any(diff)
+        max_abs = max(max_abs, float(diff.max(initial=0.0)))
+        max_step = max(max_step, float((diff / s).max(initial=0.0)))
+        max_bound = max(max_bound, float(bound.max(initial=0.0)))
+    return {
+        "exact": exact,
+        "max_abs_error": max_abs,
+        "max_step_error": max_step,
+        "bound": max_bound,
+    }
 
 
 def _gguf_name(name: str, names: set[str]) -> str:

@@ -194,7 +194,7 @@ def test_float32_scales_within_stated_bound(gguf, tmp_path):
         assert info["max_abs_error"] == pytest.approx(diff.max(), rel=0, abs=0)
         # ... and bounded as documented
         assert np.all(diff <= stated_bound(q, p)), name
-        assert info["max_abs_error"] <= info["bound"]
+        assert info["max_abs_error"] <= info["bound"] <= stated_bound(q, p).max()
         steps = diff / qparams.broadcast_parameter(p.scale, q.shape, p.axis, p.block_size)
         limit = 30 * 2.0**-11 if name == "W1" else 128 * 2.0**-11
         assert steps.max() <= limit * (1 + 1e-6)
@@ -311,28 +311,41 @@ def test_float_model_writes_no_quantized_tensor(gguf, tmp_path):
     rng = np.random.default_rng(5)
     w = rng.normal(size=(64, 32)).astype(np.float32)
     h = rng.normal(size=(32,)).astype(np.float16)
+    bf = rng.normal(size=(32,)).astype(ml_dtypes.bfloat16)
     model = _model(
         [
             helper.make_node("MatMul", ["x", "W"], ["y0"]),
             helper.make_node("Cast", ["H"], ["h32"], to=TensorProto.FLOAT),
-            helper.make_node("Add", ["y0", "h32"], ["y"]),
+            helper.make_node("Cast", ["BF"], ["bf32"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["y0", "h32"], ["y1"]),
+            helper.make_node("Add", ["y1", "bf32"], ["y2"]),
+            helper.make_node("Mul", ["y2", "S"], ["y"]),
         ],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
-        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(h, "H")],
+        [
+            numpy_helper.from_array(w, "W"),
+            numpy_helper.from_array(h, "H"),
+            numpy_helper.from_array(bf, "BF"),
+            numpy_helper.from_array(np.array(0.5, dtype=np.float32), "S"),
+        ],
         opset=17,
     )
     out = tmp_path / "f.gguf"
     summary = export_gguf(model, out)
-    assert summary["quantized"] == 0
-    assert summary["counts"] == {"F32": 1, "F16": 1} and summary["skipped"] == []
+    assert summary["quantized"] == 0 and summary["skipped"] == []
+    assert summary["counts"] == {"F32": 2, "F16": 1, "BF16": 1}
     back = read_back(gguf, out)
-    assert back["W"][0] == "F32" and back["W"][1] == [32, 64]
+    assert back["W"][:2] == ("F32", [32, 64])  # GGUF order: the ONNX shape reversed
     np.testing.assert_array_equal(back["W"][2], w)
     assert back["H"][0] == "F16"
     np.testing.assert_array_equal(back["H"][2], h.astype(np.float32))
+    assert back["BF"][0] == "BF16"
+    np.testing.assert_array_equal(back["BF"][2], bf.astype(np.float32))
+    assert back["S"][:2] == ("F32", [1])  # a 0-d tensor is written with shape [1]
+    assert back["S"][2][0] == np.float32(0.5)
     none = export_gguf(model, tmp_path / "none.gguf", include_float=False)
-    assert none["written"] == [] and len(none["skipped"]) == 2
+    assert none["written"] == [] and len(none["skipped"]) == 4
 
 
 def test_path_input_bad_input_and_no_overwrite(gguf, tmp_path):
