@@ -90,6 +90,11 @@ _OPSET_21_TYPES = frozenset(
 )
 _IR_FOR_TYPE = {QuantType.QFLOAT8E4M3FN: 9, QuantType.QInt4: 10, QuantType.QUInt4: 10}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+#: (op type, opset) whose meaning changed with no ``onnx.version_converter`` adapter that keeps
+#: it: converting a model that uses the op across that opset would silently change the model.
+#: GroupNormalization-21 takes per-channel scale/bias where 18 took per-group ones (measured with
+#: onnx 1.23: the converted model fails in onnxruntime).
+_UNSAFE_UPGRADES = {("GroupNormalization", 21)}
 
 
 def required_opset(params: QuantParams) -> int:
@@ -284,6 +289,14 @@ class InsertQDQ(QuarkPass):
             return False
         if current >= need:
             return False
+        blocker = _unsafe_upgrade(model, current, need)
+        if blocker is not None:
+            raise PassError(
+                f"InsertQDQ: tensor {tensor} ({params.qtype.name}, {params.granularity}) needs "
+                f"opset {need}, but the model is opset {current} and its {blocker} node(s) change "
+                f"meaning at opset {need} with no safe conversion. Upgrade the model's opset "
+                "first, or choose a type the opset supports"
+            )
         logger.info(
             "InsertQDQ: converting the model from opset %d to %d (tensor %s is %s)",
             current,
@@ -617,6 +630,19 @@ def _static_dynamic(array: np.ndarray | None, params: QuantParams) -> QuantParam
     """Parameters of a constant marked dynamic: its own range, computed now."""
     assert array is not None
     return qparams.dynamic_params(array, params.qtype, params.symmetric)
+
+
+def _unsafe_upgrade(model: ir.Model, current: int, target: int) -> str | None:
+    """The first op type of ``model`` that would change meaning between the two opsets."""
+    ops = {
+        node.op_type
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.domain in _DEFAULT_DOMAINS
+    }
+    for op, version in sorted(_UNSAFE_UPGRADES):
+        if op in ops and current < version <= target:
+            return op
+    return None
 
 
 def _min_ir_version(opset: int) -> int:

@@ -297,3 +297,185 @@ def test_legacy_plan_call_is_unchanged():
     params = {t: qparams.from_position(4, s.qtype) for t, s in plan.tensors.items()}
     again, _ = write(proto, params)
     assert again.SerializeToString() == legacy.SerializeToString()
+
+
+# -- float16 / bfloat16 Cast pairs ----------------------------------------------------------------
+
+
+def cast_inputs():
+    x = inputs()
+    # exact ties of both types (round half to even decides them) and values beyond float16's range
+    x[0, :4] = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-11, 70000.0]
+    return x
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("qtype", [Q.QFloat16, Q.QBFloat16])
+def test_cast_pairs_for_activations_and_constants(qtype):
+    proto, w = matmul_model()
+    params = {"x": QuantParams(qtype), "W": QuantParams(qtype), "y": QuantParams(qtype)}
+    qproto, _ = write(proto, params)
+    nodes = {n.name: (n.op_type, list(n.input), list(n.output)) for n in qproto.graph.node}
+    assert nodes["x_Cast"] == ("Cast", ["x"], ["x_Cast_Output"])
+    assert nodes["x_CastFloat"] == ("Cast", ["x_Cast_Output"], ["x_CastFloat_Output"])
+    assert nodes["W_CastFloat"] == ("Cast", ["W_quantized"], ["W_CastFloat_Output"])
+    assert nodes["add"][2] == ["y_Cast_Input"] and nodes["y_CastFloat"][2] == ["y"]
+    assert not any(n.op_type.endswith("QuantizeLinear") for n in qproto.graph.node)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in qproto.graph.initializer}
+    assert inits["W_quantized"].dtype == qparams.numpy_dtype(qtype)
+    np.testing.assert_array_equal(inits["W_quantized"], w.astype(qparams.numpy_dtype(qtype)))
+    x = cast_inputs()
+    (got,) = run_ort(qproto, {"x": x})
+    oracle = with_constant(proto, "W", qparams.fake_quant(w, params["W"]))
+    (inner,) = run_ort(oracle, {"x": qparams.fake_quant(x, params["x"])})
+    np.testing.assert_array_equal(got, qparams.fake_quant(inner, params["y"]))
+
+
+# -- dynamic activations ------------------------------------------------------------------------
+
+
+def dynamic_inputs():
+    rng = np.random.default_rng(7)
+    return {
+        "normal": rng.normal(size=(4, 64)).astype(np.float32),
+        "heavy_tailed": rng.standard_cauchy(size=(4, 64)).astype(np.float32),
+        "positive": rng.uniform(0.5, 3.0, size=(4, 64)).astype(np.float32),
+        "negative": -rng.exponential(size=(4, 64)).astype(np.float32),
+        "tiny": (rng.normal(size=(4, 64)) * 1e-30).astype(np.float32),
+        "zeros": np.zeros((4, 64), np.float32),
+    }
+
+
+DYNAMIC = [
+    (Q.QUInt8, False),
+    (Q.QInt8, True),
+    (Q.QInt16, True),
+    (Q.QUInt8, True),
+    (Q.QUInt16, True),
+    (Q.QInt4, True),
+]
+
+
+@pytest.mark.parametrize("qtype, symmetric", DYNAMIC)
+def test_dynamic_runtime_scale_equals_the_reference(qtype, symmetric):
+    """The scale (and zero point) the graph computes equal ``dynamic_params`` bit for bit."""
+    proto, w = matmul_model()
+    wp = qparams.weight_params(w, Q.QInt8, axis=1)
+    params = {"x": QuantParams(qtype, dynamic=True, symmetric=symmetric), "W": wp}
+    qproto, _ = write(proto, params)
+    assert {o.domain: o.version for o in qproto.opset_import}[""] == max(
+        17, required_opset(params["x"])
+    )
+    ops = [n.op_type for n in qproto.graph.node]
+    if symmetric:
+        assert "DynamicQuantizeLinear" not in ops and "ReduceMax" in ops
+    else:
+        assert ops.count("DynamicQuantizeLinear") == 1
+    # expose the run-time scale and zero point (onnxruntime returns no int4 arrays: the scale only)
+    qproto.graph.output.append(vi("x_scale", []))
+    if qtype.bits > 4:
+        elem = helper.np_dtype_to_tensor_dtype(qparams.numpy_dtype(qtype))
+        qproto.graph.output.append(vi("x_zero_point", [], elem))
+    oracle = with_constant(proto, "W", qparams.fake_quant(w, wp))
+    for case, x in dynamic_inputs().items():
+        got, scale, *zero_point = run_ort(qproto, {"x": x})
+        ref = qparams.dynamic_params(x, qtype, symmetric)
+        assert scale.dtype == np.float32 and scale.shape == ()
+        assert zero_point in ([], [ref.zero_point]), (case, zero_point, ref.zero_point)
+        if case == "zeros":
+            # all-zero input: the symmetric graph's guard gives 1 like the reference;
+            # onnxruntime's DynamicQuantizeLinear also returns 1 where ONNX's formula (and
+            # dynamic_params) give 0. Either scale dequantizes the zero codes to exactly 0.
+            assert scale == 1.0
+            assert ref.scale == (1.0 if symmetric else 0.0)
+            np.testing.assert_array_equal(got, run_ort(oracle, {"x": x})[0])
+            continue
+        assert scale == ref.scale, (case, scale, ref.scale)
+        (expected,) = run_ort(oracle, {"x": qparams.fake_quant(x, ref)})
+        np.testing.assert_array_equal(got, expected, err_msg=case)
+
+
+# -- opset ----------------------------------------------------------------------------------------
+
+
+def reduce_mean_model(opset: int):
+    """MatMul then ReduceMean with an ``axes`` attribute (it becomes an input at opset 18)."""
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(64, 8)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="matmul"),
+        helper.make_node("ReduceMean", ["m"], ["y"], name="mean", axes=[1], keepdims=1),
+    ]
+    return make_model(nodes, [vi("x", [4, 64])], [vi("y", [4, 1])], {"W": w}, opset), w
+
+
+def test_opset_is_raised_by_conversion_and_other_nodes_keep_their_meaning():
+    proto, w = reduce_mean_model(13)
+    wp = qparams.weight_params(w, Q.QUInt4, symmetric=False, axis=0, block_size=32)
+    qproto, _ = write(proto, {"W": wp})
+    assert {o.domain: o.version for o in qproto.opset_import}[""] == 21
+    assert qproto.ir_version >= 10
+    mean = next(n for n in qproto.graph.node if n.name == "mean")
+    assert len(mean.input) == 2 and not mean.attribute[1:]  # axes moved to an input
+    x = inputs()
+    oracle = with_constant(proto, "W", qparams.fake_quant(w, wp))
+    np.testing.assert_array_equal(run_ort(qproto, {"x": x})[0], run_ort(oracle, {"x": x})[0])
+
+
+def test_opset_already_high_enough_is_left_alone():
+    proto, w = reduce_mean_model(13)
+    qproto, _ = write(proto, {"W": qparams.weight_params(w, Q.QInt8, axis=1)})
+    assert {o.domain: o.version for o in qproto.opset_import}[""] == 13
+    assert qproto.ir_version == proto.ir_version
+
+
+def test_unsafe_conversion_is_a_pass_error_naming_tensor_type_and_opset():
+    """GroupNormalization-18 (per-group scale) converted to 21 (per-channel) would break: refused.
+
+    (onnx's checker already calls schema 18 deprecated, so the model is built unchecked.)
+    """
+    nodes = [
+        helper.make_node("GroupNormalization", ["x", "s", "b"], ["g"], name="gn", num_groups=2),
+        helper.make_node("Relu", ["g"], ["y"], name="relu"),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.ones(2, np.float32), "s"),
+        onnx.numpy_helper.from_array(np.zeros(2, np.float32), "b"),
+    ]
+    graph = helper.make_graph(nodes, "gn", [vi("x", [1, 4, 3, 3])], [vi("y", [1, 4, 3, 3])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = ir.serde.deserialize_model(proto)
+    with pytest.raises(PassError, match=r"tensor g \(QInt16.*opset 21.*GroupNormalization"):
+        InsertQDQ({"g": qparams.from_range(-1, 1, Q.QInt16)})(model)
+    # int8 needs no conversion: written as usual
+    InsertQDQ({"g": qparams.from_range(-1, 1, Q.QInt8)})(model)
+    assert model.opset_imports[""] == 18
+
+
+def test_failed_conversion_is_a_pass_error(monkeypatch):
+    def refuse(model, target):
+        raise RuntimeError("no adapter")
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", refuse)
+    proto, w = matmul_model()
+    wp = qparams.weight_params(w, Q.QFLOAT8E4M3FN)
+    with pytest.raises(PassError, match=r"tensor W \(QFLOAT8E4M3FN.*opset 19.*no adapter"):
+        write(proto, {"W": wp})
+
+
+@pytest.mark.parametrize(
+    "granularity",
+    [{"axis": 0}, {"axis": -2}, {"axis": 1, "block_size": 16}, {"axis": 0, "block_size": 3}],
+)
+def test_activation_per_channel_and_per_group_on_any_axis(granularity):
+    proto, _ = matmul_model()
+    x = inputs()
+    x[1] *= 0.05  # rows and groups of different ranges
+    lo, hi = qparams.weight_range(x, **granularity)  # the activation's range, shaped like a scale
+    xp = qparams.from_range(lo, hi, Q.QInt8, **granularity)
+    qproto, _ = write(proto, {"x": xp})
+    q = next(n for n in qproto.graph.node if n.name == "x_QuantizeLinear")
+    attrs = {a.name: helper.get_attribute_value(a) for a in q.attribute}
+    assert attrs == granularity
+    (got,) = run_ort(qproto, {"x": x})
+    np.testing.assert_array_equal(got, run_ort(proto, {"x": qparams.fake_quant(x, xp)})[0])
