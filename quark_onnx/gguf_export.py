@@ -194,8 +194,8 @@ def export_gguf(
                 f"{e.info['inexact_blocks']} block(s) have a scale (or -scale·zero_point) that "
                 f"is not a float16 value, so GGUF would read back values up to "
                 f"{e.info['max_abs_error']:.3g} away from DequantizeLinear ({len(inexact)} "
-                "tensor(s) in all); quantize with float16-representable scales or export "
-                "without require_exact"
+                "tensor(s) in all); quantize with float16 scales (for Q4_1: of at most 7 "
+                "significant bits, e.g. powers of two) or export without require_exact"
             )
     name = proto.graph.name or (Path(input_path).stem if input_path else "model")
     _write(gguf, out, plan.entries, arch=arch, model_name=name)
@@ -233,7 +233,6 @@ def _plan(graph: ir.Graph, source: str, gguf: ModuleType, *, include_float: bool
     """Classify every initializer: quantized weight, float tensor, or skipped (with a reason)."""
     plan = _Plan()
     names = set(graph.initializers)
-    used_names: set[str] = set()
     params_of: dict[str, list[ir.Node]] = {}
     written_dq: dict[int, str] = {}  # id(DequantizeLinear node) -> "Q4_1 blocks of 'W'"
     for name, value in graph.initializers.items():
@@ -244,10 +243,6 @@ def _plan(graph: ir.Graph, source: str, gguf: ModuleType, *, include_float: bool
             if isinstance(result, str):
                 plan.skipped.append({"name": name, "reason": result})
                 continue
-            if result.name in used_names:
-                result.name = name
-                result.info["name"] = name
-            used_names.add(result.name)
             plan.entries.append(result)
             for u in dq_uses:
                 written_dq[id(u.node)] = f"{result.ggml_type} blocks of {result.name!r}"
@@ -261,9 +256,7 @@ def _plan(graph: ir.Graph, source: str, gguf: ModuleType, *, include_float: bool
             plan.skipped.append({"name": name, "reason": reason})
             continue
         assert array is not None
-        entry = _float_entry(name, array)
-        used_names.add(name)
-        plan.entries.append(entry)
+        plan.entries.append(_float_entry(name, array))
     for name, nodes in params_of.items():
         if all(id(n) in written_dq for n in nodes):
             homes = sorted({written_dq[id(n)] for n in nodes})
