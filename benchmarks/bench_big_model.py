@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import logging
 import subprocess
 import sys
 import tempfile
@@ -95,18 +95,120 @@ def generate(folder: Path, gb: float, k: int = 8192, seed: int = 0) -> tuple[Pat
     return model_path, size
 
 
+class StageMemory:
+    """Peak RSS per quantizer stage, from the kernel's high-water mark.
+
+    At each stage boundary ``VmHWM`` is read (the peak since the previous boundary) and reset to
+    the current RSS by writing ``5`` to ``/proc/self/clear_refs``, so every stage gets its own
+    exact peak, native allocations (protobuf, onnxruntime) and touched memory-mapped pages
+    included. Memory used between two stages is reported under ``"(before <stage>)"``. A thread
+    also samples ``RssAnon``/``RssFile`` every 20 ms to tell heap from mapped file pages (those
+    two are sampled maxima and may miss a short peak). Each stage is also written to stderr as it
+    ends, so a run stopped by the watchdog still shows where the memory went.
+    """
+
+    def __init__(self) -> None:
+        self.stages: dict[str, dict[str, int]] = {}
+        self._sampled = {"RssAnon": 0, "RssFile": 0}
+        self._stop = False
+        self._thread = None
+
+    @staticmethod
+    def _status() -> dict[str, int]:
+        values = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                    values[key] = int(rest.split()[0]) * 1024
+        return values
+
+    @staticmethod
+    def _reset_peak() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def _sample(self) -> None:
+        while not self._stop:
+            status = self._status()
+            for key in self._sampled:
+                self._sampled[key] = max(self._sampled[key], status.get(key, 0))
+            time.sleep(0.02)
+
+    def start(self) -> None:
+        import threading
+
+        self._reset_peak()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def boundary(self, name: str) -> None:
+        """Close the interval that ends now under ``name`` (its peak and sampled maxima)."""
+        status = self._status()
+        record = {
+            "peak": status["VmHWM"],
+            "end": status["VmRSS"],
+            "anon": max(self._sampled["RssAnon"], status["RssAnon"]),
+            "file": max(self._sampled["RssFile"], status["RssFile"]),
+        }
+        self.stages[name] = record
+        sys.stderr.write(
+            f"stage {name:<24} peak {record['peak'] / GIB:6.2f} GiB  end "
+            f"{record['end'] / GIB:6.2f} GiB  (anon {record['anon'] / GIB:.2f}, file "
+            f"{record['file'] / GIB:.2f})\n"
+        )
+        sys.stderr.flush()
+        self._reset_peak()
+        self._sampled = {"RssAnon": 0, "RssFile": 0}
+
+    def patch(self, module) -> None:
+        """Wrap ``module._stage`` (the quantizer's stage timer) with :meth:`boundary` calls."""
+        from contextlib import contextmanager
+
+        timed = module._stage
+
+        @contextmanager
+        def stage(report, name):
+            self.boundary(f"(before {name})")
+            with timed(report, name):
+                yield
+            self.boundary(name)
+
+        module._stage = stage
+
+    @property
+    def peak(self) -> int:
+        return max((r["peak"] for r in self.stages.values()), default=0)
+
+
 def _quantize_child(model: str, output: str) -> None:
     """Runs in the subprocess: quantize and print one JSON line with peak RSS and timings."""
+    import quark_onnx
     from quark_onnx import Config, ModelQuantizer, get_default_config
+    from quark_onnx import quantizer as quantizer_module
 
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    memory = StageMemory()
+    memory.patch(quantizer_module)
     qc = get_default_config("XINT8")
     qc.extra_options.update(UseRandomData=True, RandomDataSamples=2)
+    memory.start()
     start = time.perf_counter()
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     quantizer.quantize_model(model, output)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_rss": peak, "seconds": seconds, "timings": quantizer.report.timings}))
+    memory.boundary("(after save)")
+    print(
+        json.dumps(
+            {
+                "peak_rss": memory.peak,
+                "seconds": seconds,
+                "timings": quantizer.report.timings,
+                "stages": memory.stages,
+                "package": quark_onnx.__file__,
+            }
+        )
+    )
 
 
 def verify(output: Path) -> dict:
@@ -166,6 +268,9 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=2.5, help="weights to generate, GiB")
     parser.add_argument("--k", type=int, default=8192, help="Gemm width (weights are k x k)")
     parser.add_argument("--keep", type=Path, help="folder to generate into and keep")
+    parser.add_argument(
+        "--reuse", action="store_true", help="with --keep: use the model already there"
+    )
     parser.add_argument("--json", action="store_true", help="also print a JSON line")
     parser.add_argument(
         "--max-rss-gb", type=float, default=16.0, help="kill the quantizer above this RSS, GiB"
@@ -180,7 +285,11 @@ def main() -> None:
         folder = args.keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        model, size = generate(folder, args.gb, args.k)
+        model = folder / "big.onnx"
+        if args.reuse and model.exists():
+            size = model.stat().st_size + (folder / "big.onnx.data").stat().st_size
+        else:
+            model, size = generate(folder, args.gb, args.k)
         generated = time.perf_counter() - start
         outdir = folder / "out"
         outdir.mkdir(exist_ok=True)
@@ -190,6 +299,7 @@ def main() -> None:
         )
         if returncode != 0:
             sys.stderr.write(stderr[-4000:])
+            sys.stderr.write("".join(_stage_lines(stderr)))
             if watched > args.max_rss_gb * GIB:
                 raise SystemExit(
                     f"stopped: the quantizer's RSS reached {watched / GIB:.2f} GiB "
@@ -207,6 +317,7 @@ def main() -> None:
             "peak_rss_bytes": child["peak_rss"],
             "peak_rss_over_model": round(child["peak_rss"] / size, 2),
             "timings": child["timings"],
+            "stages": child["stages"],
             **verify(output),
         }
     print(f"model size     {size / GIB:.2f} GiB ({size} bytes, {args.k}x{args.k} Gemm layers)")
@@ -220,8 +331,30 @@ def main() -> None:
         f"output         {result['output_bytes'] / GIB:.2f} GiB in {result['files']}; inside the "
         f"output folder: {result['inside_output_folder']}; onnxruntime runs it: {result['runs']}"
     )
+    print(f"package        {child['package']}")
+    print()
+    print(stage_table(child["stages"], child["timings"], size))
     if args.json:
         print(json.dumps(result))
+
+
+def _stage_lines(stderr: str) -> list[str]:
+    return [line + "\n" for line in stderr.splitlines() if line.startswith("stage ")]
+
+
+def stage_table(stages: dict[str, dict[str, int]], timings: dict[str, float], size: int) -> str:
+    """Markdown table: per stage, seconds, peak RSS (GiB and x model size), RSS at its end."""
+    rows = [
+        "| stage | s | peak RSS GiB | peak / model | end RSS GiB | anon / file max GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in stages.items():
+        seconds = timings.get(name, "")
+        rows.append(
+            f"| {name} | {seconds} | {r['peak'] / GIB:.2f} | {r['peak'] / size:.2f} | "
+            f"{r['end'] / GIB:.2f} | {r['anon'] / GIB:.2f} / {r['file'] / GIB:.2f} |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ graph, functions and IR version). When onnxsim raises or its check fails, a warn
 model and onnxsim's reason and the model is returned unchanged (``modified=False``): a failed
 simplification never stops quantization.
 
+Size limit: onnxsim works on the whole serialized model and holds several full copies of it at
+once (measured: peak RSS about 5x the model). A model whose tensors add up to more than
+``max_model_bytes`` (default :data:`MAX_MODEL_BYTES`, 1 GiB; external weights count, without
+being read) is not simplified: a warning names the model, its size and the limit, and the pass
+reports ``modified=False``. Below the limit, weights memory-mapped from external data are read
+into the copy given to onnxsim.
+
 ``onnxsim`` is imported inside the pass, so importing :mod:`quark_onnx.passes` does not load it.
 """
 
@@ -22,9 +29,14 @@ import logging
 import onnx
 import onnx_ir as ir
 
+from quark_onnx import model_io
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
+
+#: Models whose tensors exceed this many bytes are not given to onnxsim.
+MAX_MODEL_BYTES = 1 << 30
+_GIB = float(1 << 30)
 
 
 def _structure(graph: onnx.GraphProto) -> tuple:
@@ -62,6 +74,8 @@ class SimplifyWithOnnxsim(QuarkPass):
             only).
         skip_fuse_bn: do not let onnxsim fold BatchNormalization into Conv.
         skipped_optimizers: onnxoptimizer pass names onnxsim must not run.
+        max_model_bytes: models with more bytes of tensors are left as they are (None:
+            :data:`MAX_MODEL_BYTES`).
     """
 
     def __init__(
@@ -69,14 +83,28 @@ class SimplifyWithOnnxsim(QuarkPass):
         check_n: int = 0,
         skip_fuse_bn: bool = False,
         skipped_optimizers: tuple[str, ...] = (),
+        max_model_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.check_n = int(check_n)
         self.skip_fuse_bn = skip_fuse_bn
         self.skipped_optimizers = tuple(skipped_optimizers)
+        self.max_model_bytes = max_model_bytes
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         label = _model_label(model)
+        limit = MAX_MODEL_BYTES if self.max_model_bytes is None else self.max_model_bytes
+        size = model_io.model_bytes(model)
+        if size > limit:
+            logger.warning(
+                "optimize_model: model %s holds %.2f GiB of tensors, above the %.2f GiB limit "
+                "for onnxsim (which holds several serialized copies of the whole model); not "
+                "simplified",
+                label,
+                size / _GIB,
+                limit / _GIB,
+            )
+            return ir.passes.PassResult(model, modified=False)
         try:
             import onnxsim
         except ImportError as exc:
@@ -84,7 +112,7 @@ class SimplifyWithOnnxsim(QuarkPass):
                 "optimize_model: onnxsim not importable (%s); model %s not simplified", exc, label
             )
             return ir.passes.PassResult(model, modified=False)
-        proto = ir.serde.serialize_model(model)
+        proto = model_io.to_proto(model)  # external weights read in: onnxsim needs the values
         before = _structure(proto.graph)
         try:
             simplified, check_ok = onnxsim.simplify(

@@ -55,6 +55,11 @@ EXTERNAL_THRESHOLD = 1024
 #: External data offsets are multiples of this (lets onnxruntime map the file).
 _ALIGNMENT = 4096
 _PARTIAL_SUFFIX = ".partial"
+#: External tensors up to this many bytes are read in for strict shape inference at load.
+INLINE_FOR_INFERENCE = 1 << 20
+_INLINE_UNKNOWN = 1 << 62  # an external tensor without a length: never inlined for inference
+#: External data is copied between files in pieces of this size.
+_COPY_CHUNK = 16 << 20
 _TYPED_FIELDS = (
     "float_data",
     "int32_data",
@@ -85,12 +90,60 @@ def _one_line(exc: BaseException, limit: int = 400) -> str:
 def load_model(path: str | os.PathLike, *, upgrade_opset: bool = True) -> onnx.ModelProto:
     """Read, validate and (if below opset 13) upgrade an ONNX model, external data included.
 
+    The returned proto holds every tensor's bytes (external data is read into ``raw_data``): use
+    :func:`load_ir` to keep large external weights on disk, memory-mapped.
+
     Raises:
         ModelLoadError: the file is missing, unreadable, not an ONNX protobuf, truncated, fails
             the ONNX checker, refers to missing or short external data, or cannot be upgraded to
             opset 13.
         UnsafePathError: an external-data location is absolute or leaves the model's folder.
     """
+    model, p = _load_header(path, upgrade_opset=upgrade_opset)
+    external = _external_tensors(model)
+    if external:
+        _read_external_data(external, p.parent)
+    return model
+
+
+def load_ir(path: str | os.PathLike, *, upgrade_opset: bool = True) -> ir.Model:
+    """:func:`load_model` as the onnx_ir graph the passes work on, external weights left on disk.
+
+    Every external tensor becomes an ``ir.ExternalTensor`` whose ``base_dir`` is the model's
+    folder: its bytes are memory-mapped (read-only) the first time they are used and never copied
+    into the model, so a model of ``S`` bytes of external weights costs about nothing to load
+    and at most ``S`` of mapped file pages once every weight was read. The same checks as
+    :func:`load_model` run first (strict shape inference on the graph with the external tensors
+    of at most :data:`INLINE_FOR_INFERENCE` bytes read in). Tensors in a data file with several
+    hard links are read into memory instead (onnx_ir refuses to map those).
+
+    Raises:
+        ModelLoadError, UnsafePathError: as :func:`load_model`.
+    """
+    proto, p = _load_header(path, upgrade_opset=upgrade_opset)
+    base = p.parent.resolve()
+    linked = [
+        t
+        for t in _external_tensors(proto)
+        if (base / _external_info(t)["location"]).stat().st_nlink > 1
+    ]
+    if linked:
+        logger.info(
+            "%s: %d external tensor(s) are in a data file with several hard links; read into "
+            "memory instead of memory-mapped",
+            p,
+            len(linked),
+        )
+        _read_external_data(linked, base)
+    model = ir.serde.deserialize_model(proto)
+    for tensor in _ir_tensors(model.graph):
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.base_dir = str(base)
+    return model
+
+
+def _load_header(path: str | os.PathLike, *, upgrade_opset: bool) -> tuple[onnx.ModelProto, Path]:
+    """Steps 1-5 of the module doc: the validated (upgraded) model, external data not read."""
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"{p}: no such file; check the model path")
@@ -131,20 +184,33 @@ def load_model(path: str | os.PathLike, *, upgrade_opset: bool = True) -> onnx.M
         raise ModelLoadError(
             f"{p}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
         ) from exc
-    if not external:
+    if external:
+        _check_shapes_external(model, p)
+    else:
         _check_shapes(model, str(p))
     opset = default_opset(model)
     if upgrade_opset and 0 < opset < MIN_OPSET:
         model = upgrade(model, MIN_OPSET, source=str(p))
-        external = _external_tensors(model)
-    if external:
-        _read_external_data(external, p)
-        # inference needs the values of shape-like tensors; above 2 GB it cannot run in memory
-        if fits_in_protobuf(model):
-            _check_shapes(model, str(p))
-        else:
-            logger.info("%s: above 2 GB, strict shape inference skipped", p)
-    return model
+    return model, p
+
+
+def _check_shapes_external(model: onnx.ModelProto, path: Path) -> None:
+    """:func:`_check_shapes` on a model whose large weights stay in their data files.
+
+    Inference needs the values of shape-like tensors (Reshape shapes, Slice starts...), which are
+    small: a copy of the model with the external tensors of at most
+    :data:`INLINE_FOR_INFERENCE` bytes read in is checked; larger ones stay references, whose
+    dims are all inference uses. The copy is small whatever the size of the weights.
+    """
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    small = [
+        t
+        for t in _external_tensors(probe)
+        if int(_external_info(t).get("length") or _INLINE_UNKNOWN) <= INLINE_FOR_INFERENCE
+    ]
+    _read_external_data(small, path.parent)
+    _check_shapes(probe, str(path))
 
 
 def _check_text(message, source: str, where: str = "model") -> None:
@@ -344,9 +410,10 @@ def _check_external_locations(tensors: list[onnx.TensorProto], path: Path) -> No
             )
 
 
-def _read_external_data(tensors: list[onnx.TensorProto], path: Path) -> None:
-    """Read each external tensor's bytes into ``raw_data`` (locations already validated)."""
-    base = path.parent.resolve()
+def _read_external_data(tensors: list[onnx.TensorProto], folder: Path) -> None:
+    """Read each external tensor's bytes into ``raw_data`` (locations relative to ``folder``,
+    already validated)."""
+    base = folder.resolve()
     handles: dict[Path, object] = {}
     try:
         for tensor in tensors:
@@ -363,7 +430,7 @@ def _read_external_data(tensors: list[onnx.TensorProto], path: Path) -> None:
             del tensor.external_data[:]
     except OSError as exc:
         raise ModelLoadError(
-            f"{path}: cannot read external data ({exc.strerror or exc}); check the data files"
+            f"{folder}: cannot read external data ({exc.strerror or exc}); check the data files"
         ) from exc
     finally:
         for f in handles.values():
@@ -375,13 +442,87 @@ def to_ir(model: onnx.ModelProto) -> ir.Model:
     return ir.serde.deserialize_model(model)
 
 
-def to_proto(model: ir.Model) -> onnx.ModelProto:
-    return ir.serde.serialize_model(model)
+def _ir_tensors(graph: ir.Graph) -> Iterator[ir.TensorProtocol]:
+    """Every tensor of ``graph``: initializers and tensor attributes, subgraphs included."""
+    for value in graph.initializers.values():
+        if value.const_value is not None:
+            yield value.const_value
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            if attr.is_ref() or attr.value is None:
+                continue
+            if attr.type == ir.AttributeType.TENSOR:
+                yield attr.value
+            elif attr.type == ir.AttributeType.TENSORS:
+                yield from attr.value
+            elif attr.type == ir.AttributeType.GRAPH:
+                for value in attr.value.initializers.values():
+                    if value.const_value is not None:
+                        yield value.const_value
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for g in attr.value:
+                    for value in g.initializers.values():
+                        if value.const_value is not None:
+                            yield value.const_value
 
 
-def load_ir(path: str | os.PathLike) -> ir.Model:
-    """:func:`load_model` returning the onnx_ir graph the passes work on."""
-    return to_ir(load_model(path))
+def external_data_dir(model: ir.Model) -> Path | None:
+    """The folder the model's external (memory-mapped) tensors are read from; None if none.
+
+    Raises:
+        ModelSaveError: the tensors come from several folders (models from :func:`load_ir`
+            never do).
+    """
+    folders = {
+        str(t.base_dir) for t in _ir_tensors(model.graph) if isinstance(t, ir.ExternalTensor)
+    }
+    if len(folders) > 1:
+        raise ModelSaveError(
+            f"the model's external tensors come from several folders {sorted(folders)}; load "
+            "it from one model file"
+        )
+    return Path(folders.pop()) if folders else None
+
+
+def model_bytes(model: ir.Model) -> int:
+    """Bytes of all the model's tensors, external ones included, none of them read."""
+    return sum(t.nbytes for t in _ir_tensors(model.graph))
+
+
+def to_proto(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto:
+    """Serialize ``model``.
+
+    ``keep_external=False`` (default): a self-contained proto, the bytes of memory-mapped
+    external tensors read into ``raw_data`` (one full copy of them). ``keep_external=True``: those
+    tensors stay references (location, offset, length) relative to :func:`external_data_dir`:
+    the proto is small whatever the weights; pass that folder to onnxruntime
+    (``session.model_external_initializers_file_folder_path``) to run it.
+    """
+    proto = ir.serde.serialize_model(model)
+    if not keep_external:
+        external = _external_tensors(proto)
+        if external:
+            folder = external_data_dir(model)
+            _read_external_data(external, folder if folder is not None else Path.cwd())
+    return proto
+
+
+def materialize(proto: onnx.ModelProto, folder: str | os.PathLike) -> onnx.ModelProto:
+    """Read every external tensor of ``proto`` (relative to ``folder``) into ``raw_data``, in
+    place; returns ``proto``. Locations are checked as at load.
+
+    Raises:
+        UnsafePathError: a location leaves ``folder``.
+        ModelLoadError: a data file cannot be read.
+    """
+    base = Path(folder)
+    external = _external_tensors(proto)
+    for tensor in external:
+        resolve_external_location(
+            _external_info(tensor).get("location", ""), base, what=f"tensor {tensor.name!r}"
+        )
+    _read_external_data(external, base)
+    return proto
 
 
 # --- output paths ----------------------------------------------------------------------------
@@ -514,27 +655,29 @@ def save_model(
             was never read (load it with :func:`load_model`).
     """
     out = check_output_path(path, input_path, overwrite)
-    proto = to_proto(model) if isinstance(model, ir.Model) else model
-    unloaded = _unloaded_external(proto)
+    source: Path | None = None
+    if isinstance(model, ir.Model):
+        source = external_data_dir(model)
+        proto = to_proto(model, keep_external=source is not None)
+    else:
+        proto = model
+    unloaded = _unloaded_external(proto) if source is None else []
     if unloaded:
         raise ModelSaveError(
             f"{out}: tensor {unloaded[0]!r} (and {len(unloaded) - 1} more) refers to external "
             "data that was not read; load the model with quark_onnx.model_io.load_model first"
         )
-    big = not fits_in_protobuf(proto)
-    if external_data or (external_data is None and big):
-        try:
-            return _save_with_external_data(proto, out)
-        except OSError as exc:
-            raise ModelSaveError(
-                f"{out}: cannot write the model ({exc.strerror or exc}); check free space and "
-                "permissions of the output folder"
-            ) from exc
-    if big:
-        raise ModelSaveError(
-            f"{out}: the model is above the 2 GB protobuf limit; save it with external_data=True"
-        )
+    big = not _fits_with_external(proto)
     try:
+        if external_data or (external_data is None and big):
+            return _save_with_external_data(proto, out, source=source)
+        if big:
+            raise ModelSaveError(
+                f"{out}: the model is above the 2 GB protobuf limit; save it with "
+                "external_data=True"
+            )
+        if source is not None:
+            materialize(proto, source)
         atomic_write_bytes(out, proto.SerializeToString(deterministic=True))
     except OSError as exc:
         raise ModelSaveError(
@@ -542,6 +685,14 @@ def save_model(
             "permissions of the output folder"
         ) from exc
     return out
+
+
+def _fits_with_external(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto`` would fit the protobuf limit with its external tensors read in."""
+    if not fits_in_protobuf(proto):
+        return False
+    external = sum(int(_external_info(t).get("length") or 0) for t in _external_tensors(proto))
+    return external == 0 or proto.ByteSize() + external < _PROTOBUF_LIMIT
 
 
 def _is_repeated(field) -> bool:
@@ -566,13 +717,85 @@ def _copy_fields(src, dst, skip: set[str]) -> None:
 class _DataWriter:
     """Appends tensor bytes to one open file at aligned offsets and builds the references."""
 
-    def __init__(self, f, location: str) -> None:
+    def __init__(self, f, location: str, source: Path | None = None) -> None:
         self.f = f
         self.location = location
         self.offset = 0
+        self.source = source  # folder of the tensors still in external files (None: none)
+        self._sources: dict[Path, object] = {}
+
+    def close(self) -> None:
+        for handle in self._sources.values():
+            handle.close()
+        self._sources.clear()
+
+    def _open(self, tensor: onnx.TensorProto):
+        """The external data file of ``tensor`` (checked to lie in :attr:`source`), opened once."""
+        if self.source is None:
+            raise ModelSaveError(f"tensor {tensor.name!r} refers to external data never read")
+        location = _external_info(tensor).get("location", "")
+        path = resolve_external_location(location, self.source, what=f"tensor {tensor.name!r}")
+        handle = self._sources.get(path)
+        if handle is None:
+            handle = self._sources[path] = open(path, "rb")  # noqa: SIM115 (closed in close())
+        return handle
+
+    def _align(self) -> None:
+        pad = -self.offset % _ALIGNMENT
+        if pad:
+            self.f.write(b"\0" * pad)
+            self.offset += pad
+
+    def _reference(self, dst: onnx.TensorProto, length: int) -> None:
+        for key, value in (
+            ("location", self.location),
+            ("offset", str(self.offset)),
+            ("length", str(length)),
+        ):
+            entry = dst.external_data.add()
+            entry.key, entry.value = key, value
+        dst.data_location = onnx.TensorProto.EXTERNAL
+        self.offset += length
+
+    def _stream(self, tensor: onnx.TensorProto, dst: onnx.TensorProto) -> None:
+        """Copy an external tensor's bytes from its data file in pieces (never whole in memory).
+
+        A tensor that would be small once read in is written inline, exactly as the same tensor
+        held in memory would be.
+        """
+        info = _external_info(tensor)
+        offset = int(info.get("offset", "0") or 0)
+        length = int(info["length"]) if info.get("length") else None
+        handle = self._open(tensor)
+        if length is None:
+            length = os.fstat(handle.fileno()).st_size - offset
+        if length < EXTERNAL_THRESHOLD:
+            inline = onnx.TensorProto()
+            _copy_fields(tensor, inline, {"external_data", "data_location"})
+            handle.seek(offset)
+            inline.raw_data = handle.read(length)
+            self.stub(inline, dst)
+            return
+        _copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
+        self._align()
+        handle.seek(offset)
+        remaining = length
+        while remaining:
+            piece = handle.read(min(_COPY_CHUNK, remaining))
+            if not piece:
+                raise ModelSaveError(
+                    f"tensor {tensor.name!r}: its external data file ends {remaining} bytes "
+                    "early (changed since the model was loaded?)"
+                )
+            self.f.write(piece)
+            remaining -= len(piece)
+        self._reference(dst, length)
 
     def stub(self, tensor: onnx.TensorProto, dst: onnx.TensorProto) -> None:
         """``dst`` = ``tensor`` with its bytes moved to the file (or a plain copy if small)."""
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            self._stream(tensor, dst)
+            return
         if tensor.ByteSize() < EXTERNAL_THRESHOLD or tensor.data_type == onnx.TensorProto.STRING:
             dst.CopyFrom(tensor)
             return
@@ -585,20 +808,9 @@ class _DataWriter:
                 .tobytes()
             )
         _copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
-        pad = -self.offset % _ALIGNMENT
-        if pad:
-            self.f.write(b"\0" * pad)
-            self.offset += pad
+        self._align()
         self.f.write(data)
-        for key, value in (
-            ("location", self.location),
-            ("offset", str(self.offset)),
-            ("length", str(len(data))),
-        ):
-            entry = dst.external_data.add()
-            entry.key, entry.value = key, value
-        dst.data_location = onnx.TensorProto.EXTERNAL
-        self.offset += len(data)
+        self._reference(dst, len(data))
 
 
 def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter) -> None:
@@ -627,12 +839,17 @@ def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter)
                 _stub_graph(g, a.graphs.add(), writer)
 
 
-def _save_with_external_data(proto: onnx.ModelProto, out: Path) -> Path:
+def _save_with_external_data(
+    proto: onnx.ModelProto, out: Path, *, source: Path | None = None
+) -> Path:
     """Write ``out`` and ``<out name>.data`` (temporary names first, then two renames).
 
     The model's own tensors are streamed to the data file one at a time and a small copy of the
     model, holding references instead of bytes, is written as ``out``; ``proto`` is untouched and
-    no full copy of it is made. If the process stops between the two renames, the new data file
+    no full copy of it is made. Tensors still in external files (memory-mapped weights of a model
+    from :func:`load_ir`, relative to ``source``) are copied file to file in 16 MiB pieces.
+
+    If the process stops between the two renames, the new data file
     is removed again and an older data file of the same name restored.
     """
     data_path = out.parent / external_data_name(out)
@@ -644,8 +861,11 @@ def _save_with_external_data(proto: onnx.ModelProto, out: Path) -> Path:
         header = onnx.ModelProto()
         _copy_fields(proto, header, {"graph"})
         with os.fdopen(fd_data, "wb") as f:
-            writer = _DataWriter(f, data_path.name)
-            _stub_graph(proto.graph, header.graph, writer)
+            writer = _DataWriter(f, data_path.name, source)
+            try:
+                _stub_graph(proto.graph, header.graph, writer)
+            finally:
+                writer.close()
             f.flush()
             os.fsync(f.fileno())
         empty = writer.offset == 0  # no tensor large enough: a plain model file, no data file
