@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -138,6 +139,16 @@ def params_from_positions(plan: QuantPlan, positions: Mapping[str, int]) -> dict
     }
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor to write: its value, parameters, and its data when it is a constant."""
+
+    name: str
+    value: ir.Value
+    params: QuantParams
+    array: np.ndarray | None
+
+
 class InsertQDQ(QuarkPass):
     """Write quantization parameters into the graph (see the module docstring for the forms).
 
@@ -176,33 +187,23 @@ class InsertQDQ(QuarkPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if not self.params:
             return ir.passes.PassResult(model, False)
-        values = _value_index(model.graph)
-        entries: list[tuple[str, ir.Value, QuantParams, bool]] = []
-        for name, params in self.params.items():
-            value = values.get(name)
-            if value is None:
-                raise PassError(
-                    f"InsertQDQ: tensor {name} is not in graph {model.graph.name!r}; "
-                    "the parameters must be computed for this model"
-                )
-            is_constant = self._is_constant(value)
-            self._validate(name, value, params, is_constant)
-            entries.append((name, value, params, is_constant))
-
+        entries = self._entries(model.graph)
+        for entry in entries:
+            self._validate(entry)
         if self._raise_opset(model, entries):
-            values = _value_index(model.graph)
-            entries = [(n, values[n], p, c) for n, _, p, c in entries]
+            entries = self._entries(model.graph)  # the converted graph holds new values
         self._raise_ir_version(model, entries)
 
         graph = model.graph
         self._names = NameGenerator(graph)
         self._first = next(iter(graph), None)
         self._order = {id(node): i for i, node in enumerate(graph)}
-        for _name, value, params, is_constant in entries:
-            if is_constant:
-                if params.dynamic:
-                    params = _static_dynamic(constant_array(value), params)
-                self._constant(graph, value, params)
+        for entry in entries:
+            value, params = entry.value, entry.params
+            if entry.array is not None:
+                if params.dynamic:  # a constant's own range is known now
+                    params = qparams.dynamic_params(entry.array, params.qtype, params.symmetric)
+                self._constant(graph, value, entry.array, params)
             elif params.is_cast:
                 self._cast_activation(graph, value, params)
             elif params.dynamic:
@@ -212,30 +213,46 @@ class InsertQDQ(QuarkPass):
         logger.info("InsertQDQ: %d tensor(s) quantized", len(entries))
         return ir.passes.PassResult(model, True)
 
+    def _entries(self, graph: ir.Graph) -> list[_Entry]:
+        """The tensors to write, in the mapping's order, with a constant's value."""
+        values = _value_index(graph)
+        entries = []
+        for name, params in self.params.items():
+            value = values.get(name)
+            if value is None:
+                raise PassError(
+                    f"InsertQDQ: tensor {name} is not in graph {graph.name!r}; "
+                    "the parameters must be computed for this model"
+                )
+            entries.append(_Entry(name, value, params, self._constant_value(value)))
+        return entries
+
     # -- checks ---------------------------------------------------------------------------------
 
-    def _is_constant(self, value: ir.Value) -> bool:
+    def _constant_value(self, value: ir.Value) -> np.ndarray | None:
+        """A constant's value (written as codes + DequantizeLinear); None for an activation."""
         name = value.name or ""
         if self._plan_constants is not None:
             if not self._plan_constants[name]:
-                return False
-            if constant_array(value) is None:
+                return None
+            array = constant_array(value)
+            if array is None:
                 raise PassError(f"InsertQDQ: weight/bias {name} is not a constant")
-            return True
+            return array
         if value.is_graph_input():
-            return False  # an initializer that is also a graph input can be fed at run time
-        return constant_array(value) is not None
+            return None  # an initializer that is also a graph input can be fed at run time
+        return constant_array(value)
 
-    def _validate(self, name: str, value: ir.Value, params: QuantParams, is_constant: bool) -> None:
+    def _validate(self, entry: _Entry) -> None:
+        name, value, params = entry.name, entry.value, entry.params
         qtype = params.qtype
         if value.dtype is not None and value.dtype != ir.DataType.FLOAT:
             raise PassError(
                 f"InsertQDQ: tensor {name} is {value.dtype.name}; only float32 tensors are "
                 "quantized (convert the model to float32 first)"
             )
-        if is_constant:
-            array = constant_array(value)
-            shape = tuple(array.shape) if array is not None else None
+        if entry.array is not None:
+            shape: tuple[int, ...] | None = tuple(entry.array.shape)
         else:
             shape = _static_shape(value)
             if params.codes is not None:
@@ -277,12 +294,10 @@ class InsertQDQ(QuarkPass):
 
     # -- opset and IR version ---------------------------------------------------------------------
 
-    def _raise_opset(
-        self, model: ir.Model, entries: list[tuple[str, ir.Value, QuantParams, bool]]
-    ) -> bool:
+    def _raise_opset(self, model: ir.Model, entries: list[_Entry]) -> bool:
         """Convert the model to the opset the written nodes need; True when it was converted."""
         current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
-        needs = [(required_opset(p), n, p) for n, _, p, _ in entries]
+        needs = [(required_opset(e.params), e.name, e.params) for e in entries]
         need, tensor, params = max(needs, key=lambda t: t[0])
         if current is None:
             model.opset_imports[""] = need
@@ -322,10 +337,8 @@ class InsertQDQ(QuarkPass):
         model.functions.update(new.functions)
         return True
 
-    def _raise_ir_version(
-        self, model: ir.Model, entries: list[tuple[str, ir.Value, QuantParams, bool]]
-    ) -> None:
-        need = max((_IR_FOR_TYPE.get(p.qtype, 0) for _, _, p, _ in entries), default=0)
+    def _raise_ir_version(self, model: ir.Model, entries: list[_Entry]) -> None:
+        need = max((_IR_FOR_TYPE.get(e.params.qtype, 0) for e in entries), default=0)
         if need > model.ir_version:
             model.ir_version = need
 
@@ -502,10 +515,10 @@ class InsertQDQ(QuarkPass):
         )
         self._place_after(graph, value, [cast, back])
 
-    def _constant(self, graph: ir.Graph, value: ir.Value, params: QuantParams) -> None:
+    def _constant(
+        self, graph: ir.Graph, value: ir.Value, array: np.ndarray, params: QuantParams
+    ) -> None:
         name = value.name or ""
-        array = constant_array(value)
-        assert array is not None  # checked by _is_constant
         codes = params.codes if params.codes is not None else _codes(array, params)
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
         if params.is_cast:
@@ -624,12 +637,6 @@ def _codes(array: np.ndarray, params: QuantParams) -> np.ndarray:
         q = np.rint(x.astype(np.float64) / scale.astype(np.float64)) + zero
         return np.clip(q, QuantType.QInt32.qmin, QuantType.QInt32.qmax).astype(np.int32)
     return qparams.quantize(array, params)
-
-
-def _static_dynamic(array: np.ndarray | None, params: QuantParams) -> QuantParams:
-    """Parameters of a constant marked dynamic: its own range, computed now."""
-    assert array is not None
-    return qparams.dynamic_params(array, params.qtype, params.symmetric)
 
 
 def _unsafe_upgrade(model: ir.Model, current: int, target: int) -> str | None:
