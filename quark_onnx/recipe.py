@@ -1,0 +1,785 @@
+"""Quantization recipes: save a quantized model's configuration and parameters, rebuild it later.
+
+A recipe is a folder of two files (three for an imported model):
+
+``recipe.json``
+    The format name and version; the full configuration (every :class:`QuantizationConfig`
+    field, enums by name, and every extra option with its default filled in) and the preset it
+    started from, if any; the float model's identity (:func:`quark_onnx.calibration.result.
+    model_hash`, SHA-256 of its structure and initializer values); the SHA-256 of the quantized
+    model's bytes; the ordered list of quantized tensors with ``qtype``, ``shape``, ``axis``,
+    ``block_size``, ``dynamic``, ``symmetric`` and the names of their arrays; and the SHA-256 of
+    the parameter file.
+``params.safetensors``
+    Per tensor ``<name>.scale`` (float32), ``<name>.zero_point`` and, for constants,
+    ``<name>.codes`` (the integer codes the quantized model holds, so AdaRound and bias
+    correction are kept), read and written by :mod:`quark_onnx.safetensors_io` (int4/uint4
+    stored one code per byte, the true type in the metadata).
+``float_model.onnx``
+    Only for a recipe imported from a QDQ model (:func:`import_recipe`): the float model the
+    parameters apply to (the QDQ patterns removed, dequantized weights folded to float).
+
+Rebuilding (:func:`load_recipe`) runs no calibration and needs no data::
+
+    float model -> quantize_passes(config)   (the prepare and DPU-simulation passes)
+                -> InsertQDQ(params)          (codes written as they are, not re-quantized)
+                -> finalize_passes(config)    -> quantized model
+
+which is what :class:`~quark_onnx.quantizer.ModelQuantizer` does around calibration, so the result
+is byte-identical to the model the recipe was saved from (:func:`save_recipe` checks that before
+writing anything). An imported recipe has no configuration: its float model is already prepared,
+and the rebuild is ``InsertQDQ(params)`` alone.
+
+Loading executes nothing from the files: JSON via :func:`json.loads` (duplicate keys refused) and
+arrays via :mod:`quark_onnx.safetensors_io`. It refuses, naming the file and the tensor and saying
+what to do: a parameter file whose SHA-256 differs from the recorded one (edited or replaced), a
+recipe written for another float model, shapes that disagree between ``recipe.json``, the arrays
+and the float model, an unknown format version, and parameters :meth:`QuantParams.validate`
+rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from quark_onnx import qparams
+from quark_onnx.config import Config, QuantizationConfig
+from quark_onnx.enums import QuantType
+from quark_onnx.errors import ModelSaveError, QuantizationError, QuarkOnnxError
+from quark_onnx.qparams import QuantParams
+
+logger = logging.getLogger(__name__)
+
+RECIPE_FILE = "recipe.json"
+PARAMS_FILE = "params.safetensors"
+FLOAT_MODEL_FILE = "float_model.onnx"
+FORMAT = "quark_onnx.recipe"
+FORMAT_VERSION = 1
+_ARRAYS = ("scale", "zero_point", "codes")
+
+
+class RecipeError(QuarkOnnxError):
+    """A recipe cannot be written, read or applied (tampered, mismatched, malformed)."""
+
+
+@dataclass
+class Recipe:
+    """A recipe read from its folder (parameters checked; not yet applied to a model).
+
+    Attributes:
+        directory: the recipe folder.
+        config: the quantization configuration, or None for an imported recipe.
+        preset: the preset the configuration started from, if recorded.
+        float_model_sha256: :func:`~quark_onnx.calibration.result.model_hash` of the float model.
+        quantized_model_sha256: SHA-256 of the quantized model's serialized bytes.
+        params: tensor name -> parameters, in writing order.
+        shapes: tensor name -> shape recorded at save time (None: unknown, e.g. dynamic axes).
+        info: the whole ``recipe.json`` document.
+    """
+
+    directory: Path
+    config: QuantizationConfig | None
+    preset: str | None
+    float_model_sha256: str
+    quantized_model_sha256: str | None
+    params: dict[str, QuantParams]
+    shapes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def imported(self) -> bool:
+        """Imported from a QDQ model: no configuration, the float model is in the folder."""
+        return self.config is None
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration <-> JSON
+# ------------------------------------------------------------------------------------------------
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def config_to_json(qconfig: QuantizationConfig) -> dict[str, Any]:
+    """Every setting of ``qconfig`` as JSON data: fields (enums by member name) and every extra
+    option with its effective value (defaults filled in)."""
+    settings: dict[str, Any] = {}
+    for f in dataclasses.fields(qconfig):
+        if f.name != "extra_options":
+            settings[f.name] = _json_value(getattr(qconfig, f.name))
+    options = qconfig.validate()
+    return {"settings": settings, "extra_options": _json_value(dataclasses.asdict(options))}
+
+
+def config_from_json(data: Any, source: str) -> QuantizationConfig:
+    """The :class:`QuantizationConfig` recorded by :func:`config_to_json`.
+
+    Raises:
+        RecipeError: not an object of ``settings`` and ``extra_options``, or a setting this
+            version does not know (the recipe was written by another version).
+    """
+    from quark_onnx.errors import ConfigError
+
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("settings"), dict)
+        or not isinstance(data.get("extra_options"), dict)
+    ):
+        raise RecipeError(
+            f"{source}: 'config' must hold the objects 'settings' and 'extra_options'"
+        )
+    qconfig = QuantizationConfig()
+    try:
+        for key, value in data["settings"].items():
+            _set_setting(qconfig, key, value)
+        qconfig.extra_options = dict(data["extra_options"])
+        qconfig.validate()
+    except ConfigError as exc:
+        raise RecipeError(
+            f"{source}: the recorded configuration is not valid for this version of quark_onnx "
+            f"({exc}); rebuild with the version that wrote the recipe, or quantize again"
+        ) from exc
+    return qconfig
+
+
+def _set_setting(qconfig: QuantizationConfig, key: str, value: Any) -> None:
+    """Assign one recorded setting; enum values are accepted as ``Member`` or, as
+    :meth:`QuantizationConfig.effective_settings` prints them, ``Class.Member``."""
+    from quark_onnx.errors import ConfigError
+
+    try:
+        setattr(qconfig, key, value)
+    except ConfigError:
+        if not (isinstance(value, str) and "." in value):
+            raise
+        setattr(qconfig, key, value.rsplit(".", 1)[1])
+
+
+def _as_qconfig(config: Config | QuantizationConfig | str | None) -> tuple[Any, str | None]:
+    from quark_onnx.config import get_default_config
+
+    if config is None:
+        return None, None
+    if isinstance(config, str):
+        return get_default_config(config), config.upper()
+    if isinstance(config, Config):
+        return config.global_quant_config, None
+    if isinstance(config, QuantizationConfig):
+        return config, None
+    raise RecipeError(
+        f"config: expected a Config, a QuantizationConfig or a preset name, got "
+        f"{type(config).__name__}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------
+
+
+def _load_float(model: onnx.ModelProto | str | os.PathLike) -> tuple[onnx.ModelProto, Path | None]:
+    """The float model as :class:`~quark_onnx.quantizer.ModelQuantizer` loads it."""
+    from quark_onnx import model_io
+
+    if isinstance(model, onnx.ModelProto):
+        return model_io.validate_proto(model), None
+    return model_io.load_model(model), Path(model)
+
+
+def _load_quantized(model: onnx.ModelProto | str | os.PathLike) -> tuple[onnx.ModelProto, str]:
+    from quark_onnx import model_io
+
+    if isinstance(model, onnx.ModelProto):
+        return model, "<quantized model>"
+    return model_io.load_model(model, upgrade_opset=False), str(model)
+
+
+def model_bytes_sha256(model: onnx.ModelProto) -> str:
+    """SHA-256 of the model's deterministic serialization (what :func:`model_io.save_model`
+    writes)."""
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def rebuild(
+    float_model: onnx.ModelProto,
+    config: QuantizationConfig | None,
+    params: dict[str, QuantParams],
+    *,
+    check: Callable[[Any], None] | None = None,
+) -> onnx.ModelProto:
+    """Apply ``params`` to a loaded float model: the config's prepare passes, ``InsertQDQ``, the
+    config's finalize passes (``config=None``: ``InsertQDQ`` alone). Runs no calibration.
+
+    ``check`` is called with the prepared ``onnx_ir`` graph before ``InsertQDQ``."""
+    from quark_onnx import model_io
+    from quark_onnx.passes.insert_qdq import InsertQDQ
+    from quark_onnx.pipeline import finalize_passes, quantize_passes, run_passes
+
+    model = model_io.to_ir(float_model)
+    if config is not None:
+        options = config.validate()
+        run_passes(model, quantize_passes(config, options))
+    if check is not None:
+        check(model.graph)
+    InsertQDQ(params)(model)
+    if config is not None:
+        run_passes(model, finalize_passes(config, options))
+    return model_io.to_proto(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# params <-> arrays and JSON entries
+# ------------------------------------------------------------------------------------------------
+
+
+def _entries(
+    params: dict[str, QuantParams], shapes: dict[str, tuple[int, ...] | None]
+) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    entries: list[dict[str, Any]] = []
+    arrays: dict[str, np.ndarray] = {}
+    for name, p in params.items():
+        entry: dict[str, Any] = {
+            "name": name,
+            "qtype": p.qtype.name,
+            "shape": None if shapes.get(name) is None else [int(d) for d in shapes[name]],
+            "axis": p.axis,
+            "block_size": p.block_size,
+            "dynamic": bool(p.dynamic),
+            "symmetric": bool(p.symmetric),
+        }
+        for kind in _ARRAYS:
+            value = getattr(p, kind)
+            if value is None:
+                entry[kind] = None
+                continue
+            key = f"{name}.{kind}"
+            arrays[key] = np.asarray(value)
+            entry[kind] = key
+        entries.append(entry)
+    return entries, arrays
+
+
+def _params_from_entries(
+    entries: Any, arrays: dict[str, np.ndarray], source: str, params_source: str
+) -> tuple[dict[str, QuantParams], dict[str, tuple[int, ...] | None]]:
+    if not isinstance(entries, list):
+        raise RecipeError(f"{source}: 'tensors' must be a list")
+    params: dict[str, QuantParams] = {}
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    used: set[str] = set()
+    for i, entry in enumerate(entries):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            raise RecipeError(f"{source}: tensors[{i}] has no name")
+        where = f"{source}: tensor {name!r}"
+        if name in params:
+            raise RecipeError(f"{where} is listed twice")
+        try:
+            qtype = QuantType.coerce(entry.get("qtype"), "qtype")
+        except QuarkOnnxError as exc:
+            raise RecipeError(f"{where}: {exc}") from exc
+        shape = entry.get("shape")
+        if shape is not None and (
+            not isinstance(shape, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise RecipeError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        for key in ("axis", "block_size"):
+            value = entry.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise RecipeError(f"{where}: {key} {value!r} is not an integer or null")
+        for key in ("dynamic", "symmetric"):
+            if not isinstance(entry.get(key), bool):
+                raise RecipeError(f"{where}: {key} must be true or false")
+        found: dict[str, np.ndarray | None] = {}
+        for kind in _ARRAYS:
+            key = entry.get(kind)
+            if key is None:
+                found[kind] = None
+                continue
+            if not isinstance(key, str) or key not in arrays:
+                raise RecipeError(
+                    f"{where}: its {kind} {key!r} is not in {params_source}; the recipe files do "
+                    "not belong together: save the recipe again"
+                )
+            used.add(key)
+            found[kind] = arrays[key]
+        codes = found["codes"]
+        if codes is not None:
+            if codes.dtype != qparams.numpy_dtype(qtype):
+                raise RecipeError(
+                    f"{where}: codes are {codes.dtype} in {params_source}, but the recipe says "
+                    f"{qtype.name}; the files were edited: restore or save the recipe again"
+                )
+            if shape is not None and list(codes.shape) != shape:
+                raise RecipeError(
+                    f"{where}: recipe.json gives shape {shape} but the codes in {params_source} "
+                    f"have shape {list(codes.shape)}; the files were edited: restore them or "
+                    "save the recipe again"
+                )
+        scale = found["scale"]
+        if scale is not None and scale.dtype != np.float32:
+            raise RecipeError(f"{where}: scale must be float32, found {scale.dtype}")
+        p = QuantParams(
+            qtype=qtype,
+            scale=scale,
+            zero_point=found["zero_point"],
+            axis=entry.get("axis"),
+            block_size=entry.get("block_size"),
+            dynamic=entry["dynamic"],
+            symmetric=entry["symmetric"],
+            codes=codes,
+        )
+        try:
+            p.validate(None if shape is None else tuple(shape), name)
+        except QuantizationError as exc:
+            raise RecipeError(
+                f"{source}: {exc}; the recipe was edited or is corrupt: save it again"
+            ) from exc
+        params[name] = p
+        shapes[name] = None if shape is None else tuple(shape)
+    extra = sorted(set(arrays) - used)
+    if extra:
+        raise RecipeError(
+            f"{params_source}: array {extra[0]!r} (and {len(extra) - 1} more) is not listed in "
+            f"{source}; the files do not belong together: save the recipe again"
+        )
+    return params, shapes
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------------
+
+
+def _prepare_directory(directory: str | os.PathLike, overwrite: bool) -> Path:
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise ModelSaveError(f"{out}: exists and is not a folder; give a folder for the recipe")
+    if (out / RECIPE_FILE).exists() and not overwrite:
+        raise ModelSaveError(
+            f"{out / RECIPE_FILE} exists; choose another folder or pass overwrite=True "
+            "(--overwrite)"
+        )
+    if not out.parent.exists():
+        raise ModelSaveError(f"{out}: folder {out.parent} does not exist; create it first")
+    out.mkdir(exist_ok=True)
+    return out
+
+
+def _write(
+    out: Path,
+    params: dict[str, QuantParams],
+    shapes: dict[str, tuple[int, ...] | None],
+    document: dict[str, Any],
+) -> Path:
+    """Write the parameter file, then ``recipe.json`` (last: a folder without it holds no
+    recipe, so an interrupted save never leaves a half recipe that loads)."""
+    from quark_onnx import safetensors_io
+    from quark_onnx.model_io import atomic_write_bytes
+
+    entries, arrays = _entries(params, shapes)
+    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+    digest = safetensors_io.save_file(arrays, out / PARAMS_FILE, metadata)
+    document = {
+        **document,
+        "tensors": entries,
+        "params": {"file": PARAMS_FILE, "sha256": digest},
+    }
+    text = json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
+    atomic_write_bytes(out / RECIPE_FILE, text.encode("utf-8"))
+    logger.info("recipe written to %s (%d tensors)", out, len(params))
+    return out / RECIPE_FILE
+
+
+def _document(
+    *,
+    qconfig: QuantizationConfig | None,
+    preset: str | None,
+    float_proto: onnx.ModelProto,
+    quantized_sha: str,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    from quark_onnx import __version__
+    from quark_onnx.calibration.result import model_hash
+
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "producer": {"name": "quark_onnx", "version": __version__},
+        "preset": preset,
+        "config": None if qconfig is None else config_to_json(qconfig),
+        "float_model": {
+            "sha256": model_hash(float_proto),
+            "graph_name": float_proto.graph.name,
+        },
+        "quantized_model": {"sha256": quantized_sha},
+    }
+    if source is not None:
+        doc["source"] = source
+    return doc
+
+
+def _roundtrip(params: dict[str, QuantParams]) -> dict[str, QuantParams]:
+    """``params`` as they will read back from the files (arrays through safetensors bytes)."""
+    from quark_onnx import safetensors_io
+
+    entries, arrays = _entries(params, {})
+    back, _ = safetensors_io.deserialize(safetensors_io.serialize(arrays), "<params>")
+    restored, _ = _params_from_entries(entries, back, "<recipe>", "<params>")
+    return restored
+
+
+def save_recipe(
+    directory: str | os.PathLike,
+    quantized_model: onnx.ModelProto | str | os.PathLike,
+    config: Config | QuantizationConfig | str,
+    float_model: onnx.ModelProto | str | os.PathLike,
+    *,
+    preset: str | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Write the recipe of ``quantized_model`` to ``directory``; return the ``recipe.json`` path.
+
+    The parameters are read from the quantized model itself (:func:`quark_onnx.importer.
+    extract_params`: scales, zero points and the integer codes of every constant, so AdaRound
+    and bias correction are kept), in the order the quantizer wrote them.
+
+    Args:
+        directory: the recipe folder (created; its parent must exist).
+        quantized_model: the model :class:`~quark_onnx.quantizer.ModelQuantizer` wrote (or its
+            path).
+        config: the configuration it was quantized with (a ``Config``, a
+            ``QuantizationConfig`` or a preset name).
+        float_model: the float model it was quantized from (or its path).
+        preset: the preset name to record (taken from ``config`` when that is a name).
+        verify: rebuild the model from the recipe in memory first and refuse to write a recipe
+            that does not reproduce ``quantized_model`` byte for byte.
+        overwrite: replace a recipe already in ``directory``.
+
+    Raises:
+        RecipeError: ``verify`` failed (the message names the first difference; usually the
+            config is not the one the model was quantized with).
+        ModelSaveError: the folder cannot be written or already holds a recipe.
+    """
+    from quark_onnx.importer import extract_params
+
+    qconfig, named = _as_qconfig(config)
+    preset = preset or named
+    qproto, qlabel = _load_quantized(quantized_model)
+    fproto, _ = _load_float(float_model)
+    params = extract_params(qproto)
+    if not params:
+        raise RecipeError(
+            f"{qlabel}: holds no quantized tensor (no QuantizeLinear/"
+            "DequantizeLinear or Cast pair); nothing to save"
+        )
+    expected = model_bytes_sha256(qproto)
+    if verify:
+        rebuilt = rebuild(fproto, qconfig, _roundtrip(params))
+        if model_bytes_sha256(rebuilt) != expected:
+            raise RecipeError(
+                f"{qlabel}: the recipe would not reproduce this model ("
+                f"{first_difference(qproto, rebuilt)}); pass the configuration and float model "
+                "it was quantized with"
+            )
+    out = _prepare_directory(directory, overwrite)
+    shapes = _constant_shapes(params)
+    document = _document(qconfig=qconfig, preset=preset, float_proto=fproto, quantized_sha=expected)
+    return _write(out, params, shapes, document)
+
+
+def _constant_shapes(params: dict[str, QuantParams]) -> dict[str, tuple[int, ...] | None]:
+    return {n: (tuple(p.codes.shape) if p.codes is not None else None) for n, p in params.items()}
+
+
+def import_recipe(
+    qdq_model: onnx.ModelProto | str | os.PathLike,
+    directory: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Read a QDQ model (this project's, onnxruntime's, Quark's standard QDQ) into a recipe.
+
+    Writes ``float_model.onnx`` (the patterns removed, see :mod:`quark_onnx.importer`) and the
+    recipe of its parameters, with no configuration: :func:`load_recipe` then rebuilds a model
+    equivalent to ``qdq_model`` (same outputs in onnxruntime; node order may differ). Returns the
+    ``recipe.json`` path.
+
+    Raises:
+        QDQImportError: the model holds a construct the importer does not read (named).
+        ModelSaveError: the folder cannot be written or already holds a recipe.
+    """
+    from quark_onnx import model_io
+    from quark_onnx.importer import read_qdq
+
+    source_path = None if isinstance(qdq_model, onnx.ModelProto) else Path(qdq_model)
+    imported = read_qdq(qdq_model)
+    if not imported.params:
+        raise RecipeError(f"{imported.source}: holds no quantized tensor; nothing to import")
+    fproto = imported.float_model
+    assert fproto is not None
+    rebuilt = rebuild(fproto, None, _roundtrip(imported.params))
+    out = _prepare_directory(directory, overwrite)
+    model_io.save_model(fproto, out / FLOAT_MODEL_FILE, input_path=source_path, overwrite=False)
+    source = {"model": imported.source}
+    if source_path is not None:
+        source["sha256"] = hashlib.sha256(source_path.read_bytes()).hexdigest()
+    shapes = {n: imported.shapes.get(n) for n in imported.params}
+    document = _document(
+        qconfig=None,
+        preset=None,
+        float_proto=fproto,
+        quantized_sha=model_bytes_sha256(rebuilt),
+        source=source,
+    )
+    return _write(out, imported.params, shapes, document)
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+# ------------------------------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def read_recipe(directory: str | os.PathLike) -> Recipe:
+    """Read and check a recipe folder (no model needed; see the module docstring).
+
+    Raises:
+        RecipeError: missing or malformed files, an unknown format version, a parameter file
+            that was changed (SHA-256), inconsistent shapes, types or arrays.
+    """
+    from quark_onnx import safetensors_io
+
+    folder = Path(directory)
+    path = folder / RECIPE_FILE
+    if not folder.is_dir():
+        raise RecipeError(f"{folder}: no such recipe folder")
+    if not path.is_file():
+        raise RecipeError(
+            f"{path}: missing; {folder} is not a recipe folder (write one with save_recipe or "
+            "`quark-onnx export --format recipe`)"
+        )
+    source = str(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RecipeError(f"{source}: not a readable JSON recipe ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise RecipeError(f"{source}: not a quark_onnx recipe (format must be {FORMAT!r})")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise RecipeError(f"{source}: format_version {version!r} is not a positive integer")
+    if version > FORMAT_VERSION:
+        raise RecipeError(
+            f"{source}: format_version {version} is newer than this quark_onnx reads "
+            f"({FORMAT_VERSION}); upgrade quark_onnx"
+        )
+    float_info = doc.get("float_model")
+    if not isinstance(float_info, dict) or not isinstance(float_info.get("sha256"), str):
+        raise RecipeError(f"{source}: 'float_model' must record the float model's sha256")
+    quant_info = doc.get("quantized_model")
+    quantized_sha = quant_info.get("sha256") if isinstance(quant_info, dict) else None
+    params_info = doc.get("params")
+    if (
+        not isinstance(params_info, dict)
+        or params_info.get("file") != PARAMS_FILE
+        or not isinstance(params_info.get("sha256"), str)
+    ):
+        raise RecipeError(f"{source}: 'params' must name {PARAMS_FILE!r} and record its sha256")
+    preset = doc.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise RecipeError(f"{source}: 'preset' must be a string or null")
+    config = None if doc.get("config") is None else config_from_json(doc["config"], source)
+    params_path = folder / PARAMS_FILE
+    if not params_path.is_file():
+        raise RecipeError(f"{params_path}: missing; copy the whole recipe folder")
+    try:
+        arrays, _meta = safetensors_io.load_file(params_path, sha256=params_info["sha256"])
+    except safetensors_io.SafetensorsError as exc:
+        raise RecipeError(str(exc)) from exc
+    params, shapes = _params_from_entries(doc.get("tensors"), arrays, source, str(params_path))
+    return Recipe(
+        directory=folder,
+        config=config,
+        preset=preset,
+        float_model_sha256=float_info["sha256"],
+        quantized_model_sha256=quantized_sha if isinstance(quantized_sha, str) else None,
+        params=params,
+        shapes=shapes,
+        info=doc,
+    )
+
+
+def _check_against_model(recipe: Recipe, fproto: onnx.ModelProto, label: str) -> None:
+    from quark_onnx.calibration.result import model_hash
+
+    digest = model_hash(fproto)
+    if digest != recipe.float_model_sha256:
+        recorded = recipe.info.get("float_model", {}).get("graph_name")
+        raise RecipeError(
+            f"{recipe.directory / RECIPE_FILE}: written for another float model (graph "
+            f"{recorded!r}, identity {recipe.float_model_sha256[:16]}...), not {label} (graph "
+            f"{fproto.graph.name!r}, identity {digest[:16]}...); pass the float model the recipe "
+            "was saved from, or quantize this model again"
+        )
+
+
+def _check_shapes(recipe: Recipe, graph: Any) -> None:
+    """The recorded constant shapes against the prepared float graph's tensors (before
+    InsertQDQ, whose own check would name no file)."""
+    from quark_onnx.passes._graph import constant_array
+
+    values: dict[str, Any] = dict(graph.initializers)
+    for node in graph:
+        for out in node.outputs:
+            if out.name:
+                values[out.name] = out
+    for v in graph.inputs:
+        values.setdefault(v.name or "", v)
+    for name, p in recipe.params.items():
+        value = values.get(name)
+        where = f"{recipe.directory / RECIPE_FILE}: tensor {name!r}"
+        if value is None:
+            raise RecipeError(
+                f"{where} is not in the (prepared) float model; the recipe does not belong to "
+                "this model or configuration"
+            )
+        if p.codes is None:
+            continue
+        array = constant_array(value)
+        if array is None:
+            raise RecipeError(f"{where} has codes but is not a constant of the float model")
+        if tuple(array.shape) != tuple(p.codes.shape):
+            raise RecipeError(
+                f"{where}: the recipe's codes have shape {list(p.codes.shape)} but the float "
+                f"model's tensor has shape {list(array.shape)}; the recipe was edited or belongs "
+                "to another model"
+            )
+
+
+def load_recipe(
+    directory: str | os.PathLike,
+    float_model: onnx.ModelProto | str | os.PathLike | None = None,
+    output: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+) -> onnx.ModelProto:
+    """Rebuild the quantized model from a recipe and its float model, without calibration.
+
+    Args:
+        directory: the recipe folder.
+        float_model: the float model the recipe was saved from (path or proto); None for an
+            imported recipe (its ``float_model.onnx`` is used).
+        output: also write the model here (atomically; never over the float model unless
+            ``overwrite``).
+
+    Returns:
+        The quantized model; byte-identical to the one the recipe was saved from.
+
+    Raises:
+        RecipeError: see :func:`read_recipe`; or the float model is not the recipe's.
+    """
+    from quark_onnx import model_io
+
+    recipe = read_recipe(directory)
+    if float_model is None:
+        if not recipe.imported:
+            raise RecipeError(
+                f"{recipe.directory / RECIPE_FILE}: give the float model the recipe was saved "
+                "from (float_model=..., --float-model)"
+            )
+        float_model = recipe.directory / FLOAT_MODEL_FILE
+    fproto, fpath = _load_float(float_model)
+    label = str(fpath) if fpath is not None else "the given float model"
+    _check_against_model(recipe, fproto, label)
+    quantized = rebuild(
+        fproto, recipe.config, recipe.params, check=lambda graph: _check_shapes(recipe, graph)
+    )
+    if (
+        recipe.quantized_model_sha256 is not None
+        and model_bytes_sha256(quantized) != recipe.quantized_model_sha256
+    ):
+        logger.warning(
+            "%s: the rebuilt model differs from the one the recipe was saved from (another "
+            "quark_onnx/onnx version?); its parameters are the recipe's",
+            recipe.directory,
+        )
+    if output is not None:
+        model_io.save_model(quantized, output, input_path=fpath, overwrite=overwrite)
+    return quantized
+
+
+# ------------------------------------------------------------------------------------------------
+# diagnosis
+# ------------------------------------------------------------------------------------------------
+
+
+def first_difference(a: onnx.ModelProto, b: onnx.ModelProto) -> str:
+    """A short description of where two models first differ (for error messages)."""
+    if a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True):
+        return "no difference"
+    for attr in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        if getattr(a, attr) != getattr(b, attr):
+            return f"{attr}: {getattr(a, attr)!r} vs {getattr(b, attr)!r}"
+    if list(a.opset_import) != list(b.opset_import):
+        return "opset imports differ"
+    if list(a.metadata_props) != list(b.metadata_props):
+        return "metadata_props differ"
+    ga, gb = a.graph, b.graph
+    for kind in ("input", "output"):
+        la, lb = list(getattr(ga, kind)), list(getattr(gb, kind))
+        if la != lb:
+            return f"graph {kind}s differ ({[v.name for v in la]} vs {[v.name for v in lb]})"
+    na, nb = list(ga.node), list(gb.node)
+    for i, (x, y) in enumerate(zip(na, nb, strict=False)):
+        if x != y:
+            return (
+                f"node {i}: {x.op_type} {x.name!r} {list(x.input)} vs {y.op_type} {y.name!r} "
+                f"{list(y.input)}"
+            )
+    if len(na) != len(nb):
+        return f"{len(na)} vs {len(nb)} nodes"
+    ia, ib = list(ga.initializer), list(gb.initializer)
+    for i, (x, y) in enumerate(zip(ia, ib, strict=False)):
+        if x.name != y.name:
+            return f"initializer {i}: {x.name!r} vs {y.name!r}"
+        if x != y:
+            return f"initializer {x.name!r}: values differ"
+    if len(ia) != len(ib):
+        return f"{len(ia)} vs {len(ib)} initializers"
+    va, vb = list(ga.value_info), list(gb.value_info)
+    if va != vb:
+        for x, y in zip(va, vb, strict=False):
+            if x != y:
+                return f"value_info {x.name!r} vs {y.name!r}"
+        return f"{len(va)} vs {len(vb)} value_info entries"
+    return "graph fields differ (names, doc strings or attributes)"
