@@ -460,12 +460,15 @@ class InsertQDQ(QuarkPass):
             )
             self._place_after(graph, value, [dyn, dq])
             return
+        # symmetric codes span qmax - zero_code on each side (uint8: 127 around 128)
+        zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
         qmax = add_initializer(
-            graph, self._names(f"{name}_qmax"), np.array(qtype.qmax, dtype=np.float32)
+            graph,
+            self._names(f"{name}_qmax"),
+            np.array(qtype.qmax - zero_code, dtype=np.float32),
         )
         zero = add_initializer(graph, self._names(f"{name}_zero"), np.array(0, dtype=np.float32))
         one = add_initializer(graph, self._names(f"{name}_one"), np.array(1, dtype=np.float32))
-        zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
         zero_point = add_initializer(
             graph,
             self._names(f"{name}_zero_point"),

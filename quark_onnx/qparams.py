@@ -198,9 +198,11 @@ def quantize(x: np.ndarray, params: QuantParams) -> np.ndarray:
     if params.qtype is QuantType.QFLOAT8E4M3FN:
         return np.clip(scaled, -FLOAT8_E4M3FN_MAX, FLOAT8_E4M3FN_MAX).astype(dtype)
     zero = broadcast_parameter(
-        params.zero_point.astype(np.float32), x.shape, params.axis, params.block_size
+        params.zero_point.astype(np.float64), x.shape, params.axis, params.block_size
     )
-    q = np.rint(scaled) + zero
+    # the division is float32 (as onnxruntime computes it); rounding, offset and clipping are
+    # float64 so that int32 codes near 2^31 do not overflow in the cast
+    q = np.rint(scaled).astype(np.float64) + zero
     return np.clip(q, params.qtype.qmin, params.qtype.qmax).astype(dtype)
 
 
@@ -335,16 +337,20 @@ def dynamic_params(x: np.ndarray, qtype: QuantType, symmetric: bool) -> QuantPar
 
     * uint8 asymmetric: ONNX ``DynamicQuantizeLinear`` — ``scale = (max(0, max x) - min(0, min x))
       / 255``, ``zero_point = saturate(round(-min(0, min x) / scale))``;
-    * symmetric (int8/int16): ``scale = max|x| / qmax``, zero point 0 (an all-zero input gets
-      scale 1).
+    * symmetric: ``scale = max|x| / (qmax - z)`` with the symmetric zero point ``z`` (0 for
+      signed types, ``2^(bits-1)`` for unsigned ones, so uint8 divides by 127, not 255);
+    * an all-zero input gets scale 1 (as onnxruntime's DynamicQuantizeLinear returns), zero
+      point ``z``.
     """
     qtype = QuantType.coerce(qtype)
     x = np.asarray(x, dtype=np.float32)
     dtype = numpy_dtype(qtype)
     if symmetric:
+        if not qtype.is_integer:
+            raise QuantizationError(f"dynamic quantization takes integer types, not {qtype.name}")
         amax = np.float32(np.max(np.abs(x))) if x.size else np.float32(0)
-        scale = amax / np.float32(qtype.qmax) if amax > 0 else np.float32(1.0)
         zero = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+        scale = amax / np.float32(qtype.qmax - zero) if amax > 0 else np.float32(1.0)
         return QuantParams(
             qtype=qtype,
             scale=np.array(scale, dtype=np.float32),
@@ -359,7 +365,9 @@ def dynamic_params(x: np.ndarray, qtype: QuantType, symmetric: bool) -> QuantPar
     lo = np.float32(min(0.0, float(x.min()))) if x.size else np.float32(0)
     hi = np.float32(max(0.0, float(x.max()))) if x.size else np.float32(0)
     scale = (hi - lo) / np.float32(255.0)
-    zero = np.clip(np.rint(-lo / scale), 0, 255) if scale > 0 else 0.0
+    if scale == 0:  # an all-zero input: onnxruntime's DynamicQuantizeLinear gives scale 1
+        scale = np.float32(1.0)
+    zero = np.clip(np.rint(-lo / scale), 0, 255)
     return QuantParams(
         qtype=qtype,
         scale=np.array(scale, dtype=np.float32),

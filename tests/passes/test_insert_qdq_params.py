@@ -383,11 +383,9 @@ def test_dynamic_runtime_scale_equals_the_reference(qtype, symmetric):
         assert scale.dtype == np.float32 and scale.shape == ()
         assert zero_point in ([], [ref.zero_point]), (case, zero_point, ref.zero_point)
         if case == "zeros":
-            # all-zero input: the symmetric graph's guard gives 1 like the reference;
-            # onnxruntime's DynamicQuantizeLinear also returns 1 where ONNX's formula (and
-            # dynamic_params) give 0. Either scale dequantizes the zero codes to exactly 0.
-            assert scale == 1.0
-            assert ref.scale == (1.0 if symmetric else 0.0)
+            # all-zero input: the symmetric graph's guard and onnxruntime's
+            # DynamicQuantizeLinear both give scale 1, as the reference does
+            assert scale == 1.0 and ref.scale == 1.0
             np.testing.assert_array_equal(got, run_ort(oracle, {"x": x})[0])
             continue
         assert scale == ref.scale, (case, scale, ref.scale)
