@@ -19,6 +19,19 @@ Subcommands:
 ``compare FLOAT QUANTIZED``
     Float vs quantized on data: per-output SQNR / cosine / top-1 agreement and per-layer SQNR of
     the quantized tensors, worst first.
+``export MODEL --format recipe|gguf|onnx -o OUT``
+    Write a quantized (QDQ) model in another format: ``recipe`` (a folder: the configuration as
+    JSON and every tensor's scale, zero point and codes in safetensors, :func:`quark_onnx.recipe.
+    save_recipe`; needs ``--float-model`` and the settings it was quantized with, from
+    ``--report MODEL.report.json`` or ``--config``/``--set``), ``gguf`` (weight-only tensors,
+    :func:`quark_onnx.gguf_export.export_gguf`; needs the optional ``gguf`` package) or ``onnx``
+    (the QDQ model itself, validated and re-written).
+``import SOURCE -o OUT``
+    ``SOURCE`` a QDQ model (this project's, onnxruntime's or Quark's standard QDQ): write the
+    recipe folder ``OUT`` (with the float model, :func:`quark_onnx.recipe.import_recipe`).
+    ``SOURCE`` a recipe folder: rebuild the quantized model ``OUT`` (``.onnx``) without
+    calibration (:func:`quark_onnx.recipe.load_recipe`; ``--float-model`` unless the recipe was
+    imported).
 ``presets`` / ``options``
     The presets and their settings; every extra option with its type, default and meaning.
 
@@ -803,11 +816,147 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _settings_from_report(path: str | os.PathLike) -> Any:
+    """The QuantizationConfig recorded in a ``quantize`` report (``MODEL.report.json``)."""
+    from quark_onnx.recipe import config_from_json
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"--report {path}: not a readable JSON report ({exc})") from exc
+    settings = data.get("settings") if isinstance(data, dict) else None
+    if not isinstance(settings, dict) or not isinstance(settings.get("extra_options"), dict):
+        raise ConfigError(
+            f"--report {path}: holds no 'settings' (give the MODEL.report.json that "
+            "`quark-onnx quantize` wrote beside the model)"
+        )
+    settings = dict(settings)
+    extra = settings.pop("extra_options")
+    return config_from_json({"settings": settings, "extra_options": extra}, f"--report {path}")
+
+
+def _require_file(path: str, flag: str) -> None:
+    if not Path(path).is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    _require_file(args.model, "MODEL")
+    if args.format == "recipe":
+        from quark_onnx.recipe import save_recipe
+
+        if args.float_model is None:
+            raise ConfigError(
+                "--format recipe needs --float-model FLOAT.onnx (the model MODEL was quantized "
+                "from: the recipe records its identity and rebuilds from it)"
+            )
+        _require_file(args.float_model, "--float-model")
+        if args.report is not None and (args.set or args.config is not None):
+            raise ConfigError("give either --report or --config/--set, not both")
+        preset = None
+        if args.report is not None:
+            qconfig = _settings_from_report(args.report)
+        else:
+            preset = args.config or _DEFAULT_PRESET
+            qconfig = QuantizeSettings(
+                preset=preset, assignments=tuple(parse_assignments(args.set or ()))
+            ).build_config()
+            if args.set:
+                preset = None  # the recorded config is no longer the preset's
+        path = save_recipe(
+            args.output,
+            args.model,
+            qconfig,
+            args.float_model,
+            preset=preset,
+            overwrite=args.overwrite,
+        )
+        print(
+            f"{args.model}: recipe written to {path.parent} (verified: it rebuilds the model "
+            "byte for byte)"
+        )
+        return EXIT_OK
+    if args.report is not None or args.set or args.config is not None:
+        raise ConfigError(f"--report/--config/--set apply to --format recipe, not {args.format}")
+    if args.format == "gguf":
+        try:
+            from quark_onnx.gguf_export import export_gguf
+        except ImportError as exc:  # pragma: no cover - the module ships with the package
+            raise ModelSaveError(
+                f"GGUF export is not available ({exc}); pip install 'quark_onnx[gguf]'"
+            ) from exc
+        _check_not_input(args.output, args.model, args.overwrite)
+        summary = export_gguf(args.model, args.output, require_exact=args.require_exact)
+        counts = ", ".join(f"{n} {t}" for t, n in sorted(summary.get("counts", {}).items()))
+        print(
+            f"{args.model}: wrote {summary.get('path', args.output)}: "
+            f"{summary.get('quantized', 0)} quantized tensor(s); {counts or 'no tensor'}"
+        )
+        skipped = summary.get("skipped", [])
+        if skipped and args.verbose:
+            for item in skipped:
+                print(f"  skipped {item.get('name')}: {item.get('reason')}")
+        elif skipped:
+            print(f"  {len(skipped)} initializer(s) not written (-v lists them with the reason)")
+        return EXIT_OK
+    # onnx: the QDQ model itself, validated and written atomically
+    _check_not_input(args.output, args.model, args.overwrite)
+    proto = model_io.load_model(args.model, upgrade_opset=False)
+    model_io.save_model(
+        proto,
+        args.output,
+        input_path=args.model,
+        external_data=True if args.external_data else None,
+    )
+    print(f"{args.model}: written to {args.output}")
+    return EXIT_OK
+
+
+def _check_not_input(output: str, model: str, overwrite: bool) -> None:
+    model_io.check_output_path(output, Path(model), False)
+    if Path(output).exists() and not overwrite:
+        raise ModelSaveError(f"{output} exists; pass --overwrite to replace it")
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from quark_onnx.recipe import RECIPE_FILE, import_recipe, load_recipe
+
+    source = Path(args.source)
+    if source.is_dir():
+        if not (source / RECIPE_FILE).is_file():
+            raise ConfigError(f"{source}: a folder without {RECIPE_FILE}; not a recipe folder")
+        if args.float_model is not None:
+            _require_file(args.float_model, "--float-model")
+        out = Path(args.output)
+        if out.exists() and not args.overwrite:
+            raise ModelSaveError(f"{out} exists; pass --overwrite to replace it")
+        load_recipe(source, args.float_model, out, overwrite=False)
+        print(f"{source}: quantized model rebuilt to {out} (no calibration)")
+        return EXIT_OK
+    if not source.is_file():
+        raise ConfigError(f"{source}: no such QDQ model file or recipe folder")
+    if args.float_model is not None:
+        raise ConfigError(
+            "--float-model applies to rebuilding from a recipe folder; importing a QDQ model "
+            "writes its float model into the recipe"
+        )
+    path = import_recipe(source, args.output, overwrite=args.overwrite)
+    from quark_onnx.recipe import read_recipe
+
+    recipe = read_recipe(path.parent)
+    print(
+        f"{source}: {len(recipe.params)} quantized tensor(s) imported into {path.parent} "
+        "(recipe.json, params.safetensors, float_model.onnx)"
+    )
+    return EXIT_OK
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     from quark_onnx.config import get_default_config
     from quark_onnx.presets import preset_names, read_preset
 
-    names = args.names or preset_names()
+    # the default preset first, then the others in name order
+    names = args.names or sorted(preset_names(), key=lambda n: (n != _DEFAULT_PRESET, n))
     data = {}
     for name in names:
         preset = read_preset(name)
@@ -898,6 +1047,16 @@ def _wrap(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width)
 
 
+def _preset_names() -> list[str]:
+    """The presets in ``configs/`` (every file there is accepted by ``--config``)."""
+    from quark_onnx.presets import preset_names
+
+    try:
+        return preset_names()
+    except (OSError, ModuleNotFoundError):  # pragma: no cover - a broken installation
+        return [_DEFAULT_PRESET]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``quark-onnx`` argument parser (every flag documented in its ``--help``)."""
     from quark_onnx import __version__
@@ -950,9 +1109,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--config",
+        "--preset",
+        dest="config",
         default=_DEFAULT_PRESET,
         metavar="PRESET",
-        help=f"the preset to start from (default {_DEFAULT_PRESET}; see `quark-onnx presets`)",
+        help=f"the preset to start from (default {_DEFAULT_PRESET}; one of "
+        f"{', '.join(_preset_names())}; see `quark-onnx presets`)",
     )
     q.add_argument(
         "--set",
@@ -1132,6 +1294,121 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("names", nargs="*", metavar="OPTION", help="show only these options")
     o.set_defaults(func=_cmd_options)
+
+    e = sub.add_parser(
+        "export",
+        parents=[common],
+        formatter_class=_Formatter,
+        help="write a quantized model as a recipe (JSON + safetensors), GGUF or ONNX",
+        description=_wrap(
+            "Write a quantized (QDQ) model in another format. recipe: a folder holding "
+            "recipe.json (the full configuration, the float model's identity, every quantized "
+            "tensor's type and granularity) and params.safetensors (scales, zero points, the "
+            "codes of every constant); `quark-onnx import RECIPE_DIR --float-model FLOAT -o "
+            "OUT.onnx` rebuilds the model byte for byte without calibration data. The recipe is "
+            "checked before it is written: MODEL must be what --float-model quantized with the "
+            "given settings gives. gguf: the weight-only quantized tensors (uint4 asymmetric "
+            "group 32 as Q4_1, int8 symmetric group 32 as Q8_0) and float initializers, for "
+            "llama.cpp-style tools (needs: pip install 'quark_onnx[gguf]'). onnx: the QDQ model "
+            "itself, validated and written atomically."
+        ),
+        epilog="examples:\n"
+        "  quark-onnx export out/model.onnx --format recipe --float-model model.onnx \\\n"
+        "      --report out/model.report.json -o model.recipe\n"
+        "  quark-onnx export out/model.onnx --format recipe --float-model model.onnx \\\n"
+        "      --config XINT8 -o model.recipe\n"
+        "  quark-onnx export out/model.onnx --format gguf -o model.gguf\n"
+        "  quark-onnx export out/model.onnx --format onnx -o copy.onnx --external-data",
+    )
+    e.add_argument("model", metavar="MODEL", help="the quantized (QDQ) ONNX model")
+    e.add_argument(
+        "--format",
+        required=True,
+        choices=("recipe", "gguf", "onnx"),
+        help="recipe (folder), gguf (file) or onnx (file)",
+    )
+    e.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="the recipe folder, .gguf file or .onnx file to write (never MODEL itself)",
+    )
+    e.add_argument(
+        "--float-model",
+        metavar="FLOAT",
+        help="recipe: the float model MODEL was quantized from",
+    )
+    e.add_argument(
+        "--report",
+        metavar="REPORT_JSON",
+        help="recipe: take the settings from the MODEL.report.json `quantize` wrote",
+    )
+    e.add_argument(
+        "--config",
+        "--preset",
+        dest="config",
+        metavar="PRESET",
+        help=f"recipe: the preset MODEL was quantized with (default {_DEFAULT_PRESET})",
+    )
+    e.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="recipe: a setting MODEL was quantized with on top of the preset (as for quantize)",
+    )
+    e.add_argument(
+        "--require-exact",
+        action="store_true",
+        help="gguf: refuse when a tensor would not read back exactly equal to its ONNX values",
+    )
+    e.add_argument(
+        "--external-data",
+        action="store_true",
+        help="onnx: store tensors of 1 KiB and more in OUT.data beside the model",
+    )
+    e.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output (never MODEL)"
+    )
+    e.set_defaults(func=_cmd_export)
+
+    i = sub.add_parser(
+        "import",
+        parents=[common],
+        formatter_class=_Formatter,
+        help="read a QDQ model into a recipe, or rebuild a quantized model from a recipe",
+        description=_wrap(
+            "Two directions. SOURCE a QDQ model (written by quark-onnx, by onnxruntime's "
+            "quantize_static or by AMD Quark in standard-domain QDQ): write the recipe folder "
+            "OUT holding float_model.onnx (the model with every QuantizeLinear/DequantizeLinear "
+            "pair removed and the quantized weights dequantized to float), recipe.json and "
+            "params.safetensors. SOURCE a recipe folder: rebuild the quantized model OUT.onnx "
+            "from it and the float model, without calibration data (--float-model is needed "
+            "unless the recipe was imported). QOperator models (QLinearConv, MatMulInteger, ...) "
+            "and custom-domain quantize ops are refused, naming the node."
+        ),
+        epilog="examples:\n"
+        "  quark-onnx import ort_quantized.onnx -o model.recipe\n"
+        "  quark-onnx import model.recipe -o rebuilt.onnx\n"
+        "  quark-onnx import xint8.recipe --float-model model.onnx -o xint8.onnx",
+    )
+    i.add_argument(
+        "source", metavar="SOURCE", help="a QDQ .onnx model, or a recipe folder to rebuild"
+    )
+    i.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="the recipe folder (SOURCE a model) or the .onnx model (SOURCE a recipe)",
+    )
+    i.add_argument(
+        "--float-model",
+        metavar="FLOAT",
+        help="rebuilding: the float model the recipe was saved from",
+    )
+    i.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    i.set_defaults(func=_cmd_import)
     return parser
 
 

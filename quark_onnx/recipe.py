@@ -496,7 +496,13 @@ def save_recipe(
         )
     expected = model_bytes_sha256(qproto)
     if verify:
-        rebuilt = rebuild(fproto, qconfig, _roundtrip(params))
+        try:
+            rebuilt = rebuild(fproto, qconfig, _roundtrip(params))
+        except QuarkOnnxError as exc:
+            raise RecipeError(
+                f"{qlabel}: its parameters do not apply to the float model ({exc}); pass the "
+                "float model and configuration it was quantized with"
+            ) from exc
         if model_bytes_sha256(rebuilt) != expected:
             raise RecipeError(
                 f"{qlabel}: the recipe would not reproduce this model ("
