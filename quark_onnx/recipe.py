@@ -474,7 +474,11 @@ def save_recipe(
         float_model: the float model it was quantized from (or its path).
         preset: the preset name to record (taken from ``config`` when that is a name).
         verify: rebuild the model from the recipe in memory first and refuse to write a recipe
-            that does not reproduce ``quantized_model`` byte for byte.
+            that does not reproduce ``quantized_model`` byte for byte. This checks every
+            setting that shapes the graph (prepare, DPU simulation and finalize passes); settings
+            that only decide parameter values (calibration method, bias correction, AdaRound)
+            leave no trace the rebuild could check, and a float model whose weights are all
+            quantized is only identified by its structure and its float (unquantized) tensors.
         overwrite: replace a recipe already in ``directory``.
 
     Raises:
