@@ -38,7 +38,6 @@ from __future__ import annotations
 import base64
 import functools
 import math
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,7 +54,7 @@ _HALF = 1 << 15
 #: buckets are wider than half a quantum (far beyond :data:`quark_onnx.pof2.POSITION_MAX`).
 MAX_HIST_POSITION = 132
 #: Values binned per step: the step's keys and offsets stay in the CPU cache.
-_CHUNK = 1 << 14
+_CHUNK = 1 << 15
 #: A staged bucket holds ``n_b * 2^40 + sum(low16)``; both parts stay exact while ``n_b < 2^23``.
 _PACK = 1 << 40
 #: Values staged before the staged counts are unpacked (every bucket then has ``n_b < 2^23``).
@@ -115,14 +114,6 @@ def bucket_units() -> tuple[np.ndarray, np.ndarray]:
     mid.setflags(write=False)
     unit.setflags(write=False)
     return mid, unit
-
-
-def _halves(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Views of the top 16 bits (the bucket key) and the low 16 bits of each float32."""
-    u16 = x32.reshape(-1).view(np.uint16)
-    if sys.byteorder == "little":
-        return u16[1::2], u16[0::2]
-    return u16[0::2], u16[1::2]
 
 
 def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int, float, float]:
@@ -421,25 +412,24 @@ class HistogramObserver:
         if self._stage is None:
             self._stage = np.zeros(NUM_BUCKETS, dtype=np.int64)
         stage = self._stage
-        top, low = _halves(values)
+        bits = values.view(np.uint32)  # the key is the numeric top half: no byte-order question
         pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
             if self._staged > _STAGE_LIMIT:
                 self._unstage()
             end = min(start + _CHUNK, values.size)
-            keys = top[start:end].astype(np.intp)
-            packed = low[start:end].astype(np.int64)
-            packed += _PACK
-            np.add.at(stage, keys, packed)
+            word = bits[start:end]
+            packed = word.astype(np.int64)
+            packed &= 0xFFFF
+            packed |= _PACK
+            np.add.at(stage, word >> 16, packed)
             self._staged += end - start
             x64 = values[start:end].astype(np.float64)
             if negative:
                 neg = np.minimum(x64, 0.0)
-                neg *= neg
-                neg_sq += float(neg.sum())
+                neg_sq += float(np.einsum("i,i->", neg, neg))
                 np.maximum(x64, 0.0, out=x64)
-            x64 *= x64
-            pos_sq += float(x64.sum())
+            pos_sq += float(np.einsum("i,i->", x64, x64))  # numpy's own loop, not a BLAS thread
         self.square_sums = (self.square_sums[0] + pos_sq, self.square_sums[1] + neg_sq)
 
     def merge(self, other: HistogramObserver) -> HistogramObserver:
@@ -526,38 +516,19 @@ class HistogramObserver:
         hi = float(high_edges[int(np.searchsorted(cum, r_hi + 1))])
         return max(lo, self.min), min(hi, self.max)
 
+    def magnitude_sums(self) -> np.ndarray:
+        """Sum of ``|x|`` per magnitude key (both signs together), shape (32768,), float64."""
+        sums = self.sums
+        return sums[:_HALF] - sums[_HALF:]
+
     def linear_histogram(self, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
         """``|x|`` resampled to ``num_bins`` linear bins over ``[0, max |x|]``: (counts, edges).
 
-        Within each bucket the values are given a linear density ``1 + a (t - 1/2)`` over the
-        bucket's relative position ``t``, whose slope ``a = 12 (mean_t - 1/2)`` (clipped to
-        ``[-2, 2]``) reproduces the bucket's exact mean (from its sum); the bucket holding
-        ``max |x|`` is cut there. Buckets are at most ``2^-7`` of their value wide, so no value is
-        moved further than that relative distance.
+        :func:`resample_linear` of this observer's magnitude counts and sums.
         """
-        amax = self.absmax
-        edges = np.linspace(0.0, amax, num_bins + 1)
-        counts = self.magnitude_counts().astype(np.float64)
-        if amax == 0.0:
-            hist = np.zeros(num_bins)
-            hist[0] = counts.sum()
-            return hist, edges
-        lower, upper = bucket_edges()
-        last = int(np.nonzero(counts)[0].max())
-        n = counts[: last + 1]
-        lo = lower[: last + 1]
-        hi = np.minimum(upper[: last + 1], amax)
-        hi[-1] = amax
-        width = np.maximum(hi - lo, np.finfo(np.float64).tiny)
-        mag_sums = self.sums[: last + 1] - self.sums[_HALF : _HALF + last + 1]
-        mean_t = np.divide(mag_sums / np.maximum(n, 1) - lo, width, out=np.full(n.size, 0.5))
-        slope = np.clip(12.0 * (np.where(n > 0, mean_t, 0.5) - 0.5), -2.0, 2.0)
-        before = np.concatenate([[0.0], np.cumsum(n)])
-        b = np.clip(np.searchsorted(hi, edges, side="left"), 0, last)
-        t = np.clip((edges - lo[b]) / width[b], 0.0, 1.0)
-        cdf = before[b] + n[b] * (t + 0.5 * slope[b] * (t * t - t))
-        cdf[-1] = before[-1]
-        return np.diff(cdf), edges
+        return resample_linear(
+            self.magnitude_counts(), self.magnitude_sums(), self.absmax, num_bins
+        )
 
     def entropy_threshold(self, num_bins: int, num_quantized_bins: int = 128) -> float:
         """KL-divergence threshold on the resampled linear histogram of ``|x|``."""
@@ -599,6 +570,46 @@ class HistogramObserver:
             out.min, out.max = float(d["min"]), float(d["max"])
         out.nonfinite, out.batches = int(d["nonfinite"]), int(d["batches"])
         return out
+
+
+def resample_linear(
+    counts: np.ndarray, sums: np.ndarray, amax: float, num_bins: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Magnitude bucket statistics resampled to ``num_bins`` linear bins over ``[0, amax]``.
+
+    ``counts[k]`` and ``sums[k]`` are the number and the sum of the ``|x|`` of magnitude key ``k``
+    (``(bits >> 16) & 0x7FFF``, :func:`bucket_edges`); ``amax = max |x|``. Returns
+    ``(counts, edges)`` of the linear bins.
+
+    Within each bucket the values are given a linear density ``1 + a (t - 1/2)`` over the
+    bucket's relative position ``t``, whose slope ``a = 12 (mean_t - 1/2)`` (clipped to
+    ``[-2, 2]``) reproduces the bucket's mean (from its sum); the bucket holding ``amax`` is cut
+    there. Buckets are at most ``2^-7`` of their value wide, so no value is moved further than
+    that relative distance; a linear bin narrower than a bucket gets a share of the bucket, not
+    the exact count of its values (Entropy and MSE search thresholds on these bins).
+    """
+    edges = np.linspace(0.0, amax, num_bins + 1)
+    counts = np.asarray(counts, dtype=np.float64)
+    if amax == 0.0:
+        hist = np.zeros(num_bins)
+        hist[0] = counts.sum()
+        return hist, edges
+    lower, upper = bucket_edges()
+    last = int(np.nonzero(counts)[0].max())
+    n = counts[: last + 1]
+    lo = lower[: last + 1]
+    hi = np.minimum(upper[: last + 1], amax)
+    hi[-1] = amax
+    width = np.maximum(hi - lo, np.finfo(np.float64).tiny)
+    mag_sums = np.asarray(sums, dtype=np.float64)[: last + 1]
+    mean_t = np.divide(mag_sums / np.maximum(n, 1) - lo, width, out=np.full(n.size, 0.5))
+    slope = np.clip(12.0 * (np.where(n > 0, mean_t, 0.5) - 0.5), -2.0, 2.0)
+    before = np.concatenate([[0.0], np.cumsum(n)])
+    b = np.clip(np.searchsorted(hi, edges, side="left"), 0, last)
+    t = np.clip((edges - lo[b]) / width[b], 0.0, 1.0)
+    cdf = before[b] + n[b] * (t + 0.5 * slope[b] * (t * t - t))
+    cdf[-1] = before[-1]
+    return np.diff(cdf), edges
 
 
 Observer = MinMaxObserver | HistogramObserver

@@ -18,6 +18,8 @@ from quark_onnx.calibration.observers import (
     MinMaxObserver,
     bucket_edges,
     entropy_threshold_from_histogram,
+    mse_threshold_from_histogram,
+    resample_linear,
 )
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import CalibrationError
@@ -305,17 +307,41 @@ def test_entropy_within_one_bucket_of_reference(kind, seed):
     assert abs(t - ref) <= max(_bucket_width(ref), edges[1]) * 1.0001
 
 
+def _bucket_reference(x: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Linear bins of ``|x|`` built in one go from numpy's own bucket statistics of all the data:
+    counts and float64 sums of ``|x|`` per top-16-bit key of the float32 pattern, resampled by the
+    same rule the observer uses. Only the streamed statistics differ from the observer's path."""
+    a = np.abs(x.astype(np.float32))
+    keys = a.view(np.uint32) >> 16
+    counts = np.bincount(keys, minlength=1 << 15)
+    sums = np.bincount(keys, weights=a.astype(np.float64), minlength=1 << 15)
+    return resample_linear(counts, sums, float(a.max()), num_bins)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_entropy_on_gaussian_near_reference(seed):
-    # the KL curve of a Gaussian is flat near its minimum: the resampled histogram moves the
-    # threshold by up to ~16 % from the exact-histogram reference (a known limit of resampling)
-    x = _data("normal", 100_000, seed)
+def test_entropy_and_mse_within_one_bin_of_the_reference_on_all_data(kind, seed):
+    x = _data(kind, 100_000, seed)
     obs = _stream(HistogramObserver(), x, 5, seed)
-    t = obs.entropy_threshold(2048)
-    a = np.abs(x.astype(np.float64))
-    hist, edges = np.histogram(a, bins=2048, range=(0.0, a.max()))
+    hist, edges = _bucket_reference(x, 2048)
+    one_bin = edges[1] * 1.0001
+    assert abs(obs.entropy_threshold(2048) - entropy_threshold_from_histogram(hist, edges)) <= (
+        one_bin
+    )
+    assert abs(obs.mse_threshold(2048) - mse_threshold_from_histogram(hist, edges)) <= one_bin
+
+
+def test_entropy_reference_sees_wrong_streaming():
+    # the same comparison fails when a fifth of the data is fed twice (or a fifth is missing)
+    x = _data("normal", 100_000, 0)
+    hist, edges = _bucket_reference(x, 2048)
     ref = entropy_threshold_from_histogram(hist, edges)
-    assert abs(t - ref) <= 0.2 * ref
+    twice, missing = HistogramObserver(), HistogramObserver()
+    twice.update(x)
+    twice.update(x[:20_000])
+    missing.update(x[:80_000])
+    assert abs(twice.entropy_threshold(2048) - ref) > edges[1]
+    assert abs(missing.entropy_threshold(2048) - ref) > edges[1]
 
 
 def test_nonfinite_values_are_counted_and_ignored():
