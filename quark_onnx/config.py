@@ -10,6 +10,7 @@ works and a typo fails at once. ``extra_options`` is a dict edited in place; it 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,32 @@ from quark_onnx.enums import (
 )
 from quark_onnx.errors import ConfigError
 from quark_onnx.options import ExtraOptions, closest_name, resolve_extra_options
+
+
+class QuantStrategy(enum.Enum):
+    """What is quantized, selected by the config (the same pipeline runs all three).
+
+    * ``WEIGHT_ONLY`` (extra option ``WeightsOnly``): layer weights stored quantized and
+      dequantized in the graph; activations float; no calibration data.
+    * ``STATIC``: weights and activations; activation scales from calibration data (none for the
+      float16/bfloat16 Cast types, which have no scale).
+    * ``DYNAMIC`` (``use_dynamic_quant``): layer weights quantized ahead of time; the layers'
+      activation inputs quantized at run time from their own range; no calibration data.
+    """
+
+    WEIGHT_ONLY = "weight_only"
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+def quant_strategy(qconfig: QuantizationConfig, options: ExtraOptions) -> QuantStrategy:
+    """The strategy ``qconfig`` selects (``options``: its resolved extra options)."""
+    if options.WeightsOnly:
+        return QuantStrategy.WEIGHT_ONLY
+    if qconfig.use_dynamic_quant:
+        return QuantStrategy.DYNAMIC
+    return QuantStrategy.STATIC
+
 
 _LIST_FIELDS = (
     "input_nodes",
@@ -116,7 +143,99 @@ class QuantizationConfig:
                 f"(PowerOfTwoMethod.MinMSE or NonOverflow), got "
                 f"{self.calibrate_method}"
             )
+        self._check_strategy(options)
         return options
+
+    def _check_strategy(self, options: ExtraOptions) -> None:
+        """Reject combinations of strategy, data types and granularity that cannot be written.
+
+        Each message names the setting and the change that fixes it.
+        """
+        act, wt = self.activation_type, self.weight_type
+        power_of_two = self.enable_npu_cnn or isinstance(self.calibrate_method, PowerOfTwoMethod)
+        if power_of_two:
+            where = (
+                "enable_npu_cnn"
+                if self.enable_npu_cnn
+                else f"calibrate_method={self.calibrate_method}"
+            )
+            for name, qtype in (("activation_type", act), ("weight_type", wt)):
+                if qtype not in _POWER_OF_TWO_TYPES:
+                    raise ConfigError(
+                        f"{name}={qtype} conflicts with {where}: power-of-two (XINT8) scales "
+                        f"are written for {', '.join(t.name for t in _POWER_OF_TWO_TYPES)}; set "
+                        f"{name} to QuantType.QInt8 or use a float calibrate_method "
+                        "(CalibrationMethod.MinMax) with enable_npu_cnn=False"
+                    )
+            for flag in ("use_dynamic_quant",):
+                if getattr(self, flag):
+                    raise ConfigError(
+                        f"{flag}=True conflicts with {where}: the NPU flow quantizes activations "
+                        f"statically with calibrated power-of-two scales; set {flag}=False"
+                    )
+            if options.WeightsOnly:
+                raise ConfigError(
+                    f"extra option WeightsOnly=True conflicts with {where}: the NPU flow "
+                    "quantizes activations too; remove WeightsOnly or use a float calibrate_method"
+                )
+            if self.per_channel:
+                raise ConfigError(
+                    f"per_channel=True conflicts with {where}: power-of-two scales are one per "
+                    "tensor; set per_channel=False or use a float calibrate_method"
+                )
+        else:
+            for flag in ("include_bias_correction", "include_fast_ft"):
+                if getattr(self, flag):
+                    raise ConfigError(
+                        f"{flag}=True works on power-of-two (XINT8) models only; set {flag}=False "
+                        "or use a PowerOfTwoMethod calibrate_method"
+                    )
+        if options.WeightBlockSize < 0:
+            raise ConfigError(
+                f"extra option WeightBlockSize={options.WeightBlockSize}: give a group size >= 1 "
+                "(e.g. 32), or 0 for per-channel weights"
+            )
+        if options.WeightBlockSize and not self.per_channel:
+            raise ConfigError(
+                f"extra option WeightBlockSize={options.WeightBlockSize} needs per_channel=True "
+                "(groups split each channel's weights); set per_channel=True, or "
+                "WeightBlockSize=0 for per-tensor weights"
+            )
+        if wt in _CAST_TYPES and (self.per_channel or options.WeightBlockSize):
+            raise ConfigError(
+                f"weight_type={wt} is a Cast to a float type and has no scale, so per_channel / "
+                "WeightBlockSize do not apply; set per_channel=False and WeightBlockSize=0"
+            )
+        for name, qtype, sym in (
+            ("activation_type", act, "ActivationSymmetric"),
+            ("weight_type", wt, "WeightSymmetric"),
+        ):
+            if qtype is QuantType.QInt32:
+                raise ConfigError(f"{name}=QInt32 is for biases only; use QInt8 or QInt16")
+            if qtype is QuantType.QFLOAT8E4M3FN and not getattr(options, sym):
+                raise ConfigError(
+                    f"{name}=QFLOAT8E4M3FN has no zero point, so it is always symmetric; set "
+                    f"extra option {sym}=True"
+                )
+        if options.WeightsOnly and self.use_dynamic_quant:
+            raise ConfigError(
+                "extra option WeightsOnly=True conflicts with use_dynamic_quant=True (dynamic "
+                "quantization quantizes activations at run time); choose one of the two"
+            )
+        if self.use_dynamic_quant:
+            if act not in _DYNAMIC_TYPES:
+                raise ConfigError(
+                    f"use_dynamic_quant=True with activation_type={act}: run-time scales are "
+                    f"computed for {', '.join(t.name for t in _DYNAMIC_TYPES)} only; set "
+                    "activation_type=QuantType.QInt8 (or QUInt8), or use_dynamic_quant=False for "
+                    "static quantization"
+                )
+            if not options.ActivationSymmetric and act is not QuantType.QUInt8:
+                raise ConfigError(
+                    f"use_dynamic_quant=True with ActivationSymmetric=False needs "
+                    f"activation_type=QuantType.QUInt8 (DynamicQuantizeLinear), not {act}; set "
+                    "ActivationSymmetric=True or activation_type=QuantType.QUInt8"
+                )
 
     def effective_settings(self) -> dict[str, Any]:
         """Every setting in force, extra options included with their defaults filled in."""
@@ -151,6 +270,13 @@ class QuantizationConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(QuantizationConfig))
+
+#: Types the power-of-two (XINT8) flow writes for activations and weights.
+_POWER_OF_TWO_TYPES = (QuantType.QInt8, QuantType.QUInt8)
+#: Activation types whose scale a dynamic-quantization graph computes at run time.
+_DYNAMIC_TYPES = (QuantType.QInt8, QuantType.QUInt8, QuantType.QInt16, QuantType.QUInt16)
+#: Types written as a Cast pair (no scale); as ``quark_onnx.qparams.CAST_TYPES``.
+_CAST_TYPES = (QuantType.QFloat16, QuantType.QBFloat16)
 
 
 def _normalise(name: str, value: Any) -> Any:

@@ -110,6 +110,20 @@ class ExtraOptions:
     ActivationSymmetric: bool = _opt(True, "Symmetric activation quantization (zero point 0/128).")
     WeightSymmetric: bool = _opt(True, "Symmetric weight quantization (zero point 0).")
 
+    # --- strategy and granularity (float-scale flows) ---------------------------------------------
+    WeightsOnly: bool = _opt(
+        False,
+        "Weight-only quantization: only the weights of Conv/ConvTranspose/Gemm/MatMul are stored "
+        "quantized (and dequantized in the graph); activations and biases stay float and no "
+        "calibration data is needed. Not with enable_npu_cnn or use_dynamic_quant.",
+    )
+    WeightBlockSize: int = _opt(
+        0,
+        "Per-group weight quantization: with per_channel=True, each run of this many weights "
+        "along the layer's input-channel axis (MatMul B rows, Gemm/Conv input channels) gets "
+        "its own scale and zero point (ONNX opset 21 block quantization). 0: per channel.",
+    )
+
     # --- QDQ insertion ----------------------------------------------------------------------------
     QuantizeBias: bool = _opt(True, "Quantize Conv/Gemm bias (int8 with its own scale by default).")
     Int32Bias: bool = _opt(

@@ -17,7 +17,32 @@ and asks the per-op :mod:`~quark_onnx.policy` registry what each node needs. The
   not in ``op_types_to_quantize``/``nodes_to_quantize``, custom domain, inside a subgraph);
 * ``range_caps``: tensors whose range is capped by the value metadata ``quark_onnx.range_max``
   (a decimal string written by ConvertClipToRelu on a Relu output): their position is chosen from
-  ``min(range, cap)``.
+  ``min(range, cap)``;
+* ``bias_sources``: bias -> (input activation, weight) of its layer, for a bias quantized at
+  ``s_in * s_w`` (Conv/ConvTranspose/Gemm input 2; the constant of an ``Add`` right after a
+  ``MatMul`` with a constant weight, float scales only).
+
+The strategy (:class:`~quark_onnx.config.QuantStrategy`) decides what is planned:
+
+* static: every quantizable node's inputs and outputs (as above);
+* weight-only (``WeightsOnly``): only the weights of the linear layers (Conv, ConvTranspose, Gemm,
+  MatMul with a constant B); activations and biases stay float;
+* dynamic (``use_dynamic_quant``): the linear layers' weights, and their activation inputs as
+  dynamic (``TensorSpec.dynamic``: scale computed at run time); outputs and biases stay float.
+
+Granularity of a linear layer's weight (``per_channel``; ``WeightBlockSize`` for groups):
+per channel along the output-channel axis (Conv 0, ConvTranspose 1, Gemm 0 with ``transB=1``
+else 1, MatMul the last axis of B); per group along the input-channel (reduction) axis (Conv 1,
+ConvTranspose 0, Gemm 1 with ``transB=1`` else 0, MatMul the second-last axis of B). Every other
+constant is per tensor.
+
+With float8 activations, Relu and Clip outputs are not requantized (onnxruntime's
+ClipQuantFusion would remove the Relu before a float8 QuantizeLinear; a Relu output lies on its
+input's float8 grid anyway).
+
+With float scales an Erf-based Gelu (``x * 0.5 * (1 + Erf(x / sqrt 2))``, in any of the usual
+arrangements) is treated like the Gelu op: quantized at its input and output only, its inner nodes
+float.
 
 Graph inputs read by quantized nodes are quantized; graph outputs produced by quantized nodes get a
 Q/DQ pair whose DequantizeLinear keeps the output's name.
@@ -33,7 +58,7 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from quark_onnx.config import QuantizationConfig
+from quark_onnx.config import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes._graph import constant_array, single_consumer
@@ -60,7 +85,10 @@ class TensorSpec:
     """How one tensor is quantized.
 
     ``power_of_two``: the scale is ``2^-p`` (XINT8); otherwise a float scale. ``per_channel`` is
-    always False under ``enable_npu_cnn`` (the NPU takes one scale per tensor).
+    always False under ``enable_npu_cnn`` (the NPU takes one scale per tensor). ``axis`` and
+    ``block_size`` give a weight's granularity as in :class:`~quark_onnx.qparams.QuantParams`
+    (per channel: ``axis``; per group: ``axis`` is the blocked axis and ``block_size`` is set).
+    ``dynamic``: an activation whose scale is computed at run time.
     """
 
     name: str
@@ -72,6 +100,9 @@ class TensorSpec:
     range_max: float | None = None
     is_graph_input: bool = False
     is_graph_output: bool = False
+    axis: int | None = None
+    block_size: int | None = None
+    dynamic: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +181,8 @@ class QuantPlan:
     fused: list[FusedPair]
     range_caps: dict[str, float]
     options: ExtraOptions = field(default_factory=ExtraOptions)
+    strategy: QuantStrategy = QuantStrategy.STATIC
+    bias_sources: dict[str, tuple[str | None, str]] = field(default_factory=dict)
 
     def names_of(self, kind: TensorKind) -> list[str]:
         return [n for n, s in self.tensors.items() if s.kind is kind]
@@ -192,6 +225,7 @@ class QuantPlan:
     def summary(self) -> dict[str, object]:
         """Counts for reports and logs."""
         return {
+            "strategy": self.strategy.value,
             "quantized_nodes": len(self.nodes),
             "float_nodes": len(self.float_nodes),
             "activations": len(self.activation_names()),
@@ -320,6 +354,118 @@ def _subgraph_nodes(graph: ir.Graph) -> Iterable[ir.Node]:
                     yield from ir.traversal.RecursiveGraphIterator(g)
 
 
+_SQRT2 = 1.4142135623730951
+#: The policy of the last node of an Erf-based Gelu: nothing read is quantized, the output is.
+_GELU_TAIL = OpPolicy(activation_inputs=())
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant, else None."""
+    if value is None or not _is_constant(value):
+        return None
+    array = constant_array(value)
+    if array is None or array.size != 1 or array.dtype.kind != "f":
+        return None
+    return float(array.reshape(()))
+
+
+def _close(value: float | None, target: float) -> bool:
+    return value is not None and abs(value - target) <= 1e-3 * abs(target)
+
+
+def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The other input of a two-input node that reads ``value``."""
+    if len(node.inputs) != 2:
+        return None
+    if node.inputs[0] is value:
+        return node.inputs[1]
+    return node.inputs[0] if node.inputs[1] is value else None
+
+
+def _std(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
+    """Match ``x * 0.5 * (1 + Erf(x / sqrt 2))`` around ``erf``: (x, inner nodes, last node).
+
+    Accepted arrangements: the Erf input is ``Div(x, sqrt 2)`` or ``Mul(x, 1/sqrt 2)``; then
+    ``Add(., 1)``; then ``Mul(x, .)`` followed by ``Mul(., 0.5)``, or ``Mul(Mul(x, 0.5), .)``,
+    or ``Mul(., 0.5)`` followed by ``Mul(x, .)``. Every intermediate has a single consumer.
+    """
+    if not erf.inputs or erf.inputs[0] is None or not erf.outputs:
+        return None
+    scaled = erf.inputs[0].producer()
+    if scaled is None or len(scaled.inputs) != 2 or single_consumer(scaled.outputs[0]) is not erf:
+        return None
+    x = scaled.inputs[0]
+    if x is None:
+        return None
+    c = _scalar(scaled.inputs[1])
+    if not (
+        (_std(scaled, "Div") and _close(c, _SQRT2))
+        or (_std(scaled, "Mul") and _close(c, 1 / _SQRT2))
+    ):
+        return None
+    add = single_consumer(erf.outputs[0])
+    if not _std(add, "Add") or not _close(_scalar(_other(add, erf.outputs[0])), 1.0):
+        return None
+    m1 = single_consumer(add.outputs[0])
+    if not _std(m1, "Mul"):
+        return None
+    t = _other(m1, add.outputs[0])
+    if t is None:
+        return None
+    inner = [scaled, erf, add]
+    if t is x:  # Mul(x, 1 + erf) then Mul(., 0.5)
+        m2 = single_consumer(m1.outputs[0])
+        if not _std(m2, "Mul") or not _close(_scalar(_other(m2, m1.outputs[0])), 0.5):
+            return None
+        return x, [*inner, m1], m2
+    if _close(_scalar(t), 0.5):  # Mul(1 + erf, 0.5) then Mul(x, .)
+        m2 = single_consumer(m1.outputs[0])
+        if not _std(m2, "Mul") or _other(m2, m1.outputs[0]) is not x:
+            return None
+        return x, [*inner, m1], m2
+    half = t.producer()  # Mul(Mul(x, 0.5), 1 + erf)
+    if (
+        _std(half, "Mul")
+        and _other(half, x) is not None
+        and _close(_scalar(_other(half, x)), 0.5)
+        and single_consumer(t) is m1
+    ):
+        return x, [*inner, half], m1
+    return None
+
+
+def _weight_granularity(
+    node: ir.Node, value: ir.Value, per_channel: bool, block_size: int | None
+) -> tuple[int | None, int | None]:
+    """(axis, block_size) of a linear layer's weight (see the module docstring)."""
+    if not per_channel:
+        return None, None
+    if value.shape is not None and value.shape.is_static():
+        rank = len(value.shape)
+    else:
+        array = constant_array(value)
+        rank = array.ndim if array is not None else 0
+    if rank < 2:
+        return None, None
+    op = node.op_type
+    if op == "Conv":
+        channel, reduce = 0, 1
+    elif op == "ConvTranspose":
+        channel, reduce = 1, 0
+    elif op == "Gemm":
+        trans_b = node.attributes.get_int("transB", 0)
+        channel, reduce = (0, 1) if trans_b else (1, 0)
+    elif op == "MatMul":
+        channel, reduce = rank - 1, rank - 2
+    else:
+        return None, None
+    return (reduce, block_size) if block_size else (channel, None)
+
+
 def build_plan(
     model: ir.Model, qconfig: QuantizationConfig, options: ExtraOptions | None = None
 ) -> QuantPlan:
@@ -327,26 +473,49 @@ def build_plan(
 
     Args:
         model: the prepared float model (shapes inferred; DPU simulation already applied).
-        qconfig: activation/weight types, node and op-type selections, ``enable_npu_cnn``.
+        qconfig: activation/weight types, node and op-type selections, ``enable_npu_cnn``,
+            the strategy (``use_dynamic_quant``, extra option ``WeightsOnly``).
         options: the resolved extra options (default: ``qconfig.resolved_options()``).
     """
     opts = options if options is not None else qconfig.resolved_options()
     graph = model.graph
     power_of_two = qconfig.enable_npu_cnn or isinstance(qconfig.calibrate_method, PowerOfTwoMethod)
+    strategy = quant_strategy(qconfig, opts)
+    static = strategy is QuantStrategy.STATIC
     per_channel = bool(qconfig.per_channel) and not qconfig.enable_npu_cnn
+    block_size = opts.WeightBlockSize or None
     bias_type = QuantType.QInt32 if opts.Int32Bias else QuantType.QInt8
+    if qconfig.weight_type in (QuantType.QFloat16, QuantType.QBFloat16):
+        bias_type = qconfig.weight_type  # Cast types: the bias is stored like the weights
 
     nodes = list(graph)
     labels = {id(n): node_label(n, i) for i, n in enumerate(nodes)}
+
+    # Erf-based Gelu (float scales, static): inner nodes float, the last node quantizes its output
+    gelu_inner: set[int] = set()
+    gelu_tail: dict[int, ir.Value] = {}
+    if static and not power_of_two:
+        for node in nodes:
+            if _std(node, "Erf"):
+                match = _erf_gelu(node)
+                if match is not None:
+                    x, inner, tail = match
+                    gelu_inner.update(id(n) for n in inner)
+                    gelu_tail[id(tail)] = x
+
     policies: dict[int, OpPolicy] = {}
     float_nodes: list[FloatNode] = []
     for node in nodes:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             continue  # data, not computation: read as weights by the nodes that use it
-        policy = policy_for(node.op_type, node.domain)
+        policy = policy_for(node.op_type, node.domain, power_of_two=power_of_two)
         reason = _float_reason(node, labels[id(node)], policy, qconfig)
+        if reason is None and id(node) in gelu_inner:
+            reason = "inside an Erf-based Gelu (quantized at its input and output)"
+        if reason is None and not static and policy is not None and not policy.linear:
+            reason = f"{strategy.value} quantization: only Conv/ConvTranspose/Gemm/MatMul layers"
         if reason is None and policy is not None:
-            policies[id(node)] = policy
+            policies[id(node)] = _GELU_TAIL if id(node) in gelu_tail else policy
         else:
             float_nodes.append(FloatNode(labels[id(node)], node.op_type, reason or ""))
     for node in _subgraph_nodes(graph):
@@ -355,7 +524,7 @@ def build_plan(
     # fused producer -> activation pairs (decided before any tensor is registered)
     fused_by_value: dict[int, FusedPair] = {}
     fused_act_output: dict[int, ir.Value] = {}
-    for node in nodes:
+    for node in nodes if static else ():
         policy = policies.get(id(node))
         if policy is None or not node.outputs:
             continue
@@ -363,7 +532,7 @@ def build_plan(
         consumer = single_consumer(out)
         if consumer is None or id(consumer) not in policies or not consumer.outputs:
             continue
-        if policy.dpu_scale_mul and _is_scalar_mul(consumer, out):
+        if power_of_two and policy.dpu_scale_mul and _is_scalar_mul(consumer, out):
             pass  # the hardware factor is part of the pool/HardSigmoid: no pair between them
         elif not (policy.fusable_producer and _fuses(consumer, out, policies[id(consumer)], opts)):
             continue
@@ -378,10 +547,30 @@ def build_plan(
 
     tensors: dict[str, TensorSpec] = {}
     range_caps: dict[str, float] = {}
+    bias_sources: dict[str, tuple[str | None, str]] = {}
+    # float8: no QuantizeLinear right after Relu/Clip (onnxruntime's ClipQuantFusion drops the
+    # Relu/Clip before a float8 QuantizeLinear, or fails, as if float8 saturated at zero). Relu
+    # keeps its input's float8 grid exactly, so its output needs no requantization.
+    unquantized: set[int] = set()
+    if static and qconfig.activation_type is QuantType.QFLOAT8E4M3FN:
+        unquantized = {
+            id(node.outputs[0])
+            for node in nodes
+            if (_std(node, "Relu") or _std(node, "Clip")) and node.outputs
+        }
 
-    def register(value: ir.Value, kind: TensorKind, qtype: QuantType) -> str | None:
+    def register(
+        value: ir.Value,
+        kind: TensorKind,
+        qtype: QuantType,
+        *,
+        axis: int | None = None,
+        block: int | None = None,
+    ) -> str | None:
         name = value.name
         if not name or not _is_float(value) or id(value) in fused_by_value:
+            return None
+        if id(value) in unquantized:
             return None
         existing = tensors.get(name)
         if existing is not None:
@@ -404,15 +593,21 @@ def build_plan(
             symmetric=(
                 opts.ActivationSymmetric if kind is TensorKind.ACTIVATION else opts.WeightSymmetric
             ),
-            per_channel=per_channel and kind is TensorKind.WEIGHT,
+            per_channel=axis is not None
+            if not power_of_two
+            else per_channel and kind is TensorKind.WEIGHT,
             power_of_two=power_of_two,
             range_max=cap,
             is_graph_input=value.is_graph_input(),
             is_graph_output=value.is_graph_output(),
+            axis=axis,
+            block_size=block if axis is not None else None,
+            dynamic=kind is TensorKind.ACTIVATION and strategy is QuantStrategy.DYNAMIC,
         )
         return name
 
     planned: list[PlannedNode] = []
+    planned_by_output: dict[int, PlannedNode] = {}
     equalities: list[Equality] = []
     for node in nodes:
         policy = policies.get(id(node))
@@ -421,12 +616,24 @@ def build_plan(
         label = labels[id(node)]
         slots: list[str | None] = [None] * len(node.inputs)
         weight = bias = None
+        matmul_bias = (
+            _matmul_bias_slot(node, planned_by_output) if static and not power_of_two else None
+        )
+        if id(node) in gelu_tail:
+            register(gelu_tail[id(node)], TensorKind.ACTIVATION, qconfig.activation_type)
         for slot in policy.quantized_slots(len(node.inputs)):
             value = node.inputs[slot]
             if value is None:
                 continue
+            if matmul_bias is not None and slot == matmul_bias[0]:
+                if opts.QuantizeBias:
+                    layer = matmul_bias[1]
+                    slots[slot] = bias = register(value, TensorKind.BIAS, bias_type)
+                    if bias is not None and layer.weight is not None:
+                        bias_sources[bias] = (layer.inputs[0], layer.weight)
+                continue
             if slot == policy.bias_input:
-                if not opts.QuantizeBias:
+                if not static or not opts.QuantizeBias:
                     continue
                 if not _is_constant(value) or weight is None:
                     logger.info(
@@ -436,11 +643,23 @@ def build_plan(
                     )
                     continue
                 slots[slot] = bias = register(value, TensorKind.BIAS, bias_type)
+                if bias is not None:
+                    bias_sources[bias] = (slots[0] if slots else None, weight)
             elif _is_constant(value):
-                slots[slot] = register(value, TensorKind.WEIGHT, qconfig.weight_type)
+                is_layer_weight = policy.linear and slot == policy.weight_input
+                if not static and not is_layer_weight:
+                    continue
+                axis, block = (
+                    _weight_granularity(node, value, per_channel, block_size)
+                    if is_layer_weight and not power_of_two
+                    else (None, None)
+                )
+                slots[slot] = register(
+                    value, TensorKind.WEIGHT, qconfig.weight_type, axis=axis, block=block
+                )
                 if slot == policy.weight_input:
                     weight = slots[slot]
-            else:
+            elif strategy is not QuantStrategy.WEIGHT_ONLY:
                 slots[slot] = register(value, TensorKind.ACTIVATION, qconfig.activation_type)
         output = fused_tensor = next_op = fused_op = None
         if node.outputs:
@@ -454,21 +673,24 @@ def build_plan(
                 output = act_out.name if _is_float(act_out) else None
                 act_consumer = single_consumer(act_out)
                 next_op = act_consumer.op_type if act_consumer is not None else None
-            else:
+            elif static:
                 output = register(out, TensorKind.ACTIVATION, qconfig.activation_type)
-        planned.append(
-            PlannedNode(
-                name=label,
-                op_type=node.op_type,
-                inputs=tuple(slots),
-                output=output,
-                weight=weight,
-                bias=bias,
-                fused_tensor=fused_tensor,
-                fused_op=fused_op,
-                next_op=next_op,
-            )
+        if not static and not any(slots):
+            continue  # weight-only: a layer whose weight is not a constant (attention MatMul)
+        planned_node = PlannedNode(
+            name=label,
+            op_type=node.op_type,
+            inputs=tuple(slots),
+            output=output,
+            weight=weight,
+            bias=bias,
+            fused_tensor=fused_tensor,
+            fused_op=fused_op,
+            next_op=next_op,
         )
+        planned.append(planned_node)
+        if node.outputs:
+            planned_by_output[id(node.outputs[0])] = planned_node
         if policy.share is not Share.NONE and output is not None:
             if policy.share is Share.PASS:
                 members = [slots[0]] if slots and slots[0] is not None else []
@@ -487,11 +709,41 @@ def build_plan(
         fused=list(fused_by_value.values()),
         range_caps=range_caps,
         options=opts,
+        strategy=strategy,
+        bias_sources=bias_sources,
     )
     for fnode in float_nodes:
         logger.info("node %s (%s) stays float: %s", fnode.name, fnode.op_type, fnode.reason)
     logger.debug("quantization plan: %s", plan.summary())
     return plan
+
+
+def _matmul_bias_slot(
+    node: ir.Node, planned_by_output: dict[int, PlannedNode]
+) -> tuple[int, PlannedNode] | None:
+    """``Add(MatMul(A, W), b)`` with constant ``W`` and a constant ``b`` of ``W``'s output width,
+    the MatMul output read only by this Add: (slot of ``b``, the MatMul's planned node)."""
+    if not _std(node, "Add") or len(node.inputs) != 2:
+        return None
+    for slot in (0, 1):
+        value, other = node.inputs[slot], node.inputs[1 - slot]
+        if value is None or other is None or not _is_constant(value) or _is_constant(other):
+            continue
+        producer = other.producer()
+        layer = planned_by_output.get(id(other))
+        if not _std(producer, "MatMul") or layer is None or layer.weight is None:
+            continue
+        if single_consumer(other) is not node:
+            continue
+        weight = producer.inputs[1]
+        bias = constant_array(value)
+        w_shape = weight.shape if weight is not None else None
+        if bias is None or w_shape is None or not w_shape.is_static() or len(w_shape) < 2:
+            continue
+        width = int(w_shape[-1])
+        if bias.size == width and bias.shape[-1:] == (width,):
+            return slot, layer
+    return None
 
 
 def replace_options(plan: QuantPlan, **changes: object) -> QuantPlan:

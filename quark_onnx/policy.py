@@ -27,6 +27,12 @@ An :class:`OpPolicy` says, for one op type:
   constant (the hardware factor written by the DPU simulation passes): the Mul is part of the op
   on the NPU, so no Q/DQ sits between them (the output position is read after the Mul); the
   factor itself is quantized like any constant Mul operand (an int8 weight with its own position).
+* ``linear``: a layer whose ``weight_input`` is a kernel or matrix (Conv, ConvTranspose, Gemm,
+  MatMul). Weight-only and dynamic quantization quantize exactly these layers; per-channel and
+  per-group scales apply to their weights only (other constants are per tensor).
+* ``float_scale_only``: planned only with float scales (A8W8, A16W8, FP8, ... presets). The
+  power-of-two (XINT8) flow leaves these ops float, as it always has: they are transformer ops
+  (Div, LayerNormalization, Gelu) that the NPU's XINT8 CNN flow does not take.
 
 Ops without an entry stay float (the plan reports them).
 """
@@ -59,6 +65,8 @@ class OpPolicy:
     fusable_producer: bool = False
     fuse_option: str | None = None
     dpu_scale_mul: bool = False
+    linear: bool = False
+    float_scale_only: bool = False
 
     @property
     def passes_scale(self) -> bool:
@@ -83,21 +91,31 @@ class OpPolicy:
         return sorted(slots)
 
 
-_LAYER = OpPolicy(activation_inputs=(0,), weight_input=1, bias_input=2, fusable_producer=True)
+_LAYER = OpPolicy(
+    activation_inputs=(0,), weight_input=1, bias_input=2, fusable_producer=True, linear=True
+)
 _BINARY = OpPolicy(activation_inputs=(0, 1))
 _UNARY = OpPolicy()
 _MOVE = OpPolicy(share=Share.PASS)
+_FLOAT_SCALE_UNARY = OpPolicy(float_scale_only=True)
 
 _POLICIES: dict[str, OpPolicy] = {
     # layers with weights (and bias)
     "Conv": _LAYER,
     "ConvTranspose": _LAYER,
     "Gemm": _LAYER,
-    "MatMul": OpPolicy(activation_inputs=(0, 1), fusable_producer=True),
+    # MatMul: B (slot 1) is the weight when it is a constant, an activation otherwise (attention)
+    "MatMul": OpPolicy(
+        activation_inputs=(0, 1), weight_input=1, fusable_producer=True, linear=True
+    ),
     # element-wise arithmetic
     "Add": OpPolicy(activation_inputs=(0, 1), fusable_producer=True),
     "Sub": _BINARY,
     "Mul": _BINARY,
+    "Div": OpPolicy(activation_inputs=(0, 1), float_scale_only=True),
+    # transformer ops (float scales only): LayerNormalization's Scale and B stay float
+    "LayerNormalization": _FLOAT_SCALE_UNARY,
+    "Gelu": _FLOAT_SCALE_UNARY,
     # shared-position ops
     "Concat": OpPolicy(activation_inputs=None, share=Share.ALL, align_option="AlignConcat"),
     "MaxPool": OpPolicy(share=Share.PASS, align_option="AlignPool", fusable_producer=True),
@@ -135,11 +153,17 @@ FUSABLE_ACTIVATIONS: Mapping[str, str] = MappingProxyType(
 )
 
 
-def policy_for(op_type: str, domain: str = "") -> OpPolicy | None:
-    """The policy of a standard-domain op type, or None (the node stays float)."""
+def policy_for(op_type: str, domain: str = "", *, power_of_two: bool = False) -> OpPolicy | None:
+    """The policy of a standard-domain op type, or None (the node stays float).
+
+    With ``power_of_two`` (the XINT8 flow), ops marked ``float_scale_only`` have no policy.
+    """
     if domain not in ("", "ai.onnx"):
         return None
-    return _POLICIES.get(op_type)
+    policy = _POLICIES.get(op_type)
+    if policy is not None and policy.float_scale_only and power_of_two:
+        return None
+    return policy
 
 
 def quantizable_op_types() -> list[str]:

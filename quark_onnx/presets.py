@@ -1,9 +1,9 @@
 """Named presets: TOML files in ``configs/`` (installed as ``quark_onnx.configs``).
 
-A preset file has a ``description``, a ``[config]`` table of :class:`QuantizationConfig` fields and
-an ``[extra_options]`` table. Both are checked against the same schema as user code (unknown keys
-name the closest valid key), so adding a preset is adding a file. TOML is parsed with the standard
-library's ``tomllib``: data only, nothing executed.
+A preset file has a ``description`` (required: what the preset is for), a ``[config]`` table of
+:class:`QuantizationConfig` fields and an ``[extra_options]`` table. Both are checked against the
+same schema as user code (unknown keys name the closest valid key), so adding a preset is adding
+a file. TOML is parsed with the standard library's ``tomllib``: data only, nothing executed.
 """
 
 from __future__ import annotations
@@ -67,12 +67,22 @@ def read_preset(name: str) -> Preset:
             close = closest_name(k, _FIELD_NAMES)
             hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(f"preset file {path.name}: unknown [config] key {k!r}{hint}")
+    description = data.get("description", "")
+    if not isinstance(description, str) or not description.strip():
+        raise ConfigError(
+            f"preset file {path.name}: add a 'description' saying what the preset is for"
+        )
     return Preset(
         name=data.get("name", key),
-        description=data.get("description", ""),
+        description=description,
         config=config,
         extra_options=dict(data.get("extra_options", {})),
     )
+
+
+def preset_descriptions() -> dict[str, str]:
+    """Preset name -> its description (what it is for), sorted by name."""
+    return {name: read_preset(name).description for name in preset_names()}
 
 
 def load_preset(name: str) -> QuantizationConfig:

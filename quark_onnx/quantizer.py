@@ -5,6 +5,17 @@ The stages (GUIDE §1), each a module of its own::
     load -> prepare passes -> plan -> calibrate -> positions -> NPU constraints -> insert QDQ
          -> check -> save (+ report)
 
+One pipeline serves every strategy and data type; the config selects what each stage does:
+
+* power-of-two scales (``enable_npu_cnn`` / a ``PowerOfTwoMethod``, the XINT8 flow): calibrate,
+  choose positions, solve the NPU constraints, ``InsertQDQ(plan, positions)``, then the accuracy
+  stages (AdaRound, bias correction);
+* float scales (static, weight-only, dynamic; int4 to int16, float8, float16/bfloat16): calibrate
+  only when some activation is static with a scale (:func:`quark_onnx.strategy.needs_calibration`;
+  weight-only, dynamic and Cast-only configs need no data and no reader), compute every tensor's
+  :class:`~quark_onnx.qparams.QuantParams` (:func:`quark_onnx.strategy.compute_params`), then
+  ``InsertQDQ(params)``.
+
 This module only sequences them, times them and collects what each reports; it holds no
 quantization logic of its own.
 """
@@ -47,6 +58,10 @@ class ModelQuantizer:
         self.options: ExtraOptions = config.global_quant_config.validate()
         #: The report of the last :meth:`quantize_model` call.
         self.report: QuantizationReport | None = None
+        #: Tensor name -> QuantParams written by the last :meth:`quantize_model` call, in the
+        #: order written (float-scale flows: with the constants' codes; XINT8: the solved
+        #: positions as scales ``2^-p``, before bias correction and AdaRound change codes).
+        self.params: dict[str, Any] | None = None
 
     @property
     def qconfig(self) -> QuantizationConfig:
@@ -71,7 +86,8 @@ class ModelQuantizer:
             model_output: where to write the quantized model (atomically; never the input
                 unless ``overwrite``).
             calibration_data_reader: an onnxruntime-style reader (``get_next()``), a dict of
-                arrays, or None with ``UseRandomData``.
+                arrays, or None with ``UseRandomData``. Not needed (ignored) when no activation
+                is calibrated: weight-only, dynamic and float16/bfloat16 configs.
             calibration_data_path: a ``.npz`` file of calibration inputs (instead of a reader).
             calibration_result: a calibration result saved earlier for this model and these
                 preparation options: calibration is skipped.
@@ -87,6 +103,7 @@ class ModelQuantizer:
 
         options = self.qconfig.validate()
         self.options = options
+        self.params = None
         source = str(model_input) if not isinstance(model_input, onnx.ModelProto) else "<model>"
         report = QuantizationReport(model=source, settings=self.qconfig.effective_settings())
         self.report = report
@@ -126,45 +143,37 @@ class ModelQuantizer:
                 f"{len(report.float_nodes)} node(s), none with a quantization policy)"
             )
 
+        from quark_onnx import strategy
+
         prepared = model_io.to_proto(model)
-        with _stage(report, "calibrate"):
-            result = self._calibrate(prepared, plan, reader, calibration_result, progress)
-            if save_calibration is not None:
-                result.save(save_calibration)
-            report.calibration = {"samples": result.num_samples, "method": result.method}
-
-        with _stage(report, "positions"):
-            positions, errors = self._initial_positions(model, plan, result)
-        with _stage(report, "constraints"):
-            from quark_onnx.constraints import solve_positions
-
-            solved = solve_positions(plan, positions, options, errors)
-            report.adjustments = [a.__dict__ for a in solved.adjustments]
-            report.unfixable = [v.message for v in solved.unfixable]
-            for violation in solved.unfixable:
-                logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
-            report.positions = dict(solved.positions)
-
-        with _stage(report, "insert_qdq"):
-            from quark_onnx.passes.insert_qdq import InsertQDQ
-
-            InsertQDQ(plan, solved.positions)(model)
+        power_of_two = any(spec.power_of_two for spec in plan.tensors.values())
+        result = None
+        if strategy.needs_calibration(plan):
+            names = plan.activation_names() if power_of_two else strategy.calibrated_names(plan)
+            with _stage(report, "calibrate"):
+                result = self._calibrate(prepared, names, reader, calibration_result, progress)
+                if save_calibration is not None:
+                    result.save(save_calibration)
+                report.calibration = {"samples": result.num_samples, "method": result.method}
+        else:
+            report.calibration = {"samples": 0, "method": None}
+            logger.info(
+                "%s: %s quantization needs no calibration data", source, plan.strategy.value
+            )
 
         samples = reader.kept if reader is not None else []
-        if self.qconfig.include_fast_ft:
-            with _stage(report, "adaround"):
-                from quark_onnx.accuracy.adaround import adaround
+        if power_of_two:
+            self._power_of_two(report, source, model, prepared, plan, result, samples)
+        else:
+            with _stage(report, "params"):
+                params = strategy.compute_params(plan, result, model, self.qconfig, options)
+                report.plan["params"] = len(params)
+                report.plan["types"] = sorted({p.qtype.name for p in params.values()})
+            with _stage(report, "insert_qdq"):
+                from quark_onnx.passes.insert_qdq import InsertQDQ
 
-                report.adaround = adaround(
-                    prepared, model, samples, plan, solved.positions, options
-                )
-        if self.qconfig.include_bias_correction:
-            with _stage(report, "bias_correction"):
-                from quark_onnx.accuracy.bias_correction import correct_bias
-
-                report.bias_correction = correct_bias(
-                    prepared, model, samples, plan, solved.positions, options
-                )
+                InsertQDQ(params)(model)
+            self.params = params
         if options.LayerErrorAnalysis and samples:
             with _stage(report, "error_analysis"):
                 from quark_onnx.accuracy.error_analysis import layer_errors
@@ -195,6 +204,56 @@ class ModelQuantizer:
 
     # -- stages -------------------------------------------------------------------------------
 
+    def _power_of_two(
+        self,
+        report: QuantizationReport,
+        source: str,
+        model: Any,
+        prepared: onnx.ModelProto,
+        plan: Any,
+        result: Any,
+        samples: list[dict[str, np.ndarray]],
+    ) -> None:
+        """The XINT8 flow: positions, NPU constraints, InsertQDQ(plan, positions), accuracy."""
+        options = self.options
+        with _stage(report, "positions"):
+            positions, errors = self._initial_positions(model, plan, result)
+        with _stage(report, "constraints"):
+            from quark_onnx.constraints import solve_positions
+
+            solved = solve_positions(plan, positions, options, errors)
+            report.adjustments = [a.__dict__ for a in solved.adjustments]
+            report.unfixable = [v.message for v in solved.unfixable]
+            for violation in solved.unfixable:
+                logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
+            report.positions = dict(solved.positions)
+
+        with _stage(report, "insert_qdq"):
+            from quark_onnx.passes.insert_qdq import InsertQDQ
+
+            InsertQDQ(plan, solved.positions)(model)
+        from quark_onnx import qparams
+
+        self.params = {
+            name: qparams.from_position(solved.positions[name], spec.qtype)
+            for name, spec in plan.tensors.items()
+        }
+
+        if self.qconfig.include_fast_ft:
+            with _stage(report, "adaround"):
+                from quark_onnx.accuracy.adaround import adaround
+
+                report.adaround = adaround(
+                    prepared, model, samples, plan, solved.positions, options
+                )
+        if self.qconfig.include_bias_correction:
+            with _stage(report, "bias_correction"):
+                from quark_onnx.accuracy.bias_correction import correct_bias
+
+                report.bias_correction = correct_bias(
+                    prepared, model, samples, plan, solved.positions, options
+                )
+
     def _samples_to_keep(self) -> int:
         """Calibration samples kept in memory for the stages that need data after calibration."""
         if not (
@@ -215,7 +274,7 @@ class ModelQuantizer:
     def _calibrate(
         self,
         prepared: onnx.ModelProto,
-        plan: Any,
+        names: list[str],
         reader: Any,
         saved: str | os.PathLike | None,
         progress: Any = None,
@@ -226,7 +285,7 @@ class ModelQuantizer:
             return CalibrationResult.load(saved, prepared)
         return calibrate(
             prepared,
-            plan.activation_names(),
+            names,
             reader,
             method=self.qconfig.calibrate_method,
             options=self.options,
@@ -239,6 +298,7 @@ class ModelQuantizer:
         """Calibrated activation positions and weight/bias positions, before the NPU rules."""
         from quark_onnx import pof2
         from quark_onnx.plan import TensorKind
+        from quark_onnx.strategy import constant_data, constant_values
 
         method = self.qconfig.calibrate_method
         if not isinstance(method, PowerOfTwoMethod):
@@ -248,7 +308,7 @@ class ModelQuantizer:
             )
         positions: dict[str, int] = {}
         errors: dict[str, Any] = {}
-        constants = _constant_values(model)  # one scan; arrays are read one weight at a time
+        constants = constant_values(model)  # one scan; arrays are read one weight at a time
         for name, spec in plan.tensors.items():
             if spec.kind is TensorKind.ACTIVATION:
                 p = result.position(name, method=method, qtype=spec.qtype)
@@ -261,38 +321,12 @@ class ModelQuantizer:
                 if curve is not None:  # histogram methods: the solver then minimises error
                     errors[name] = curve
             elif spec.kind is TensorKind.WEIGHT:
-                w = _constant_array(constants, name)
+                w = constant_data(constants, name)
                 positions[name] = pof2.weight_position(w, method, spec.qtype)
                 errors[name] = pof2.error_function(w, spec.qtype)
             else:
-                positions[name] = pof2.bias_position(_constant_array(constants, name))
+                positions[name] = pof2.bias_position(constant_data(constants, name))
         return positions, errors
-
-
-def _constant_values(model: Any) -> dict[str, Any]:
-    """Name -> value of every initializer and Constant-node output (no data is copied)."""
-    values = dict(model.graph.initializers)
-    for node in model.graph:
-        if node.op_type == "Constant":
-            values.update((out.name, out) for out in node.outputs)
-    return values
-
-
-def _constant_array(constants: dict[str, Any], name: str) -> np.ndarray:
-    """The data of the planned weight or bias ``name``, refusing non-finite values."""
-    from quark_onnx.passes._graph import constant_array
-
-    value = constants.get(name)
-    array = constant_array(value)
-    if array is None:
-        raise QuantizationError(f"weight {name!r} is not a constant; it cannot be quantized")
-    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
-        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-        raise QuantizationError(
-            f"weight {name!r} holds {bad} NaN/Inf value(s); fix the float model (or exclude "
-            "the node with nodes_to_exclude) before quantizing"
-        )
-    return array
 
 
 class _PeekableReader:
