@@ -81,8 +81,14 @@ class QuantizationConfig:
         calibrate_method: ``PowerOfTwoMethod.MinMSE``/``NonOverflow`` (power-of-two scales) or a
             ``CalibrationMethod`` (float scales).
         quant_format: only ``QuantFormat.QDQ`` is written.
-        activation_type / weight_type: target data types (``QuantType``; onnxruntime's accepted).
-        per_channel: per-output-channel weight scales (not allowed with ``enable_npu_cnn``).
+        activation_type / weight_type: target data types (``QuantType``; onnxruntime's accepted):
+            int8/uint8, int16/uint16, int4/uint4, float8 e4m3fn (scaled), float16/bfloat16 (Cast
+            pairs, no scale). XINT8 (power-of-two) takes int8/uint8 only.
+        per_channel: per-output-channel scales for the weights of Conv/ConvTranspose/Gemm/MatMul
+            (per group with the extra option ``WeightBlockSize``); not with power-of-two scales.
+        use_dynamic_quant: dynamic quantization (:class:`QuantStrategy`): weights ahead of time,
+            the layers' activation inputs at run time; no calibration data. The extra option
+            ``WeightsOnly`` selects weight-only quantization; otherwise static.
         optimize_model: simplify the float model with onnxsim first (constant folding, shapes).
         enable_npu_cnn: power-of-two scales, NPU constraint solving and DPU simulation (XINT8).
         include_cle / include_bias_correction / include_fast_ft: accuracy recovery (CLE, bias
