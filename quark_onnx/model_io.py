@@ -9,11 +9,19 @@ Loading never writes anything. The order of the checks keeps every failure cheap
    ``..`` and symbolic links are resolved, goes through no symbolic link, names an existing file,
    and ``offset + length`` fits in it (else ``UnsafePathError`` or ``ModelLoadError``);
 4. the ONNX checker passes (run before the weights are read, so models above the 2 GB protobuf
-   limit are checked too), and so does strict shape inference (after the weights are read when
-   they are external, as it needs the values of shape tensors; skipped above 2 GB);
+   limit are checked too), and so does strict shape inference, run with only the external
+   tensors of at most :data:`SMALL_TENSOR_BYTES` read in (shape tensors are small; the large
+   weights contribute their dims), so it runs above 2 GB too;
 5. a default-domain opset below :data:`MIN_OPSET` is upgraded with onnx's version converter (also
    before the weights are read);
-6. the external weights are read into the model.
+6. :func:`load_model` reads the large external weights into the proto; :func:`load_ir` leaves
+   them in their files as memory-mapped ``ir.ExternalTensor`` (peak memory of a big model: its
+   mapped pages, no copy).
+
+Memory of big models: :func:`to_proto` with ``keep_external=True`` serializes such a model
+without its weights (references relative to :func:`external_data_dir`), :func:`save_model` of an
+``ir.Model`` copies mapped weights file to file in pieces, and :func:`model_bytes` gives the size
+of a model without reading any weight.
 
 Saving writes every file to a temporary name (``.<name>.<random>.partial``) in the destination
 folder and renames it into place only when complete and flushed, so an interrupted run leaves
@@ -55,8 +63,9 @@ EXTERNAL_THRESHOLD = 1024
 #: External data offsets are multiples of this (lets onnxruntime map the file).
 _ALIGNMENT = 4096
 _PARTIAL_SUFFIX = ".partial"
-#: External tensors up to this many bytes are read in for strict shape inference at load.
-INLINE_FOR_INFERENCE = 1 << 20
+#: External tensors up to this many bytes are read into memory at load (shape inference needs
+#: the values of shape tensors); larger ones stay in their files until used.
+SMALL_TENSOR_BYTES = 64 << 10
 _INLINE_UNKNOWN = 1 << 62  # an external tensor without a length: never inlined for inference
 #: External data is copied between files in pieces of this size.
 _COPY_CHUNK = 16 << 20
@@ -113,8 +122,9 @@ def load_ir(path: str | os.PathLike, *, upgrade_opset: bool = True) -> ir.Model:
     folder: its bytes are memory-mapped (read-only) the first time they are used and never copied
     into the model, so a model of ``S`` bytes of external weights costs about nothing to load
     and at most ``S`` of mapped file pages once every weight was read. The same checks as
-    :func:`load_model` run first (strict shape inference on the graph with the external tensors
-    of at most :data:`INLINE_FOR_INFERENCE` bytes read in). Tensors in a data file with several
+    :func:`load_model` run first; external tensors of at most :data:`SMALL_TENSOR_BYTES` are
+    read into memory (shape inference needs them; it then runs on a graph that stays small).
+    Tensors in a data file with several
     hard links are read into memory instead (onnx_ir refuses to map those).
 
     Raises:
@@ -122,19 +132,6 @@ def load_ir(path: str | os.PathLike, *, upgrade_opset: bool = True) -> ir.Model:
     """
     proto, p = _load_header(path, upgrade_opset=upgrade_opset)
     base = p.parent.resolve()
-    linked = [
-        t
-        for t in _external_tensors(proto)
-        if (base / _external_info(t)["location"]).stat().st_nlink > 1
-    ]
-    if linked:
-        logger.info(
-            "%s: %d external tensor(s) are in a data file with several hard links; read into "
-            "memory instead of memory-mapped",
-            p,
-            len(linked),
-        )
-        _read_external_data(linked, base)
     model = ir.serde.deserialize_model(proto)
     for tensor in _ir_tensors(model.graph):
         if isinstance(tensor, ir.ExternalTensor):
@@ -185,32 +182,33 @@ def _load_header(path: str | os.PathLike, *, upgrade_opset: bool) -> tuple[onnx.
             f"{p}: fails the ONNX checker: {_one_line(exc)}; fix or re-export the model"
         ) from exc
     if external:
-        _check_shapes_external(model, p)
-    else:
+        _read_small_external(model, p)
+    # (a parsed file is below 2 GB; with small tensors read in it could in theory exceed it, and
+    # inference serializes the model)
+    if fits_in_protobuf(model):
         _check_shapes(model, str(p))
+    else:
+        logger.info("%s: above 2 GB in memory, strict shape inference skipped", p)
     opset = default_opset(model)
     if upgrade_opset and 0 < opset < MIN_OPSET:
         model = upgrade(model, MIN_OPSET, source=str(p))
     return model, p
 
 
-def _check_shapes_external(model: onnx.ModelProto, path: Path) -> None:
-    """:func:`_check_shapes` on a model whose large weights stay in their data files.
+def _read_small_external(model: onnx.ModelProto, path: Path) -> None:
+    """Read the external tensors of at most :data:`SMALL_TENSOR_BYTES` into ``model``.
 
-    Inference needs the values of shape-like tensors (Reshape shapes, Slice starts...), which are
-    small: a copy of the model with the external tensors of at most
-    :data:`INLINE_FOR_INFERENCE` bytes read in is checked; larger ones stay references, whose
-    dims are all inference uses. The copy is small whatever the size of the weights.
+    Shape inference needs the values of shape-like tensors (Reshape shapes, Slice starts...),
+    which are small; the large weights stay references, whose dims are all inference uses. Small
+    tensors held in memory also spare one file mapping each when the weights are mapped.
     """
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
     small = [
         t
-        for t in _external_tensors(probe)
-        if int(_external_info(t).get("length") or _INLINE_UNKNOWN) <= INLINE_FOR_INFERENCE
+        for t in _external_tensors(model)
+        if int(_external_info(t).get("length") or _INLINE_UNKNOWN) <= SMALL_TENSOR_BYTES
     ]
-    _read_external_data(small, path.parent)
-    _check_shapes(probe, str(path))
+    if small:
+        _read_external_data(small, path.parent)
 
 
 def _check_text(message, source: str, where: str = "model") -> None:
