@@ -297,8 +297,11 @@ class HistogramObserver:
       position changes (:func:`histogram_sse`);
     * the exact minimum and maximum.
 
-    2 x 65536 entries (1 MiB) per tensor, plus a 0.5 MiB staging array while data comes in.
-    Merging adds the statistics, so shards merge exactly (the square sums up to float64 rounding).
+    The arrays cover the keys up to the largest one seen (whole exponents): a tensor that is never
+    negative and stays below ``2^k`` holds ``128 (127 + k)`` keys per array (~16.6 k keys, 130 KiB,
+    for a ReLU6 output), a signed one at most 65536 (512 KiB). Two arrays are kept, plus a staging
+    array of the same length while data comes in. Merging adds the statistics, so shards merge
+    exactly (the square sums up to float64 rounding).
 
     Binning, per step of :data:`_CHUNK` values (cache-sized): one ``np.add.at`` of ``2^40 + low16``
     into the int64 staging array -- a count and an offset sum packed in one integer, unpacked every
@@ -314,8 +317,10 @@ class HistogramObserver:
     buffer_size = _CHUNK
 
     def __init__(self) -> None:
-        self._n = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        self._t = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        # _n, _t (and _stage while data comes in) cover the keys 0 .. L-1 only, L one past the
+        # largest key seen: a tensor that is never negative needs no negative keys
+        self._n = np.zeros(0, dtype=np.int64)
+        self._t = np.zeros(0, dtype=np.int64)
         self._stage: np.ndarray | None = None
         self._staged = 0
         self._pending: list[np.ndarray] = []
@@ -353,33 +358,61 @@ class HistogramObserver:
         stage[:] = 0
         self._staged = 0
 
+    def _grow(self, length: int) -> None:
+        """Extend the key range to ``0 .. length - 1`` (whole exponents, at most 65536 keys)."""
+        length = min(NUM_BUCKETS, -(-length // 128) * 128)
+        grow = length - self._n.size
+        if grow > 0:
+            self._n = np.concatenate([self._n, np.zeros(grow, np.int64)])
+            self._t = np.concatenate([self._t, np.zeros(grow, np.int64)])
+            if self._stage is not None:
+                self._stage = np.concatenate([self._stage, np.zeros(grow, np.int64)])
+
+    def _set(self, n: np.ndarray, t: np.ndarray) -> None:
+        """Store full-length statistics, trimmed after the last non-empty key."""
+        nonzero = np.flatnonzero(n)
+        length = int(nonzero[-1]) + 1 if nonzero.size else 0
+        self._n = np.array(n[:length], dtype=np.int64)
+        self._t = np.array(t[:length], dtype=np.int64)
+
+    def nonzero_buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(keys, n_b, T_b)`` of the non-empty buckets, keys ascending."""
+        self._sync()
+        keys = np.flatnonzero(self._n)
+        return keys, self._n[keys], self._t[keys]
+
+    def _full(self, a: np.ndarray) -> np.ndarray:
+        out = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        out[: a.size] = a
+        return out
+
     @property
     def counts(self) -> np.ndarray:
-        """Values per bucket ``n_b`` (int64, 65536)."""
+        """Values per bucket ``n_b`` (int64, 65536; a copy)."""
         self._sync()
-        return self._n
+        return self._full(self._n)
 
     @property
     def offset_sums(self) -> np.ndarray:
-        """``T_b``: sum of the centred low-16-bit offsets per bucket (int64, 65536)."""
+        """``T_b``: sum of the centred low-16-bit offsets per bucket (int64, 65536; a copy)."""
         self._sync()
-        return self._t
+        return self._full(self._t)
 
     @property
     def sums(self) -> np.ndarray:
         """Sum of the values per bucket, ``+-(n_b c_b + u_b T_b)`` (float64, 65536)."""
         mid, unit = bucket_units()
-        n, t = self.counts, self.offset_sums
+        keys, n, t = self.nonzero_buckets()
         out = np.zeros(NUM_BUCKETS, dtype=np.float64)
-        keys = np.nonzero(n)[0]
         mag = keys & (_HALF - 1)
         sign = np.where(keys >= _HALF, -1.0, 1.0)
-        out[keys] = sign * (n[keys] * mid[mag] + unit[mag] * t[keys])
+        out[keys] = sign * (n * mid[mag] + unit[mag] * t)
         return out
 
     @property
     def count(self) -> int:
-        return int(self.counts.sum())
+        self._sync()
+        return int(self._n.sum())
 
     @property
     def absmax(self) -> float:
@@ -410,8 +443,7 @@ class HistogramObserver:
     def _bin(self, values: np.ndarray, negative: bool = True) -> None:
         """Fold ``values`` (finite float32); ``negative=False`` promises none is below zero."""
         if self._stage is None:
-            self._stage = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        stage = self._stage
+            self._stage = np.zeros(self._n.size, dtype=np.int64)
         bits = values.view(np.uint32)  # the key is the numeric top half: no byte-order question
         pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
@@ -419,10 +451,14 @@ class HistogramObserver:
                 self._unstage()
             end = min(start + _CHUNK, values.size)
             word = bits[start:end]
+            keys = word >> 16
+            top = int(keys.max())
+            if top >= self._stage.size:
+                self._grow(top + 1)
             packed = word.astype(np.int64)
             packed &= 0xFFFF
             packed |= _PACK
-            np.add.at(stage, word >> 16, packed)
+            np.add.at(self._stage, keys, packed)
             self._staged += end - start
             x64 = values[start:end].astype(np.float64)
             if negative:
@@ -434,8 +470,7 @@ class HistogramObserver:
 
     def merge(self, other: HistogramObserver) -> HistogramObserver:
         out = HistogramObserver()
-        out._n = self.counts + other.counts
-        out._t = self.offset_sums + other.offset_sums
+        out._set(self.counts + other.counts, self.offset_sums + other.offset_sums)
         out.square_sums = (
             self.square_sums[0] + other.square_sums[0],
             self.square_sums[1] + other.square_sums[1],
@@ -453,11 +488,11 @@ class HistogramObserver:
         """
         out = HistogramObserver()
         n, t = self.counts, self.offset_sums
-        out._n[:_HALF] = n[:_HALF]
-        out._t[:_HALF] = t[:_HALF]
         zeros = int(n[_HALF:].sum())
-        out._n[0] += zeros
-        out._t[0] -= zeros * _HALF
+        n[_HALF:], t[_HALF:] = 0, 0
+        n[0] += zeros
+        t[0] -= zeros * _HALF
+        out._set(n, t)
         out.square_sums = (self.square_sums[0], 0.0)
         out.nonfinite, out.batches = self.nonfinite, self.batches
         if self.min <= self.max:
@@ -544,7 +579,7 @@ class HistogramObserver:
     # --- persistence ----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        keys = np.nonzero(self.counts)[0].astype(np.int32)
+        keys, n, t = self.nonzero_buckets()
         return {
             "kind": self.kind,
             "min": self.min if self.min <= self.max else None,
@@ -552,9 +587,9 @@ class HistogramObserver:
             "count": self.count,
             "nonfinite": self.nonfinite,
             "batches": self.batches,
-            "keys": _encode(keys),
-            "counts": _encode(self.counts[keys]),
-            "offset_sums": _encode(self.offset_sums[keys]),
+            "keys": _encode(keys.astype(np.int32)),
+            "counts": _encode(n),
+            "offset_sums": _encode(t),
             "square_sums": list(self.square_sums),
         }
 
@@ -562,8 +597,11 @@ class HistogramObserver:
     def from_dict(cls, d: dict[str, Any]) -> HistogramObserver:
         out = cls()
         keys = _decode(d["keys"]).astype(np.intp)
-        out.counts[keys] = _decode(d["counts"])
-        out.offset_sums[keys] = _decode(d["offset_sums"])
+        n = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        t = np.zeros(NUM_BUCKETS, dtype=np.int64)
+        n[keys] = _decode(d["counts"])
+        t[keys] = _decode(d["offset_sums"])
+        out._set(n, t)
         pos, neg = d["square_sums"]
         out.square_sums = (float(pos), float(neg))
         if d["min"] is not None:
@@ -664,17 +702,16 @@ def histogram_sse(
     lo_code, hi_code = signed_limits(qtype)
     positions = np.asarray(list(positions), dtype=np.int64).reshape(-1)
     out = np.zeros(positions.size, dtype=np.float64)
-    counts = hist.counts
-    keys = np.nonzero(counts)[0]
+    keys, n, offsets = hist.nonzero_buckets()
     if keys.size == 0 or positions.size == 0:
         return out
     mid, unit = bucket_units()
     lower, upper = bucket_edges()
     mag = keys & (_HALF - 1)
     negative = keys >= _HALF
-    n = counts[keys].astype(np.float64)
+    n = n.astype(np.float64)
     c, u = mid[mag], unit[mag]
-    dev_sum = hist.offset_sums[keys].astype(np.float64) * u  # sum (|x| - c_b)
+    dev_sum = offsets.astype(np.float64) * u  # sum (|x| - c_b)
     spread = max(0.0, sum(hist.square_sums) - float(np.sum(n * c * c + 2.0 * c * dev_sum)))
     qside = np.where(negative, -lo_code, hi_code).astype(np.float64)
     wide = max(hi_code, -lo_code) > 128
@@ -707,7 +744,7 @@ def minmse_position_from_histogram(
     """
     if hist.min > hist.max or (hist.min == 0.0 and hist.max == 0.0):
         return pof2.ZERO_POSITION
-    keys = np.nonzero(hist.counts)[0]
+    keys = hist.nonzero_buckets()[0]
     lower = bucket_edges()[0][keys & (_HALF - 1)]
     nonzero = lower > 0
     # bucket 0 holds zeros and subnormals: bound those below by the smallest subnormal

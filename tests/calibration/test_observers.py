@@ -418,6 +418,32 @@ def test_histogram_statistics_equal_numpy_of_the_bit_pattern():
     np.testing.assert_allclose(obs.sums, ref, rtol=1e-12, atol=0)
 
 
+def test_key_range_grows_with_the_data_and_stays_exact():
+    # small positive values first, then larger ones, then negatives: the arrays grow (never the
+    # full 65536 keys for non-negative data) and the statistics equal numpy's of all the data
+    rng = np.random.default_rng(21)
+    parts = [
+        rng.uniform(0, 0.5, 40_000).astype(np.float32),
+        rng.uniform(0, 6.0, 40_000).astype(np.float32),
+        np.zeros(1000, np.float32),
+    ]
+    obs = HistogramObserver()
+    for part in parts:
+        obs.update(part)
+    assert obs.nonzero_buckets()[0].max() < 1 << 15
+    assert obs._n.size <= 128 * 130  # below 2^3: keys of exponents up to 129 only
+    parts.append(-rng.uniform(0, 3.0, 40_000).astype(np.float32))
+    obs.update(parts[-1])
+    x = np.concatenate(parts)
+    keys = (x.view(np.uint32) >> 16).astype(np.intp)
+    t = (x.view(np.uint32) & 0xFFFF).astype(np.int64) - (1 << 15)
+    np.testing.assert_array_equal(obs.counts, np.bincount(keys, minlength=1 << 16))
+    sum_t = np.zeros(1 << 16, np.int64)
+    np.add.at(sum_t, keys, t)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    assert obs.minmse_position() == oracle_minmse(x)
+
+
 def test_small_batches_are_buffered_and_give_the_same_statistics():
     x = _data("student2", 50_000, 14)
     one, many = HistogramObserver(), HistogramObserver()
