@@ -39,6 +39,14 @@ A step limit of :data:`MAX_ADAPTIVE_STEPS` bounds the adaptive mode. Scales are 
 float64 and each weight is rounded back to its dtype once, so the float model changes only by
 that rounding (about 1e-7 relative for float32).
 
+Gate (on by default). Equalizing ranges is not the same as lowering the error of one
+power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
+power-of-two grid, and a second conv's channels that were fine become coarse. Each proposed
+scaling of a pair is therefore applied only if it lowers
+``pof2_noise_ratio(W1) + pof2_noise_ratio(W2)`` (relative int8 rounding noise at each weight's
+MinMSE position); otherwise the pair is left as it is for that step. This needs no data, so it
+runs in the float prepare stage.
+
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
 
@@ -145,6 +153,8 @@ class CLEReport:
     #: ``sum over pairs of mean_i |s_i - 1|`` in the last step.
     last_change: float = math.inf
     spreads: list[RangeSpread] = dataclasses.field(default_factory=list)
+    #: Pairs whose scaling the gate refused (in their last step): ``"first -> second"``.
+    rejected: list[str] = dataclasses.field(default_factory=list)
 
 
 def output_channel_ranges(weight: np.ndarray) -> np.ndarray:
@@ -156,6 +166,21 @@ def input_channel_ranges(weight: np.ndarray, group: int) -> np.ndarray:
     """``r_i`` = largest ``|w|`` of a (grouped) conv weight ``C_out x C_in/g x k...`` reading input
     channel ``i``; length ``C_in = g * (C_in / g)``."""
     return np.abs(_grouped_view(weight, group)).max(axis=(1, 3)).reshape(-1)
+
+
+def pof2_noise_ratio(weight: np.ndarray) -> float:
+    """``||Q(W) - W||^2 / ||W||^2`` with ``Q`` the per-tensor power-of-two int8 quantizer at the
+    MinMSE position (what the XINT8 weights get); 0.0 for an all-zero weight.
+
+    A layer's output noise from weight rounding is about this ratio times its output power, so
+    the sum over the two layers of a pair measures what equalization should lower.
+    """
+    from quark_onnx import pof2
+
+    energy = float(np.sum(np.square(weight, dtype=np.float64)))
+    if energy == 0.0:
+        return 0.0
+    return pof2.sse(weight, pof2.minmse_position(weight)) / energy
 
 
 def channel_range_spread(weight: np.ndarray) -> float:
@@ -271,6 +296,7 @@ class _Pair:
     second: _Layer
     through: tuple[str, ...]
     cumulative: np.ndarray  # product of all s applied at this channel boundary
+    rejected: bool = False  # the gate refused this pair's last proposed scaling
 
 
 class CrossLayerEqualization(QuarkPass):
@@ -289,6 +315,10 @@ class CrossLayerEqualization(QuarkPass):
         pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
             nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
             eligible are logged and listed as skipped.
+        gate: apply a pair's scaling only when it lowers the pair's power-of-two weight
+            quantization noise, :func:`pof2_noise_ratio` of the first plus that of the second
+            weight (the NPU's per-tensor int8 grid); refused pairs are listed in
+            :attr:`CLEReport.rejected`.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
     per-weight channel range spread before and after.
@@ -301,8 +331,10 @@ class CrossLayerEqualization(QuarkPass):
         scale_append_bias: bool = True,
         max_scale: float | None = 1e4,
         pairs: Sequence[tuple[str, str]] | None = None,
+        gate: bool = True,
     ) -> None:
         super().__init__()
+        self.gate = bool(gate)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < -1:
             raise ConfigError(
                 f"CrossLayerEqualization steps={steps!r}: use a positive integer, 0 (no-op) "
@@ -431,15 +463,23 @@ class CrossLayerEqualization(QuarkPass):
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        pair.cumulative = pair.cumulative * scale
         shape = (-1,) + (1,) * (first.weight.ndim - 1)
-        first.weight = first.weight / scale.reshape(shape)
-        if first.bias is not None:
-            first.bias = first.bias / scale
+        new_first = first.weight / scale.reshape(shape)
         view = _grouped_view(second.weight, second.group)
         cpg = view.shape[2]
-        view = view * scale.reshape(second.group, 1, cpg, 1)
-        second.weight = view.reshape(second.weight.shape)
+        new_second = (view * scale.reshape(second.group, 1, cpg, 1)).reshape(second.weight.shape)
+        if self.gate:
+            before = pof2_noise_ratio(first.weight) + pof2_noise_ratio(second.weight)
+            after = pof2_noise_ratio(new_first) + pof2_noise_ratio(new_second)
+            if not after < before:
+                pair.rejected = True
+                return 0.0
+            pair.rejected = False
+        pair.cumulative = pair.cumulative * scale
+        first.weight = new_first
+        if first.bias is not None:
+            first.bias = first.bias / scale
+        second.weight = new_second
         first.changed = second.changed = True
         return float(np.mean(np.abs(scale - 1.0)))
 
@@ -516,6 +556,9 @@ class CrossLayerEqualization(QuarkPass):
                 self.threshold,
             )
 
+        report.rejected = [
+            f"{_label(p.first.node)} -> {_label(p.second.node)}" for p in pairs if p.rejected
+        ]
         layers: dict[int, _Layer] = {}
         for pair in pairs:
             layers.setdefault(id(pair.first), pair.first)

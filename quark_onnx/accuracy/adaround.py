@@ -26,6 +26,12 @@ pushing every ``h`` to 0 or 1. The result is ``floor(W / s) + [h >= 0.5]``, clip
 whose floor is already outside ``[-128, 127]`` stay saturated. The learned rounding is kept only
 when its loss is below round-to-nearest's.
 
+Held-out gate: the samples are split in two (:func:`~.layerwise.held_out_split`); ``G`` and ``C``
+of the first half fit the rounding, and a layer keeps it only if its undamped reconstruction
+error on the *second* half, ``L_check(V) = tr(V G_2 V^T) - 2 tr(V C_2) + ||T_2 - b||^2``, is
+below round-to-nearest's; otherwise the layer stays rounded to nearest. So a layer is never
+changed unless the change reduces its output error on data it was not fitted on.
+
 Settings (``extra_options["FastFinetune"]``): ``NumIterations`` (default 500), ``NumBatches``
 (samples used, default all kept), ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer``
 (seconds of optimisation per layer, default 5; the loop stops early and keeps the best so far).
@@ -50,6 +56,7 @@ from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
     find_layers,
+    held_out_split,
     ir_model_to_proto,
     set_codes,
     tensor_names,
@@ -359,7 +366,10 @@ def adaround(
             (xs,) = quant.get([layer.input])
             (ts,) = flt.get([layer.float_output])
             t0 = time.perf_counter()
-            stats = _statistics(layer, w_float, bias, xs, ts)
+            fit_x, check_x = held_out_split(xs)
+            fit_t, check_t = held_out_split(ts)
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t)
+            held = _statistics(layer, w_float, bias, check_x, check_t) if check_x else None
             if stats is None:
                 skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
                 continue
@@ -380,6 +390,19 @@ def adaround(
                 learning_rate=settings.LearningRate,
                 time_budget=settings.TimeBudgetPerLayer,
             )
+            held_out = None
+            if held is not None and result.accepted:
+                # judged on samples the rounding was not fitted on (undamped reconstruction error)
+                _, h_gram, h_cross, h_const, _ = held
+                step = math.ldexp(1.0, -layer.weight_position)
+                nearest = np.clip(np.rint(wg / step), -128, 127) * step
+                held_out = (
+                    _quadratic_loss(nearest, h_gram, h_cross, h_const),
+                    _quadratic_loss(result.codes * step, h_gram, h_cross, h_const),
+                )
+                result.accepted = held_out[1] < held_out[0]
+                if not result.accepted:
+                    result.codes = np.clip(np.rint(wg / step), -128, 127).astype(np.int8)
             codes = _ungroup(result.codes, how)
             changed = int(np.count_nonzero(codes != layer.weight_codes))
             if result.accepted and changed:
@@ -394,6 +417,8 @@ def adaround(
                     "loss_learned": result.loss_learned,
                     "accepted": result.accepted,
                     "changed_codes": changed if result.accepted else 0,
+                    "held_out_loss_nearest": None if held_out is None else held_out[0],
+                    "held_out_loss_learned": None if held_out is None else held_out[1],
                     "iterations": result.iterations,
                     "seconds": round(result.seconds + stat_seconds, 3),
                 }

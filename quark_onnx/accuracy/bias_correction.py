@@ -93,39 +93,36 @@ def _followed_by_relu(layer: Layer) -> bool:
     return nxt.op_type == "Relu"
 
 
-def _shift(layer: Layer, yf: Sequence[np.ndarray], yq: Sequence[np.ndarray]) -> np.ndarray:
-    """Per-channel mean of ``y_f - y_q``; before a Relu only where either output is positive
-    (the error a Relu removes needs no correction)."""
-    if not _followed_by_relu(layer):
-        return channel_mean([f - q for f, q in zip(yf, yq, strict=True)])
-    num = den = None
-    for f, q in zip(yf, yq, strict=True):
-        f64 = np.moveaxis(np.asarray(f, np.float64), 1, 0).reshape(f.shape[1], -1)
-        q64 = np.moveaxis(np.asarray(q, np.float64), 1, 0).reshape(q.shape[1], -1)
-        active = (f64 > 0) | (q64 > 0)
-        n = np.sum((f64 - q64) * active, axis=1)
-        d = np.sum(active, axis=1)
-        num = n if num is None else num + n
-        den = d if den is None else den + d
-    assert num is not None and den is not None
-    return num / np.maximum(den, 1)
+def channel_sums(f: np.ndarray, q: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per output channel (axis 1): ``sum(f - q)`` and the number of terms, over every other axis.
 
-
-def _held_out_shift(layer: Layer, yf: Sequence[np.ndarray], yq: Sequence[np.ndarray]) -> np.ndarray:
-    """The per-channel shift over all samples, kept only for channels where it generalises.
-
-    The shift is estimated on the first half of the samples and checked on the second half: a
-    channel is corrected only when subtracting the first half's estimate brings the second half's
-    mean error closer to zero. A mean shift that is noise (it differs between halves more than it
-    is large) is left alone, so the correction cannot add error on data it has not seen. With
-    fewer than four samples there is nothing to hold out and every channel is corrected.
+    With ``masked`` (the layer feeds a Relu) only the positions where either output is positive
+    count: the error a Relu removes needs no correction.
     """
-    delta = _shift(layer, yf, yq)
-    half = len(yq) // 2
-    if half < 2:
-        return delta
-    fit = _shift(layer, yf[:half], yq[:half])
-    check = _shift(layer, yf[half:], yq[half:])
+    axes = tuple(i for i in range(f.ndim) if i != 1)
+    d = np.subtract(f, q, dtype=np.float32)
+    if not masked:
+        count = d.size // max(d.shape[1], 1)
+        return np.sum(d, axis=axes, dtype=np.float64), np.full(d.shape[1], count, np.int64)
+    active = (f > 0) | (q > 0)
+    np.multiply(d, active, out=d)
+    return np.sum(d, axis=axes, dtype=np.float64), np.count_nonzero(active, axis=axes)
+
+
+def gated_shift(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """The per-channel mean shift over both halves, kept only for channels where it generalises.
+
+    ``num``/``den`` (shape ``(2, C)``) hold the sums of :func:`channel_sums` over the first and
+    the second half of the samples. The shift ``fit = num_0 / den_0`` is estimated on the first
+    half and checked on the second, ``check = num_1 / den_1``: a channel is corrected (by the
+    mean over all samples) only when subtracting ``fit`` brings the second half's mean error
+    closer to zero, ``|check - fit| < |check|``. A mean shift that is noise (it differs between
+    halves more than it is large) is left alone, so the correction cannot add error on data it
+    has not seen.
+    """
+    delta = num.sum(axis=0) / np.maximum(den.sum(axis=0), 1)
+    fit = num[0] / np.maximum(den[0], 1)
+    check = num[1] / np.maximum(den[1], 1)
     return np.where(np.abs(check - fit) < np.abs(check), delta, 0.0)
 
 
@@ -159,7 +156,9 @@ def correct_bias(
         return summary
     layers, skipped = find_layers(model, tensor_names(prepared))
     quant = Replay(ir_model_to_proto(model), samples, "bias correction (quantized model)")
-    flt = Replay(prepared, samples, "bias correction (float model)")
+    # the float replay only feeds statistics: half precision between segments is plenty
+    flt = Replay(prepared, samples, "bias correction (float model)", store_dtype=np.float16)
+    half = len(samples) // 2
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
         for layer in layers:
@@ -174,7 +173,20 @@ def correct_bias(
                 continue
             (yq,) = quant.get([layer.output])
             (yf,) = flt.get([layer.float_output])
-            delta = _held_out_shift(layer, yf, yq)
+            masked = _followed_by_relu(layer)
+            num = den = None
+            for i, (f, q) in enumerate(zip(yf, yq, strict=True)):
+                n, d = channel_sums(f, q, masked)
+                if num is None or den is None:
+                    num, den = np.zeros((2, n.size)), np.zeros((2, n.size), np.int64)
+                num[0 if i < half else 1] += n
+                den[0 if i < half else 1] += d
+            del yf
+            assert num is not None and den is not None
+            if half >= 2:
+                delta = gated_shift(num, den)
+            else:
+                delta = num.sum(axis=0) / np.maximum(den.sum(axis=0), 1)
             codes = layer.bias_codes
             assert codes is not None
             if delta.shape != codes.shape:
@@ -203,13 +215,16 @@ def correct_bias(
                     layer.bias_position,
                 )
             if not changed:
+                del yq
                 continue
             set_codes(layer.bias, new_codes)
             quant.set_initializer(layer.bias.name or "", new_codes)
             shape = [1] * yq[0].ndim
             shape[1] = -1
             step = applied.reshape(shape).astype(np.float32)
-            quant.patch(layer.output, [y + step for y in yq])
+            for y in yq:  # the live tensor, in place: later layers see the corrected prefix
+                y += step
+            del yq  # let the replay release it once no later node reads it
     summary["per_layer"] = per_layer
     summary["skipped"] = skipped
     summary["samples"] = len(samples)

@@ -14,16 +14,21 @@ bias) initializers and positions, and the names of their input and output in bot
 quantized graph keeps the float tensor names except that an activation read through a Q/DQ pair is
 ``T_DequantizeLinear_Output`` and a graph output's producer writes ``T_QuantizeLinear_Input``).
 
-Numerics: segments run with graph optimizations off, so the quantized model is simulated in float
-exactly as its Q/DQ nodes say (no integer kernel fusion).
+Numerics: segments run with onnxruntime's graph optimizations on but its Q/DQ fusions off
+(session option ``session.disable_quant_qdq``), so the quantized model is still simulated in float
+exactly as its Q/DQ nodes say (no integer kernels) while convolutions use the fast blocked
+kernels: about 1.7x faster than no optimization on MobileNetV2's quantized model. Convolution
+outputs differ from the unoptimized kernels' only by float32 summation order (~1e-7 relative);
+MobileNetV2's quantized logits were identical on 20 calibration images.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -197,11 +202,19 @@ class Replay:
             be topological).
         samples: feeds, one dict per run (each run is independent; shapes as the model takes).
         label: used in error messages.
+        store_dtype: keep computed float32 tensors in this dtype between segments (``float16``
+            halves the memory of a replay whose values only feed statistics; they are widened
+            back to float32 when fed to the next segment). None keeps them exact.
     """
 
     def __init__(
-        self, proto: onnx.ModelProto, samples: Sequence[dict[str, np.ndarray]], label: str
+        self,
+        proto: onnx.ModelProto,
+        samples: Sequence[dict[str, np.ndarray]],
+        label: str,
+        store_dtype: type | None = None,
     ) -> None:
+        self.store_dtype = store_dtype
         if not samples:
             raise QuantizationError(f"{label}: no samples to replay the model on")
         self.label = label
@@ -296,7 +309,7 @@ class Replay:
             [
                 onnx.helper.make_tensor_value_info(
                     x,
-                    onnx.helper.np_dtype_to_tensor_dtype(self.env[x][0].dtype),
+                    onnx.helper.np_dtype_to_tensor_dtype(self._load(self.env[x][0]).dtype),
                     None,
                 )
                 for x in inputs
@@ -312,22 +325,46 @@ class Replay:
         model = onnx.helper.make_model(
             graph, opset_imports=list(self.proto.opset_import), ir_version=self.proto.ir_version
         )
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        opts.log_severity_level = 3
         session = ort.InferenceSession(
-            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
+            model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
         )
         results: dict[str, list[np.ndarray]] = {o: [] for o in outputs}
+        # tensors no node reads after this segment (kept: those just asked for) are released
+        # sample by sample, so a segment's inputs and outputs are not both held for all samples
+        dead = [n for n in self.env if self.last_use.get(n, -1) < end and n not in wanted]
+        for name in dead:  # a private list: lists handed out by get() stay intact
+            self.env[name] = list(self.env[name])
         for i in range(self.num_samples):
-            feeds = {x: self.env[x][i] for x in inputs}
+            feeds = {x: self._load(self.env[x][i]) for x in inputs}
             for o, arr in zip(outputs, session.run(outputs, feeds), strict=True):
-                results[o].append(arr)
+                results[o].append(self._store(arr))
+            for name in dead:
+                self.env[name][i] = None  # type: ignore[call-overload]
             self.runs += 1
-        # forget tensors no node reads any more (kept: those just asked for)
-        for name in [n for n in self.env if self.last_use.get(n, -1) < end and n not in wanted]:
+        del session, feeds
+        for name in dead:
             del self.env[name]
         self.env.update(results)
+
+    def _store(self, array: np.ndarray) -> np.ndarray:
+        if self.store_dtype is not None and array.dtype == np.float32:
+            return array.astype(self.store_dtype)
+        return array
+
+    @staticmethod
+    def _load(array: np.ndarray) -> np.ndarray:
+        return array.astype(np.float32) if array.dtype == np.float16 else array
+
+
+def session_options() -> Any:
+    """onnxruntime options of every accuracy-stage session (module doc: Q/DQ simulated in float)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    opts.log_severity_level = 3
+    return opts
 
 
 def ir_model_to_proto(model: ir.Model) -> onnx.ModelProto:
@@ -343,3 +380,149 @@ def set_codes(value: ir.Value, codes: np.ndarray) -> None:
             f"{value.name}: new codes have shape {codes.shape}, not {old.shape}"
         )
     value.const_value = ir.tensor(codes.astype(old.dtype), name=value.name)
+
+
+def with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``proto`` whose graph outputs are exactly ``names`` (in that order).
+
+    Only the nodes the wanted tensors depend on are kept, so a run computes nothing else.
+    """
+    g = proto.graph
+    types = _elem_types(proto)
+    producer = {o: node for node in g.node for o in node.output if o}
+    needed: set[int] = set()
+    stack = [n for n in names if n in producer]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in producer:
+            continue
+        seen.add(name)
+        node = producer[name]
+        if id(node) in needed:
+            continue
+        needed.add(id(node))
+        stack.extend(x for x in node.input if x)
+    used = {x for node in g.node if id(node) in needed for x in node.input}
+    graph = onnx.helper.make_graph(
+        [node for node in g.node if id(node) in needed],
+        g.name or "graph",
+        [v for v in g.input if v.name in used or v.name in names],
+        [
+            onnx.helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.FLOAT), None)
+            for n in names
+        ],
+        [t for t in g.initializer if t.name in used],
+    )
+    model = onnx.helper.make_model(
+        graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version
+    )
+    return model
+
+
+def stream_outputs(
+    proto: onnx.ModelProto,
+    names: Sequence[str],
+    samples: Sequence[dict[str, np.ndarray]],
+    label: str,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Per sample, the values of ``names`` in ``proto`` (one onnxruntime session, one run each).
+
+    Only one sample's tensors are alive at a time, so memory does not grow with the number of
+    samples. Q/DQ nodes are simulated in float as written (:func:`session_options`).
+    """
+    import onnxruntime as ort
+
+    if not names:
+        for _ in samples:
+            yield {}
+        return
+    model = with_outputs(proto, names)
+    feeds = [v.name for v in model.graph.input]
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise QuantizationError(f"{label}: onnxruntime cannot load the model: {exc}") from exc
+    del model
+    out = list(names)
+    for i, sample in enumerate(samples):
+        missing = [f for f in feeds if f not in sample]
+        if missing:
+            raise QuantizationError(f"{label}: sample {i} has no value for input {missing[0]!r}")
+        values = session.run(out, {f: np.asarray(sample[f]) for f in feeds})
+        yield dict(zip(out, values, strict=True))
+
+
+def output_errors(
+    reference: onnx.ModelProto,
+    candidates: Sequence[onnx.ModelProto],
+    samples: Sequence[dict[str, np.ndarray]],
+    label: str,
+) -> list[float]:
+    """Per candidate, ``sum over samples and graph outputs of ||candidate - reference||^2``.
+
+    The candidates (quantized versions of ``reference``) must have the reference's tensor names
+    (:func:`gate_tensors`). Runs are streamed: one sample's outputs are alive at a time.
+    """
+    names = gate_tensors(reference)
+    streams = [stream_outputs(reference, names, samples, f"{label} (float model)")] + [
+        stream_outputs(c, names, samples, f"{label} (candidate {i})")
+        for i, c in enumerate(candidates)
+    ]
+    totals = [0.0] * len(candidates)
+    for ref, *outs in zip(*streams, strict=True):
+        for i, out in enumerate(outs):
+            totals[i] += float(
+                sum(
+                    np.sum((np.asarray(out[n], np.float64) - ref[n]) ** 2, dtype=np.float64)
+                    for n in names
+                )
+            )
+    return totals
+
+
+#: Ops that only normalise or reshape scores: the error is measured on their input instead.
+_SCORE_TAIL = frozenset({"Softmax", "LogSoftmax", "Reshape", "Flatten", "Squeeze", "Identity"})
+
+
+def gate_tensors(proto: onnx.ModelProto) -> list[str]:
+    """The tensors a model-output gate compares: each graph output, or for an output computed by
+    Softmax/LogSoftmax (through Reshape/Flatten/Squeeze/Identity) the Softmax input (the logits).
+
+    Saturated probabilities hide differences that still move the top-1 choice; the logits do not.
+    """
+    producer = {o: node for node in proto.graph.node for o in node.output if o}
+    names: list[str] = []
+    for out in proto.graph.output:
+        name = out.name
+        node = producer.get(name)
+        chain: list[onnx.NodeProto] = []
+        while node is not None and node.op_type in _SCORE_TAIL and node.input:
+            chain.append(node)
+            node = producer.get(node.input[0])
+        softmax = [i for i, n in enumerate(chain) if n.op_type in ("Softmax", "LogSoftmax")]
+        if softmax:
+            name = chain[softmax[-1]].input[0]
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def held_out_split(
+    samples: Sequence[dict[str, np.ndarray]],
+) -> tuple[Sequence[dict[str, np.ndarray]], Sequence[dict[str, np.ndarray]]]:
+    """``(fit, check)``: the first half (rounded up) fits a technique, the rest judges it.
+
+    With fewer than :data:`MIN_HELD_OUT` * 2 samples there is nothing to hold out: every sample
+    fits and ``check`` is empty (the technique is then applied ungated).
+    """
+    if len(samples) < 2 * MIN_HELD_OUT:
+        return samples, []
+    cut = (len(samples) + 1) // 2
+    return samples[:cut], samples[cut:]
+
+
+#: Fewest held-out samples a model-output gate is decided on.
+MIN_HELD_OUT = 2

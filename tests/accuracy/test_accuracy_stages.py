@@ -190,9 +190,10 @@ def test_replay_segments_equal_whole_model_and_run_each_node_once():
     (c2, y) = replay.get(["c2", "y"])
     for i, s in enumerate(samples):
         want = _outputs(proto, s, ["c0", "c2", "y"])
-        np.testing.assert_array_equal(c0[i], want[0])
-        np.testing.assert_array_equal(c2[i], want[1])
-        np.testing.assert_array_equal(y[i], want[2])
+        # optimized conv kernels: equal up to float32 summation order
+        np.testing.assert_allclose(c0[i], want[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(c2[i], want[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(y[i], want[2], rtol=1e-5, atol=1e-5)
     assert replay.runs == 2 * len(samples)  # two segments, each run once per sample
     with pytest.raises(Exception, match="no longer kept"):
         replay.get(["c0"])  # consumed earlier and dropped: memory stays bounded

@@ -68,6 +68,7 @@ def _apply(
     model: onnx.ModelProto, **options
 ) -> tuple[onnx.ModelProto, CrossLayerEqualization, bool]:
     ir_model = ir.from_proto(model)
+    options.setdefault("gate", False)  # these tests check the equalization itself
     cle = CrossLayerEqualization(**options)
     result = cle(ir_model)
     out = ir.to_proto(result.model)
@@ -472,3 +473,55 @@ def test_mobilenetv2_depthwise_per_tensor_error_drops(mobilenet_cle):
     # measured (steps=-1): mean SQNR of the 17 depthwise weights 32.2 -> 38.1 dB, 16 of 17 better
     assert after.mean() > before.mean() + 4.5
     assert (after > before).sum() >= 15
+
+
+# --- gate --------------------------------------------------------------------------------------
+
+
+def _gate_pair(w1: np.ndarray, w2: np.ndarray) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="c1", kernel_shape=[1, 1]),
+        helper.make_node("Relu", ["a"], ["h"], name="r"),
+        helper.make_node("Conv", ["h", "w2"], ["y"], name="c2", kernel_shape=[1, 1]),
+    ]
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, w1.shape[1], 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, w2.shape[0], 4, 4])],
+        {"w1": w1, "w2": w2},
+    )
+
+
+def test_gate_applies_a_scaling_that_lowers_pof2_weight_noise():
+    """Conv 1's channel 0 is 64x wider than the others and conv 2 reads it 64x more weakly (as
+    after folding a BatchNorm): the per-tensor grid crushes the narrow channels of both."""
+    rng = _rng(11)
+    w1 = rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)
+    w1[0] *= 64
+    w2 = rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)
+    w2[:, 0] *= 1 / 64
+    model = _gate_pair(w1, w2)
+    from passes.cross_layer_equalization import pof2_noise_ratio
+
+    out, cle, modified = _apply(model, gate=True)
+    assert modified and not cle.report.rejected
+    new = {t.name: onnx.numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert pof2_noise_ratio(new["w1"]) + pof2_noise_ratio(new["w2"]) < pof2_noise_ratio(
+        w1
+    ) + pof2_noise_ratio(w2)
+    _assert_same_outputs(model, out)
+
+
+def test_gate_refuses_a_scaling_that_raises_pof2_weight_noise():
+    """Conv 1 holds exact int8 codes at one power-of-two scale (no rounding noise at all);
+    equalizing would move them off the grid, so the pair must stay as it is."""
+    rng = _rng(12)
+    w1 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 128).astype(np.float32)
+    w1[0] *= 0.25  # ranges differ, so equalization proposes a change
+    w2 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 16).astype(np.float32)
+    w2[:, 1] *= 0.125
+    model = _gate_pair(w1, w2)
+    _, cle, modified = _apply(model, gate=True)
+    assert not modified and cle.report.rejected == ["c1 -> c2"]
+    _, _, changed = _apply(model, gate=False)
+    assert changed  # without the gate the pair is rescaled
