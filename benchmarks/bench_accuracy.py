@@ -26,6 +26,15 @@ combinations joined with ``+``. For each the benchmark prints top-1, the drop fr
 the time of each accuracy stage (``report.timings``), the total quantization time and whether the
 output passes :func:`quark_onnx.check`. Top-1 uses onnxruntime's CPU provider with default
 optimisations (QDQ fused into int8 kernels, as deployed). This is a benchmark: it prints numbers.
+
+Profiling a stage (bias correction here; pyinstrument is in the test environment)::
+
+    python -m pyinstrument -o /tmp/bc.txt benchmarks/bench_accuracy.py \
+        --models mobilenetv2 --variants bc
+
+Each technique is gated so it cannot make a model worse on the data it checks: bias correction
+per channel on the held-out half of the kept samples, AdaRound per layer on the held-out half,
+CLE per pair by the power-of-two weight noise of the two layers (data free).
 """
 
 from __future__ import annotations

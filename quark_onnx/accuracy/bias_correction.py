@@ -16,6 +16,16 @@ error arriving from earlier layers ("empirical" rather than analytic bias correc
 layer's output is then updated in the replay (``y_q + (q'_c - q_c) 2^-p_b``) so later layers see
 the corrected prefix; the whole walk runs every node once (:class:`~.layerwise.Replay`).
 
+Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
+samples and kept only where it also shrinks the second half's mean error.
+
+Memory and time: the two replays keep, for every sample, only the live tensors; a segment's dead
+inputs are released sample by sample, the float replay stores its tensors in float16 between
+segments (they only feed statistics), the correction is added to the live quantized tensor in
+place, and both halves' channel sums come from one pass (:func:`channel_sums`). Measured against
+the previous replay (same machine, XINT8 preset, 32 samples): the stage's peak memory above its
+start fell from 289 to 157 MB on SqueezeNet 1.1 and from 460 to 246-284 MB on MobileNetV2.
+
 Saturation: a corrected bias that leaves the int8 range at ``p_b`` is clipped, and counted in the
 report. A layer without a bias is skipped and reported: adding one would need a new position
 inside the shift_bias window, which the constraint solver, not this stage, chooses.
@@ -46,21 +56,6 @@ from quark_onnx.plan import QuantPlan
 from quark_onnx.progress import Progress
 
 logger = logging.getLogger(__name__)
-
-
-def channel_mean(values: Sequence[np.ndarray], axis: int = 1) -> np.ndarray:
-    """Mean over every axis but ``axis`` and over all arrays (float64), one value per channel."""
-    total: np.ndarray | None = None
-    count = 0
-    for v in values:
-        moved = np.moveaxis(np.asarray(v, dtype=np.float64), axis, 0)
-        flat = moved.reshape(moved.shape[0], -1)
-        s = flat.sum(axis=1)
-        total = s if total is None else total + s
-        count += flat.shape[1]
-    if total is None:
-        raise ValueError("no values")
-    return total / max(count, 1)
 
 
 def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tuple[np.ndarray, int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,134 +380,6 @@ def set_codes(value: ir.Value, codes: np.ndarray) -> None:
             f"{value.name}: new codes have shape {codes.shape}, not {old.shape}"
         )
     value.const_value = ir.tensor(codes.astype(old.dtype), name=value.name)
-
-
-def with_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of ``proto`` whose graph outputs are exactly ``names`` (in that order).
-
-    Only the nodes the wanted tensors depend on are kept, so a run computes nothing else.
-    """
-    g = proto.graph
-    types = _elem_types(proto)
-    producer = {o: node for node in g.node for o in node.output if o}
-    needed: set[int] = set()
-    stack = [n for n in names if n in producer]
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in producer:
-            continue
-        seen.add(name)
-        node = producer[name]
-        if id(node) in needed:
-            continue
-        needed.add(id(node))
-        stack.extend(x for x in node.input if x)
-    used = {x for node in g.node if id(node) in needed for x in node.input}
-    graph = onnx.helper.make_graph(
-        [node for node in g.node if id(node) in needed],
-        g.name or "graph",
-        [v for v in g.input if v.name in used or v.name in names],
-        [
-            onnx.helper.make_tensor_value_info(n, types.get(n, onnx.TensorProto.FLOAT), None)
-            for n in names
-        ],
-        [t for t in g.initializer if t.name in used],
-    )
-    model = onnx.helper.make_model(
-        graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version
-    )
-    return model
-
-
-def stream_outputs(
-    proto: onnx.ModelProto,
-    names: Sequence[str],
-    samples: Sequence[dict[str, np.ndarray]],
-    label: str,
-) -> Iterator[dict[str, np.ndarray]]:
-    """Per sample, the values of ``names`` in ``proto`` (one onnxruntime session, one run each).
-
-    Only one sample's tensors are alive at a time, so memory does not grow with the number of
-    samples. Q/DQ nodes are simulated in float as written (:func:`session_options`).
-    """
-    import onnxruntime as ort
-
-    if not names:
-        for _ in samples:
-            yield {}
-        return
-    model = with_outputs(proto, names)
-    feeds = [v.name for v in model.graph.input]
-    try:
-        session = ort.InferenceSession(
-            model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
-        )
-    except Exception as exc:  # onnxruntime raises its own exception types
-        raise QuantizationError(f"{label}: onnxruntime cannot load the model: {exc}") from exc
-    del model
-    out = list(names)
-    for i, sample in enumerate(samples):
-        missing = [f for f in feeds if f not in sample]
-        if missing:
-            raise QuantizationError(f"{label}: sample {i} has no value for input {missing[0]!r}")
-        values = session.run(out, {f: np.asarray(sample[f]) for f in feeds})
-        yield dict(zip(out, values, strict=True))
-
-
-def output_errors(
-    reference: onnx.ModelProto,
-    candidates: Sequence[onnx.ModelProto],
-    samples: Sequence[dict[str, np.ndarray]],
-    label: str,
-) -> list[float]:
-    """Per candidate, ``sum over samples and graph outputs of ||candidate - reference||^2``.
-
-    The candidates (quantized versions of ``reference``) must have the reference's tensor names
-    (:func:`gate_tensors`). Runs are streamed: one sample's outputs are alive at a time.
-    """
-    names = gate_tensors(reference)
-    streams = [stream_outputs(reference, names, samples, f"{label} (float model)")] + [
-        stream_outputs(c, names, samples, f"{label} (candidate {i})")
-        for i, c in enumerate(candidates)
-    ]
-    totals = [0.0] * len(candidates)
-    for ref, *outs in zip(*streams, strict=True):
-        for i, out in enumerate(outs):
-            totals[i] += float(
-                sum(
-                    np.sum((np.asarray(out[n], np.float64) - ref[n]) ** 2, dtype=np.float64)
-                    for n in names
-                )
-            )
-    return totals
-
-
-#: Ops that only normalise or reshape scores: the error is measured on their input instead.
-_SCORE_TAIL = frozenset({"Softmax", "LogSoftmax", "Reshape", "Flatten", "Squeeze", "Identity"})
-
-
-def gate_tensors(proto: onnx.ModelProto) -> list[str]:
-    """The tensors a model-output gate compares: each graph output, or for an output computed by
-    Softmax/LogSoftmax (through Reshape/Flatten/Squeeze/Identity) the Softmax input (the logits).
-
-    Saturated probabilities hide differences that still move the top-1 choice; the logits do not.
-    """
-    producer = {o: node for node in proto.graph.node for o in node.output if o}
-    names: list[str] = []
-    for out in proto.graph.output:
-        name = out.name
-        node = producer.get(name)
-        chain: list[onnx.NodeProto] = []
-        while node is not None and node.op_type in _SCORE_TAIL and node.input:
-            chain.append(node)
-            node = producer.get(node.input[0])
-        softmax = [i for i, n in enumerate(chain) if n.op_type in ("Softmax", "LogSoftmax")]
-        if softmax:
-            name = chain[softmax[-1]].input[0]
-        if name not in names:
-            names.append(name)
-    return names
 
 
 def held_out_split(
