@@ -196,6 +196,11 @@ class QuantizationConfig:
                         f"{flag}=True works on power-of-two (XINT8) models only; set {flag}=False "
                         "or use a PowerOfTwoMethod calibrate_method"
                     )
+        if not 0 <= options.WeightScaleBits <= 23:
+            raise ConfigError(
+                f"extra option WeightScaleBits={options.WeightScaleBits}: give 0 (full float32 "
+                "scales) or a number of significant bits from 1 to 23 (7 for exact GGUF export)"
+            )
         if options.WeightBlockSize < 0:
             raise ConfigError(
                 f"extra option WeightBlockSize={options.WeightBlockSize}: give a group size >= 1 "

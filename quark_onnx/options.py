@@ -117,6 +117,13 @@ class ExtraOptions:
         "quantized (and dequantized in the graph); activations and biases stay float and no "
         "calibration data is needed. Not with enable_npu_cnn or use_dynamic_quant.",
     )
+    WeightScaleBits: int = _opt(
+        0,
+        "Round every float weight scale up to this many significant bits (0: full float32). "
+        "7 makes each scale, and its product with any 4-bit zero point, a float16 value, so "
+        "GGUF Q4_1/Q8_0 export reads back exactly (UINT4_WEIGHT_ONLY_G32 sets it); a scale "
+        "grows by less than 2^(1-bits).",
+    )
     WeightBlockSize: int = _opt(
         0,
         "Per-group weight quantization: with per_channel=True, each run of this many weights "

@@ -250,6 +250,7 @@ def from_range(
     symmetric: bool = True,
     axis: int | None = None,
     block_size: int | None = None,
+    scale_bits: int = 0,
 ) -> QuantParams:
     """Float-scale parameters that cover ``[lo, hi]`` (elementwise for per-channel/per-group).
 
@@ -259,7 +260,9 @@ def from_range(
       (qmax - qmin)`` and ``zero_point = round(qmin - lo / scale)``;
     * float8 e4m3fn: ``scale = max(|lo|, |hi|) / 448``, zero point 0.
 
-    An all-zero range gets scale 1 (any scale represents it exactly).
+    An all-zero range gets scale 1 (any scale represents it exactly). ``scale_bits > 0`` rounds
+    every scale up to that many significant bits (:func:`round_scale_up`) before the zero point
+    is chosen, so the range stays covered.
     """
     qtype = QuantType.coerce(qtype)
     if qtype in CAST_TYPES:
@@ -267,18 +270,22 @@ def from_range(
     dtype = numpy_dtype(qtype)
     lo = np.minimum(np.asarray(lo, dtype=np.float64), 0.0)
     hi = np.maximum(np.asarray(hi, dtype=np.float64), 0.0)
+
+    def rounded(scale: np.ndarray) -> np.ndarray:
+        return round_scale_up(scale, scale_bits) if scale_bits > 0 else scale
+
     if qtype is QuantType.QFLOAT8E4M3FN:
         amax = np.maximum(-lo, hi)
-        scale = np.where(amax > 0, amax / FLOAT8_E4M3FN_MAX, 1.0)
+        scale = rounded(np.where(amax > 0, amax / FLOAT8_E4M3FN_MAX, 1.0))
         zero = np.zeros(scale.shape, dtype=np.float64)
     elif symmetric:
         amax = np.maximum(-lo, hi)
         zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
-        scale = np.where(amax > 0, amax / (qtype.qmax - zero_code), 1.0)
+        scale = rounded(np.where(amax > 0, amax / (qtype.qmax - zero_code), 1.0))
         zero = np.full(scale.shape, zero_code, dtype=np.float64)
     else:
         span = hi - lo
-        scale = np.where(span > 0, span / (qtype.qmax - qtype.qmin), 1.0)
+        scale = rounded(np.where(span > 0, span / (qtype.qmax - qtype.qmin), 1.0))
         zero = np.clip(np.rint(qtype.qmin - lo / scale), qtype.qmin, qtype.qmax)
     scale32 = np.asarray(scale, dtype=np.float32)
     # a scale that underflows float32 would divide by zero at run time
@@ -291,6 +298,20 @@ def from_range(
         block_size=block_size,
         symmetric=symmetric,
     )
+
+
+def round_scale_up(scale: np.ndarray, bits: int) -> np.ndarray:
+    """The smallest value ``>= scale`` with at most ``bits`` significant bits (elementwise).
+
+    With ``bits = 7`` a scale is a float16 value (in float16's normal range) and so is its product
+    with any 4-bit zero point (7 + 4 <= 11 significant bits): GGUF's Q4_1 ``d`` and ``m = -d * z``
+    and Q8_0's ``d`` are then stored exactly. The scale grows by less than ``2^(1 - bits)``.
+    """
+    scale = np.asarray(scale, dtype=np.float64)
+    positive = scale > 0
+    safe = np.where(positive, scale, 1.0)
+    step = np.exp2(np.floor(np.log2(safe)) - (bits - 1))
+    return np.where(positive, np.ceil(safe / step) * step, scale)
 
 
 def weight_range(
@@ -326,10 +347,19 @@ def weight_params(
     symmetric: bool = True,
     axis: int | None = None,
     block_size: int | None = None,
+    scale_bits: int = 0,
 ) -> QuantParams:
     """MinMax parameters for a constant tensor at the given granularity (codes not included)."""
     lo, hi = weight_range(w, axis, block_size)
-    return from_range(lo, hi, qtype, symmetric=symmetric, axis=axis, block_size=block_size)
+    return from_range(
+        lo,
+        hi,
+        qtype,
+        symmetric=symmetric,
+        axis=axis,
+        block_size=block_size,
+        scale_bits=scale_bits,
+    )
 
 
 def dynamic_params(x: np.ndarray, qtype: QuantType, symmetric: bool) -> QuantParams:

@@ -120,13 +120,19 @@ def activation_params(
     return qparams.from_range(lo, hi, spec.qtype, symmetric=spec.symmetric)
 
 
-def weight_params(spec: TensorSpec, w: np.ndarray) -> QuantParams:
-    """MinMax parameters of a constant at its planned granularity, with its codes."""
+def weight_params(spec: TensorSpec, w: np.ndarray, scale_bits: int = 0) -> QuantParams:
+    """MinMax parameters of a constant at its planned granularity, with its codes
+    (``scale_bits``: the ``WeightScaleBits`` option)."""
     if spec.qtype in CAST_TYPES:
         params = QuantParams(qtype=spec.qtype)
     else:
         params = qparams.weight_params(
-            w, spec.qtype, symmetric=spec.symmetric, axis=spec.axis, block_size=spec.block_size
+            w,
+            spec.qtype,
+            symmetric=spec.symmetric,
+            axis=spec.axis,
+            block_size=spec.block_size,
+            scale_bits=scale_bits,
         )
     return _with_codes(params, w)
 
@@ -252,7 +258,7 @@ def compute_params(
         if spec.kind is TensorKind.ACTIVATION:
             params[name] = activation_params(spec, result, method, opts)
         elif spec.kind is TensorKind.WEIGHT:
-            params[name] = weight_params(spec, constant_data(constants, name))
+            params[name] = weight_params(spec, constant_data(constants, name), opts.WeightScaleBits)
     biases: dict[str, QuantParams] = {}
     for name, spec in plan.tensors.items():
         if spec.kind is TensorKind.BIAS:
