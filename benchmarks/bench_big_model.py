@@ -5,17 +5,20 @@ Run from the repository root::
     python benchmarks/bench_big_model.py                 # 2.5 GB model, ~2.6 GB of weights
     python benchmarks/bench_big_model.py --gb 0.6        # quicker, below the protobuf limit
     python benchmarks/bench_big_model.py --gb 2.5 --keep /tmp/big   # keep the files
+    python benchmarks/bench_big_model.py --keep /tmp/big --reuse    # rerun on the kept model
 
 The model is a chain of square ``Gemm`` layers (``transB=1``, random N(0, 1/K) weights and small
 biases) with a ``Relu`` after all but the last, input ``x`` of shape 1xK. It is generated one
 weight at a time straight into ``big.onnx.data`` (never more than one weight matrix in memory),
 so the size of the generator does not matter. A fresh subprocess then runs
 ``ModelQuantizer.quantize_model`` with the XINT8 preset on random calibration data
-(``UseRandomData``, 2 samples) and writes the result with external data; it reports its peak RSS
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) and the stage timings. The target is a peak RSS
-of at most 3x the input model's size. A watchdog kills the quantizer if its RSS goes above
-``--max-rss-gb`` (default 16 GiB) to protect a shared machine. The output is then checked: it
-names its data files by bare relative names inside the output folder, and onnxruntime runs it.
+(``UseRandomData``, 2 samples) and writes the result; it reports the peak RSS of every stage of
+the quantizer (:class:`StageMemory`: the kernel's ``VmHWM``, reset at each stage boundary, so
+native allocations and touched memory-mapped pages count) and the stage timings, printed as a
+markdown table. The target is a peak RSS of at most 3x the input model's size. A watchdog kills
+the quantizer if its RSS goes above ``--max-rss-gb`` (default 16 GiB) to protect a shared
+machine. The output is then checked: it names its data files by bare relative names inside the
+output folder, and onnxruntime runs it.
 
 This is a benchmark, not a test: it prints numbers (and a JSON line with ``--json``).
 """
