@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -124,6 +124,11 @@ def fake_quant(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.
     return dequantize(quantize(x, p, qtype), p, qtype)
 
 
+#: Arrays of more values than this are processed in pieces of this size, so the float64
+#: temporaries stay bounded (a 256 MiB float32 weight would otherwise need several 512 MiB ones).
+CHUNK = 1 << 22
+
+
 def _finite64(x: np.ndarray) -> np.ndarray:
     x64 = np.asarray(x, dtype=np.float64).reshape(-1)
     if x64.size and not np.isfinite(x64).all():
@@ -131,12 +136,33 @@ def _finite64(x: np.ndarray) -> np.ndarray:
     return x64
 
 
-def sse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
-    """Sum of squared quantization errors ``sum((fake_quant(x, p) - x)^2)``, in float64."""
-    x64 = np.asarray(x, dtype=np.float64)
+def _finite_chunks(x: np.ndarray) -> Iterator[np.ndarray]:
+    """The finite values of ``x`` as float64, in pieces of at most :data:`CHUNK` values."""
+    flat = np.asarray(x).reshape(-1)
+    for start in range(0, flat.size, CHUNK):
+        yield _finite64(flat[start : start + CHUNK])
+
+
+def _sse64(x64: np.ndarray, p: int, qtype: QuantType) -> float:
     lo, hi = code_range(qtype)
     q = np.clip(np.rint(x64 * math.ldexp(1.0, int(p))), lo, hi)
     return float(np.sum((q * math.ldexp(1.0, -int(p)) - x64) ** 2))
+
+
+def sse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
+    """Sum of squared quantization errors ``sum((fake_quant(x, p) - x)^2)``, in float64.
+
+    Arrays above :data:`CHUNK` values are summed piece by piece (the same value up to the float64
+    rounding of the summation order).
+    """
+    x = np.asarray(x)
+    if x.size <= CHUNK:
+        return _sse64(np.asarray(x, dtype=np.float64), p, qtype)
+    flat = x.reshape(-1)
+    return sum(
+        _sse64(np.asarray(flat[i : i + CHUNK], dtype=np.float64), p, qtype)
+        for i in range(0, flat.size, CHUNK)
+    )
 
 
 def mse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
@@ -237,12 +263,43 @@ def minmse_position(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
 
     Non-finite values are ignored; an empty or all-zero array gets :data:`ZERO_POSITION`.
     """
+    if np.asarray(x).size > CHUNK:
+        return _minmse_position_chunked(x, qtype)
     x64 = _finite64(x)
     nz = np.abs(x64[x64 != 0])
     if nz.size == 0:
         return ZERO_POSITION
     window = minmse_window(float(x64.min()), float(x64.max()), float(nz.min()), qtype)
     return best_position(window, (sse(x64, p, qtype) for p in window))
+
+
+def _finite_stats(x: np.ndarray) -> tuple[int, float, float, float]:
+    """Count, min, max and smallest non-zero ``|x|`` of the finite values, piece by piece
+    (``min_abs_nonzero`` is ``inf`` when every value is 0)."""
+    count, lo, hi, small = 0, math.inf, -math.inf, math.inf
+    for chunk in _finite_chunks(x):
+        if not chunk.size:
+            continue
+        count += chunk.size
+        lo, hi = min(lo, float(chunk.min())), max(hi, float(chunk.max()))
+        nz = np.abs(chunk[chunk != 0])
+        if nz.size:
+            small = min(small, float(nz.min()))
+    return count, lo, hi, small
+
+
+def _minmse_position_chunked(x: np.ndarray, qtype: QuantType) -> int:
+    """:func:`minmse_position` reading ``x`` in pieces: every candidate's error is accumulated
+    in one pass over the data (``x`` may be a memory-mapped weight; it is never copied whole)."""
+    _, lo, hi, small = _finite_stats(x)
+    if not math.isfinite(small):
+        return ZERO_POSITION
+    window = minmse_window(lo, hi, small, qtype)
+    errors = [0.0] * len(window)
+    for chunk in _finite_chunks(x):
+        for j, p in enumerate(window):
+            errors[j] += _sse64(chunk, p, qtype)
+    return best_position(window, errors)
 
 
 def weight_position(
@@ -253,10 +310,10 @@ def weight_position(
     """Position of a weight tensor (per tensor) by NonOverflow or MinMSE over all its values."""
     method = PowerOfTwoMethod.coerce(method)
     if method is PowerOfTwoMethod.NonOverflow:
-        arr = _finite64(w)
-        if arr.size == 0:
+        count, lo, hi, _ = _finite_stats(w)
+        if count == 0:
             return ZERO_POSITION
-        return nonoverflow_position(float(arr.min()), float(arr.max()), qtype)
+        return nonoverflow_position(lo, hi, qtype)
     return minmse_position(w, qtype)
 
 
@@ -294,6 +351,20 @@ def error_function(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> Callabl
     (Tensors of very different magnitudes are still compared in absolute units; dividing by
     ``mean(x^2)`` would compare noise-to-signal ratios instead.)
     """
+    if np.asarray(x).size > CHUNK:
+        # large weights: no float64 copy is kept (that would be twice the weight for as long as
+        # the solver runs); ``x`` itself (a view, memory-mapped for external weights) is read
+        # again piece by piece for each position asked
+        source = x
+        count = _finite_stats(x)[0]
+
+        @functools.cache
+        def cost_chunked(p: int) -> float:
+            if not count:
+                return 0.0
+            return sum(_sse64(chunk, int(p), qtype) for chunk in _finite_chunks(source)) / count
+
+        return cost_chunked
     data = _finite64(x).copy()
 
     @functools.cache

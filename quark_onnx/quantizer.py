@@ -114,9 +114,11 @@ class ModelQuantizer:
         with _stage(report, "load"):
             if isinstance(model_input, onnx.ModelProto):
                 proto = model_io.validate_proto(model_input)
+                model = model_io.to_ir(proto)
             else:
-                proto = model_io.load_model(model_input)
-            model = model_io.to_ir(proto)
+                # external weights stay in their files, memory-mapped on use
+                model = model_io.load_ir(model_input)
+                proto = model_io.to_proto(model, keep_external=True)
 
         reader = _make_reader(
             calibration_data_reader,
@@ -145,13 +147,17 @@ class ModelQuantizer:
 
         from quark_onnx import strategy
 
-        prepared = model_io.to_proto(model)
+        # weights still in external files stay references: the float model is not copied
+        prepared = model_io.to_proto(model, keep_external=True)
+        external_dir = model_io.external_data_dir(model)
         power_of_two = any(spec.power_of_two for spec in plan.tensors.values())
         result = None
         if strategy.needs_calibration(plan):
             names = plan.activation_names() if power_of_two else strategy.calibrated_names(plan)
             with _stage(report, "calibrate"):
-                result = self._calibrate(prepared, names, reader, calibration_result, progress)
+                result = self._calibrate(
+                    prepared, names, reader, calibration_result, progress, external_dir
+                )
                 if save_calibration is not None:
                     result.save(save_calibration)
                 report.calibration = {"samples": result.num_samples, "method": result.method}
@@ -163,7 +169,7 @@ class ModelQuantizer:
 
         samples = reader.kept if reader is not None else []
         if power_of_two:
-            self._power_of_two(report, source, model, prepared, plan, result, samples)
+            self._power_of_two(report, source, model, prepared, plan, result, samples, external_dir)
         else:
             with _stage(report, "params"):
                 params = strategy.compute_params(plan, result, model, self.qconfig, options)
@@ -175,6 +181,7 @@ class ModelQuantizer:
                 InsertQDQ(params)(model)
             self.params = params
         if options.LayerErrorAnalysis and samples:
+            _materialize(prepared, external_dir)
             with _stage(report, "error_analysis"):
                 from quark_onnx.accuracy.error_analysis import layer_errors
 
@@ -213,6 +220,7 @@ class ModelQuantizer:
         plan: Any,
         result: Any,
         samples: list[dict[str, np.ndarray]],
+        external_dir: Path | None = None,
     ) -> None:
         """The XINT8 flow: positions, NPU constraints, InsertQDQ(plan, positions), accuracy."""
         options = self.options
@@ -227,6 +235,8 @@ class ModelQuantizer:
             for violation in solved.unfixable:
                 logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
             report.positions = dict(solved.positions)
+            # the weight error curves read the (memory-mapped) float weights: let them go
+            del errors
 
         with _stage(report, "insert_qdq"):
             from quark_onnx.passes.insert_qdq import InsertQDQ
@@ -239,6 +249,8 @@ class ModelQuantizer:
             for name, spec in plan.tensors.items()
         }
 
+        if samples and (self.qconfig.include_fast_ft or self.qconfig.include_bias_correction):
+            _materialize(prepared, external_dir)
         if self.qconfig.include_fast_ft:
             with _stage(report, "adaround"):
                 from quark_onnx.accuracy.adaround import adaround
@@ -278,6 +290,7 @@ class ModelQuantizer:
         reader: Any,
         saved: str | os.PathLike | None,
         progress: Any = None,
+        external_dir: Path | None = None,
     ) -> Any:
         from quark_onnx.calibration import CalibrationResult, calibrate
 
@@ -290,6 +303,7 @@ class ModelQuantizer:
             method=self.qconfig.calibrate_method,
             options=self.options,
             progress=progress,
+            external_data_dir=external_dir,
         )
 
     def _initial_positions(
@@ -327,6 +341,16 @@ class ModelQuantizer:
             else:
                 positions[name] = pof2.bias_position(constant_data(constants, name))
         return positions, errors
+
+
+def _materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
+    """Read external weights into ``prepared`` (no-op without external data): the layer replays
+    of AdaRound, bias correction and error analysis run onnxruntime on model bytes. Called after
+    the positions stage, whose weight error curves are gone by then, to keep the peak low."""
+    if external_dir is not None:
+        from quark_onnx import model_io
+
+        model_io.materialize(prepared, external_dir)
 
 
 class _PeekableReader:

@@ -92,6 +92,7 @@ def calibrate(
     options: ExtraOptions,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     progress: bool | Callable[[int, int | None, float], None] | None = None,
+    external_data_dir: str | Path | None = None,
 ) -> CalibrationResult:
     """Run ``model`` on the calibration data and return the statistics of ``tensor_names``.
 
@@ -100,6 +101,9 @@ def calibrate(
     with ``options.UseRandomData``). At most ``options.CalibDataSize`` samples are used (0: all).
     ``progress``: ``None`` shows a live line when stderr is a terminal (log lines otherwise),
     ``True`` always reports, ``False`` never; a callable gets ``(done, total, rate)``.
+    ``external_data_dir``: the folder ``model``'s external-data references are relative to (a
+    model serialized with ``model_io.to_proto(..., keep_external=True)``); onnxruntime then maps
+    those weights from their files instead of receiving a copy.
 
     Raises:
         CalibrationError: no samples, a feed that does not match the model's inputs, an unknown or
@@ -107,7 +111,14 @@ def calibrate(
     """
     method = coerce_calibrate_method(method)
     data = reader_for(model, reader, options)
-    collector = Collector(model, tensor_names, method=method, options=options, providers=providers)
+    collector = Collector(
+        model,
+        tensor_names,
+        method=method,
+        options=options,
+        providers=providers,
+        external_data_dir=external_data_dir,
+    )
     try:
         return collector.run(data, progress=progress)
     finally:
@@ -157,8 +168,10 @@ class Collector:
         providers: Sequence[str] = ("CPUExecutionProvider",),
         max_batch: int = DEFAULT_MAX_BATCH,
         pipeline: bool = True,
+        external_data_dir: str | Path | None = None,
     ) -> None:
         self.model = model
+        self.external_data_dir = external_data_dir
         self.method = coerce_calibrate_method(method)
         if self.method is CalibrationMethod.Distribution:
             raise CalibrationError(
@@ -327,8 +340,17 @@ class Collector:
     def _make_session(self, proto: onnx.ModelProto) -> ort.InferenceSession:
         try:
             if fits_in_protobuf(proto):
+                options = session_options()
+                if self.external_data_dir is not None:
+                    # weights stay in the model's data files: onnxruntime maps them read-only;
+                    # pre-packing would copy every Gemm/MatMul weight into its own buffers
+                    options.add_session_config_entry(
+                        "session.model_external_initializers_file_folder_path",
+                        str(self.external_data_dir),
+                    )
+                    options.add_session_config_entry("session.disable_prepacking", "1")
                 return ort.InferenceSession(
-                    proto.SerializeToString(), session_options(), providers=self.providers
+                    proto.SerializeToString(), options, providers=self.providers
                 )
             if self._tmpdir is None:
                 self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
