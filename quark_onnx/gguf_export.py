@@ -73,7 +73,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -552,11 +551,10 @@ def _write(
     gguf: ModuleType, out: Path, entries: list[_Entry], *, arch: str, model_name: str
 ) -> None:
     """Write the GGUF file under a temporary name beside ``out``, then rename it into place."""
-    fd, tmp_name = tempfile.mkstemp(
-        prefix=f".{out.name}.", suffix=_PARTIAL_SUFFIX, dir=out.parent or "."
-    )
+    from quark_onnx.model_io import temp_file_beside
+
+    fd, tmp = temp_file_beside(out)
     os.close(fd)
-    tmp = Path(tmp_name)
     writer = None
     try:
         writer = gguf.GGUFWriter(tmp, arch)

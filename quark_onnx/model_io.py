@@ -589,17 +589,31 @@ def check_output_path(
 # --- atomic writing --------------------------------------------------------------------------
 
 
-def _temp_path(final: Path) -> tuple[int, Path]:
+def _default_file_mode() -> int:
+    """The mode ``open()`` gives a new file (0o666 less the umask), read without changing it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def temp_file_beside(final: Path) -> tuple[int, Path]:
+    """An open temporary file in ``final``'s folder, to be renamed onto ``final`` when complete.
+
+    ``mkstemp`` creates it private (0600); it gets the mode a plainly created file would have, so
+    the renamed output is readable as users expect.
+    """
     fd, tmp = tempfile.mkstemp(
         prefix=f".{final.name}.", suffix=_PARTIAL_SUFFIX, dir=final.parent or "."
     )
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, _default_file_mode())
     return fd, Path(tmp)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
     p = Path(path)
-    fd, tmp = _temp_path(p)
+    fd, tmp = temp_file_beside(p)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -851,8 +865,8 @@ def _save_with_external_data(
     is removed again and an older data file of the same name restored.
     """
     data_path = out.parent / external_data_name(out)
-    fd_data, tmp_data = _temp_path(data_path)
-    fd_model, tmp_model = _temp_path(out)
+    fd_data, tmp_data = temp_file_beside(data_path)
+    fd_model, tmp_model = temp_file_beside(out)
     backup: Path | None = None
     data_in_place = False
     try:

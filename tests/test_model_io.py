@@ -262,3 +262,19 @@ def test_sigterm_as_interrupt_raises_and_restores():
             pass
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert issubclass(Terminated, KeyboardInterrupt)
+
+
+def test_written_files_get_the_usual_mode_not_a_private_one(tmp_path) -> None:
+    """Atomic writes go through mkstemp (mode 0600); the renamed output must get the mode a
+    plainly created file would have (0666 less the umask)."""
+    import os
+
+    from quark_onnx import model_io
+
+    mask = os.umask(0o022)
+    try:
+        target = tmp_path / "out.bin"
+        model_io.atomic_write_bytes(target, b"data")
+        assert target.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
