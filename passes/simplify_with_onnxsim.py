@@ -25,6 +25,7 @@ into the copy given to onnxsim.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -58,6 +59,11 @@ def _structure(graph: onnx.GraphProto) -> tuple:
         tuple(i.name for i in graph.input),
         tuple(o.name for o in graph.output),
     )
+
+
+def _op_domains(graph: onnx.GraphProto) -> set[str]:
+    """The operator domains used by the nodes of ``graph`` ('' for the standard domain)."""
+    return {"" if n.domain == "ai.onnx" else n.domain for n in graph.node}
 
 
 def _model_label(model: ir.Model) -> str:
@@ -115,12 +121,19 @@ class SimplifyWithOnnxsim(QuarkPass):
         proto = model_io.to_proto(model)  # external weights read in: onnxsim needs the values
         before = _structure(proto.graph)
         try:
-            simplified, check_ok = onnxsim.simplify(
-                proto,
-                check_n=self.check_n,
-                skip_fuse_bn=self.skip_fuse_bn,
-                skipped_optimizers=list(self.skipped_optimizers) or None,
-            )
+            simplified, check_ok = self._simplify(onnxsim, proto, optimize=True)
+            added = _op_domains(simplified.graph) - _op_domains(proto.graph)
+            if added:
+                # onnxsim's fusions can emit runtime-specific ops (com.microsoft Attention, ...)
+                # that no quantizer policy covers and the NPU flow cannot take: keep standard ops,
+                # folding constants and inferring shapes only
+                logger.info(
+                    "optimize_model: onnxsim's fusions on model %s produce ops of domain(s) %s; "
+                    "simplifying without fusions instead",
+                    label,
+                    ", ".join(sorted(added)),
+                )
+                simplified, check_ok = self._simplify(onnxsim, proto, optimize=False)
         except Exception as exc:  # onnxsim raises bare RuntimeErrors from C++
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logger.warning(
@@ -153,3 +166,14 @@ class SimplifyWithOnnxsim(QuarkPass):
             len(simplified.graph.node),
         )
         return ir.passes.PassResult(model, modified=True)
+
+    def _simplify(
+        self, onnxsim: Any, proto: onnx.ModelProto, *, optimize: bool
+    ) -> tuple[onnx.ModelProto, bool]:
+        return onnxsim.simplify(
+            proto,
+            check_n=self.check_n,
+            perform_optimization=optimize,
+            skip_fuse_bn=self.skip_fuse_bn,
+            skipped_optimizers=list(self.skipped_optimizers) or None,
+        )

@@ -76,3 +76,59 @@ def test_failed_check_is_a_warning(monkeypatch, caplog):
         result = SimplifyWithOnnxsim()(ir_model)
     assert not result.modified
     assert "'foldable'" in caplog.text and "check failed" in caplog.text
+
+
+def _domains(proto: onnx.ModelProto) -> set[str]:
+    return {n.domain for n in proto.graph.node}
+
+
+def test_fusions_into_runtime_specific_ops_are_not_kept(caplog):
+    """onnxsim fuses the encoder block's attention into com.microsoft::Attention, which no
+    quantizer policy covers: the pass falls back to folding and shape inference only, keeping
+    standard ops and the float outputs."""
+    from tests.strategies.transformer_block import block_inputs, build_block
+
+    proto = build_block()
+    fused, _ = onnxsim.simplify(proto)
+    assert "com.microsoft" in _domains(fused)  # the premise: onnxsim's fusion fires here
+    x = block_inputs(2, seed=3)
+    name = proto.graph.input[0].name
+    (expected,) = run_ort(proto, {name: x})
+    model = ir.serde.deserialize_model(proto)
+    with caplog.at_level(logging.INFO):
+        SimplifyWithOnnxsim()(model)
+    out = ir.serde.serialize_model(model)
+    assert _domains(out) <= {"", "ai.onnx"}
+    assert "without fusions" in caplog.text
+    (got,) = run_ort(out, {name: x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_standard_fusions_are_kept():
+    """Must not fire: a Conv + BatchNormalization fused by onnxsim stays in the standard domain,
+    so the optimized result is kept (the BatchNormalization is gone)."""
+    rng = np.random.default_rng(0)
+    c = 4
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((c, 3, 3, 3)).astype(np.float32), "w"),
+        onnx.numpy_helper.from_array(rng.uniform(0.5, 2, c).astype(np.float32), "g"),
+        onnx.numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b"),
+        onnx.numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "m"),
+        onnx.numpy_helper.from_array(rng.uniform(0.5, 2, c).astype(np.float32), "v"),
+    ]
+    nodes = [
+        h.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+        h.make_node("BatchNormalization", ["y", "g", "b", "m", "v"], ["z"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "conv_bn",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
+        [h.make_tensor_value_info("z", T.FLOAT, [1, c, 8, 8])],
+        inits,
+    )
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model = ir.serde.deserialize_model(proto)
+    SimplifyWithOnnxsim()(model)
+    ops = [n.op_type for n in ir.serde.serialize_model(model).graph.node]
+    assert "BatchNormalization" not in ops and "Conv" in ops
