@@ -42,6 +42,12 @@ _LAZY = {
     "ImageFolderDataReader": "quark_onnx.images",
     "PreprocessSpec": "quark_onnx.images",
     "CalibrationResult": "quark_onnx.calibration.result",
+    "QuantParams": "quark_onnx.qparams",
+    "save_recipe": "quark_onnx.recipe",
+    "load_recipe": "quark_onnx.recipe",
+    "import_recipe": "quark_onnx.recipe",
+    "read_qdq": "quark_onnx.importer",
+    "export_gguf": "quark_onnx.gguf_export",
 }
 
 __all__ = [
