@@ -551,7 +551,7 @@ def _write(
     gguf: ModuleType, out: Path, entries: list[_Entry], *, arch: str, model_name: str
 ) -> None:
     """Write the GGUF file under a temporary name beside ``out``, then rename it into place."""
-    from quark_onnx.model_io import temp_file_beside
+    from quark_onnx.model_io import temp_file_beside, temp_file_done
 
     fd, tmp = temp_file_beside(out)
     os.close(fd)
@@ -587,3 +587,5 @@ def _write(
                 "and permissions of the output folder"
             ) from exc
         raise
+    finally:
+        temp_file_done(tmp)

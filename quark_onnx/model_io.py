@@ -38,11 +38,12 @@ are removed on ``kill`` as on Ctrl-C.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import secrets
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -589,25 +590,49 @@ def check_output_path(
 # --- atomic writing --------------------------------------------------------------------------
 
 
-def _default_file_mode() -> int:
-    """The mode ``open()`` gives a new file (0o666 less the umask), read without changing it."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
+#: Temporary files this process has created and not yet renamed or removed. A path is recorded
+#: *before* the file is created, so an interrupt (SIGTERM, Ctrl-C) arriving at any instant between
+#: creating the file and the caller's ``try`` still finds it: :func:`remove_temporary_files` runs
+#: when :func:`sigterm_as_interrupt` exits by an exception and at interpreter exit.
+_LIVE_TEMPS: set[Path] = set()
 
 
 def temp_file_beside(final: Path) -> tuple[int, Path]:
     """An open temporary file in ``final``'s folder, to be renamed onto ``final`` when complete.
 
-    ``mkstemp`` creates it private (0600); it gets the mode a plainly created file would have, so
-    the renamed output is readable as users expect.
+    Created with mode 0666 less the umask (what a plainly created file gets, unlike
+    ``mkstemp``'s private 0600), named ``.<final name>.<pid>.<random>.partial``. Call
+    :func:`temp_file_done` once it has been renamed or removed.
     """
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{final.name}.", suffix=_PARTIAL_SUFFIX, dir=final.parent or "."
-    )
-    with contextlib.suppress(OSError):
-        os.fchmod(fd, _default_file_mode())
-    return fd, Path(tmp)
+    folder = final.parent if str(final.parent) else Path(".")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = folder / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL_SUFFIX}"
+        _LIVE_TEMPS.add(tmp)
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            _LIVE_TEMPS.discard(tmp)
+        except BaseException:
+            _LIVE_TEMPS.discard(tmp)
+            raise
+    raise ModelSaveError(f"{final}: could not create a temporary file in {folder}")
+
+
+def temp_file_done(tmp: Path) -> None:
+    """``tmp`` (from :func:`temp_file_beside`) was renamed into place or removed."""
+    _LIVE_TEMPS.discard(tmp)
+
+
+def remove_temporary_files() -> None:
+    """Remove every temporary file of this process that is still recorded (after an interrupt)."""
+    for tmp in list(_LIVE_TEMPS):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        _LIVE_TEMPS.discard(tmp)
+
+
+atexit.register(remove_temporary_files)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -624,6 +649,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        temp_file_done(tmp)
 
 
 def fits_in_protobuf(proto: onnx.ModelProto) -> bool:
@@ -909,6 +936,8 @@ def _save_with_external_data(
             backup = None
         raise
     finally:
+        temp_file_done(tmp_data)
+        temp_file_done(tmp_model)
         if backup is not None:
             with contextlib.suppress(OSError):
                 os.unlink(backup)
@@ -964,5 +993,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
+    except BaseException:
+        remove_temporary_files()
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
