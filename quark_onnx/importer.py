@@ -53,6 +53,7 @@ import onnx_ir as ir
 from quark_onnx import qparams
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import QuantizationError
+from quark_onnx.passes._graph import NameGenerator, add_initializer
 from quark_onnx.qparams import QuantParams
 
 logger = logging.getLogger(__name__)
@@ -548,25 +549,14 @@ class _Reader:
             for n in nodes:
                 inputs_to_check.extend(v for v in n.inputs if v is not None)
             removed.extend(nodes)
-        taken = {v.name for v in graph.initializers.values()}
+        for _, out, _, _, _ in self.constants:
+            out.name = None  # the folded weight takes the dequantized output's place and name
+        fresh = NameGenerator(graph)
         for key, out, folded, nodes, dtype in self.constants:
             for n in nodes:
                 inputs_to_check.extend(v for v in n.inputs if v is not None)
             array = folded.astype(dtype.numpy()) if dtype in _FLOAT_TYPES else folded
-            out.name = None
-            name = key
-            i = 0
-            while name in taken:
-                i += 1
-                name = f"{key}_{i}"
-            taken.add(name)
-            value = ir.Value(
-                name=name,
-                const_value=ir.tensor(array, name=name),
-                shape=ir.Shape(array.shape),
-                type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-            )
-            graph.register_initializer(value)
+            value = add_initializer(graph, fresh(key), array)
             out.replace_all_uses_with(value, replace_graph_outputs=out.is_graph_output())
             removed.extend(nodes)
         graph.remove(set(removed), safe=True)
