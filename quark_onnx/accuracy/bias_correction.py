@@ -152,7 +152,7 @@ def correct_bias(
     layers, skipped = find_layers(model, tensor_names(prepared))
     quant = Replay(ir_model_to_proto(model), samples, "bias correction (quantized model)")
     # the float replay only feeds statistics: half precision between segments is plenty
-    flt = Replay(prepared, samples, "bias correction (float model)", store_dtype=np.float16)
+    flt = Replay(prepared, samples, "bias correction (float model)")
     half = len(samples) // 2
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
