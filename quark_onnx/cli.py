@@ -721,7 +721,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     settings.preprocess_spec()  # a bad spec is a usage error, before any model
     qconfig = settings.build_config()  # so is an unknown preset or option
     options = qconfig.resolved_options()
-    if calib is None and not options.UseRandomData and args.load_calibration is None:
+    if (
+        calib is None
+        and not options.UseRandomData
+        and args.load_calibration is None
+        and qconfig.needs_calibration_data()
+    ):
         raise ConfigError(
             "no calibration data: give --calib FILE.npz|DIR, --random-calib N or "
             "--load-calibration PATH"

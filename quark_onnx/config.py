@@ -248,6 +248,17 @@ class QuantizationConfig:
                     "ActivationSymmetric=True or activation_type=QuantType.QUInt8"
                 )
 
+    def needs_calibration_data(self) -> bool:
+        """Whether quantizing with these settings reads calibration data: static integer or
+        float8 activations need ranges, and the accuracy stages replay samples; weight-only,
+        dynamic and float16/bfloat16 Cast settings do not."""
+        options = self.resolved_options()
+        if self.include_bias_correction or self.include_fast_ft or options.LayerErrorAnalysis:
+            return True
+        if quant_strategy(self, options) is not QuantStrategy.STATIC:
+            return False
+        return self.activation_type not in (QuantType.QFloat16, QuantType.QBFloat16)
+
     def effective_settings(self) -> dict[str, Any]:
         """Every setting in force, extra options included with their defaults filled in."""
         out: dict[str, Any] = {}
