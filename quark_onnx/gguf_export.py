@@ -177,13 +177,22 @@ def export_gguf(
     Raises:
         ModelSaveError: gguf is not installed, or the output path is refused or unwritable.
         ModelLoadError: ``model`` is not a readable, valid ONNX model.
-        QuantizationError: ``require_exact`` and a tensor would not read back exactly.
+        QuantizationError: ``require_exact`` and a tensor would not read back exactly; or no
+            tensor of the model can be written (nothing is written then).
     """
     gguf = _import_gguf()
     proto, source, input_path = _load(model)
     out = check_output_path(path, input_path)
     graph = ir.serde.deserialize_model(proto).graph
     plan = _plan(graph, source, gguf, include_float=include_float)
+    if not plan.entries:
+        reasons = sorted({str(item.get("reason", "")) for item in plan.skipped})[:3]
+        raise QuantizationError(
+            f"{source}: no tensor can be written to GGUF, nothing written (skipped: "
+            f"{len(plan.skipped)} initializer(s), e.g. {'; '.join(reasons) or 'none'}); GGUF "
+            "takes weights quantized in blocks of 32 (e.g. the UINT4_WEIGHT_ONLY_G32 preset) "
+            "and, unless include_float=False, float tensors"
+        )
     if require_exact:
         inexact = [e for e in plan.entries if e.info.get("exact") is False]
         if inexact:

@@ -293,9 +293,13 @@ def test_unsupported_granularities_are_skipped_with_reasons(gguf, tmp_path):
         p = qparams.weight_params(w, qtype, symmetric=sym, axis=axis, block_size=block)
         _dq(name, qparams.quantize(w, p), p, nodes, inits)
         outputs.append(helper.make_tensor_value_info(f"{name}_dq", TensorProto.FLOAT, w.shape))
+    # one float tensor, so that the file is written and the skip reasons can be read back
+    inits.append(numpy_helper.from_array(np.ones(4, np.float32), "F"))
+    nodes.append(helper.make_node("Identity", ["F"], ["F_out"]))
+    outputs.append(helper.make_tensor_value_info("F_out", TensorProto.FLOAT, [4]))
     out = tmp_path / "s.gguf"
     summary = export_gguf(_model(nodes, [], outputs, inits), out)
-    assert summary["quantized"] == 0 and summary["written"] == []
+    assert summary["quantized"] == 0 and [w["name"] for w in summary["written"]] == ["F"]
     reasons = {s["name"]: s["reason"] for s in summary["skipped"]}
     assert "channel" in reasons["PC_quantized"]
     assert "block size 16" in reasons["B16_quantized"]
@@ -303,7 +307,7 @@ def test_unsupported_granularities_are_skipped_with_reasons(gguf, tmp_path):
     assert "zero point" in reasons["A8_quantized"]
     assert "uint8" in reasons["U8_quantized"]
     assert "not a weight" in reasons["PC_scale"]
-    assert gguf.GGUFReader(out).tensors == []
+    assert [t.name for t in gguf.GGUFReader(out).tensors] == ["F"]
 
 
 def test_float_model_writes_no_quantized_tensor(gguf, tmp_path):
@@ -344,8 +348,9 @@ def test_float_model_writes_no_quantized_tensor(gguf, tmp_path):
     np.testing.assert_array_equal(back["BF"][2], bf.astype(np.float32))
     assert back["S"][:2] == ("F32", [1])  # a 0-d tensor is written with shape [1]
     assert back["S"][2][0] == np.float32(0.5)
-    none = export_gguf(model, tmp_path / "none.gguf", include_float=False)
-    assert none["written"] == [] and len(none["skipped"]) == 4
+    with pytest.raises(QuantizationError, match="no tensor can be written to GGUF"):
+        export_gguf(model, tmp_path / "none.gguf", include_float=False)
+    assert not (tmp_path / "none.gguf").exists()
 
 
 def test_path_input_bad_input_and_no_overwrite(gguf, tmp_path):
