@@ -62,12 +62,13 @@ def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tupl
     """Codes of ``codes * 2^-p + delta`` at position ``p`` (round half to even, saturating).
 
     Returns the new codes (same dtype) and how many of them saturated (the wanted value lay
-    outside the integer range and was clipped).
+    outside the integer range and was clipped). A non-finite ``delta`` leaves its code unchanged
+    (a NaN cast to an integer is an arbitrary code).
     """
     info = np.iinfo(codes.dtype)
-    wanted = np.rint(
-        codes.astype(np.float64) + delta.astype(np.float64) * math.ldexp(1.0, position)
-    )
+    delta = np.asarray(delta, dtype=np.float64)
+    delta = np.where(np.isfinite(delta), delta, 0.0)
+    wanted = np.rint(codes.astype(np.float64) + delta * math.ldexp(1.0, position))
     saturated = int(np.count_nonzero((wanted < info.min) | (wanted > info.max)))
     return np.clip(wanted, info.min, info.max).astype(codes.dtype), saturated
 
@@ -95,13 +96,16 @@ def channel_sums(f: np.ndarray, q: np.ndarray, masked: bool) -> tuple[np.ndarray
     count: the error a Relu removes needs no correction.
     """
     axes = tuple(i for i in range(f.ndim) if i != 1)
-    d = np.subtract(f, q, dtype=np.float32)
-    if not masked:
-        count = d.size // max(d.shape[1], 1)
-        return np.sum(d, axis=axes, dtype=np.float64), np.full(d.shape[1], count, np.int64)
-    active = (f > 0) | (q > 0)
-    np.multiply(d, active, out=d)
-    return np.sum(d, axis=axes, dtype=np.float64), np.count_nonzero(active, axis=axes)
+    # NaN/Inf outputs (non-finite data) make their channel's sum non-finite; correct_bias leaves
+    # such channels alone and says so, so numpy's own warnings would only repeat it
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.subtract(f, q, dtype=np.float32)
+        if not masked:
+            count = d.size // max(d.shape[1], 1)
+            return np.sum(d, axis=axes, dtype=np.float64), np.full(d.shape[1], count, np.int64)
+        active = (f > 0) | (q > 0)
+        np.multiply(d, active, out=d)
+        return np.sum(d, axis=axes, dtype=np.float64), np.count_nonzero(active, axis=axes)
 
 
 def gated_shift(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -187,6 +191,17 @@ def correct_bias(
             if delta.shape != codes.shape:
                 skipped.append({"node": layer.name, "reason": "bias and output channels differ"})
                 continue
+            nonfinite = int(delta.size - np.count_nonzero(np.isfinite(delta)))
+            if nonfinite:
+                # NaN/Inf activations (non-finite calibration data, overflowing layers) give no
+                # usable mean: those channels keep their bias instead of a garbage code
+                logger.warning(
+                    "bias correction: layer %s: %d channel(s) have a non-finite mean error "
+                    "(NaN/Inf in the layer outputs); their bias is left as quantized",
+                    layer.name,
+                    nonfinite,
+                )
+                delta = np.where(np.isfinite(delta), delta, 0.0)
             new_codes, saturated = requantize_bias(codes, layer.bias_position, delta)
             applied = (new_codes.astype(np.float64) - codes) * _bias_step(layer)
             changed = int(np.count_nonzero(new_codes != codes))

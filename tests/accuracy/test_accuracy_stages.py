@@ -210,6 +210,15 @@ def test_requantize_bias_rounds_and_saturates():
     assert saturated == 1
 
 
+def test_requantize_bias_keeps_codes_where_the_shift_is_not_finite():
+    """NaN/Inf layer outputs (non-finite calibration data) give a non-finite mean shift; the
+    code must stay as it was, not become whatever a NaN cast to int8 gives."""
+    codes = np.array([10, -7, 3], dtype=np.int8)
+    new, saturated = requantize_bias(codes, 2, np.array([np.nan, np.inf, 0.5]))
+    assert new.tolist() == [10, -7, 5]
+    assert saturated == 0
+
+
 def test_bias_correction_reduces_mean_output_error_on_held_out_data():
     rng = np.random.default_rng(2)
     proto = _conv_chain(rng, n=2)  # the NPU checker wants at least two Conv nodes
