@@ -461,7 +461,7 @@ class InsertQDQ(QuarkPass):
             self._place_after(graph, value, [dyn, dq])
             return
         # symmetric codes span qmax - zero_code on each side (uint8: 127 around 128)
-        zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+        zero_code = qtype.symmetric_zero_point
         qmax = add_initializer(
             graph,
             self._names(f"{name}_qmax"),

@@ -78,6 +78,12 @@ class QuantType(_CoercibleEnum):
         return -(2 ** (self.bits - 1)) if self.is_signed else 0
 
     @property
+    def symmetric_zero_point(self) -> int:
+        """Zero point of symmetric quantization: 0 for signed types, ``2^(bits-1)`` (the middle
+        code) for unsigned ones (integer types only)."""
+        return 0 if self.is_signed else 2 ** (self.bits - 1)
+
+    @property
     def qmax(self) -> int:
         """Largest integer code (integer types only)."""
         return 2 ** (self.bits - 1) - 1 if self.is_signed else 2**self.bits - 1

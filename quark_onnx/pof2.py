@@ -72,7 +72,7 @@ ZERO_POSITION = POSITION_MAX
 
 def zero_point(qtype: QuantType) -> int:
     """Zero point of symmetric quantization: 0 for signed types, ``2^(bits-1)`` for unsigned."""
-    return 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+    return qtype.symmetric_zero_point
 
 
 def code_range(qtype: QuantType) -> tuple[int, int]:
@@ -85,17 +85,13 @@ def code_range(qtype: QuantType) -> tuple[int, int]:
 
 
 def numpy_dtype(qtype: QuantType) -> np.dtype:
-    """The numpy dtype of the integer codes of ``qtype``."""
-    table = {
-        QuantType.QInt8: np.int8,
-        QuantType.QUInt8: np.uint8,
-        QuantType.QInt16: np.int16,
-        QuantType.QUInt16: np.uint16,
-        QuantType.QInt32: np.int32,
-    }
-    if qtype not in table:
+    """The numpy dtype of the integer codes of ``qtype`` (8-, 16- and 32-bit integer types: the
+    ones power-of-two positions are defined for; the table itself is :mod:`quark_onnx.qparams`)."""
+    from quark_onnx.qparams import numpy_dtype as codes_dtype
+
+    if not qtype.is_integer or qtype.bits < 8:
         raise ValueError(f"{qtype} is not a power-of-two integer type (int8/uint8/int16/int32)")
-    return np.dtype(table[qtype])
+    return codes_dtype(qtype)
 
 
 def scale_of(p: int) -> np.float32:

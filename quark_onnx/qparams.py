@@ -233,12 +233,10 @@ def from_position(p: int, qtype: QuantType = QuantType.QInt8) -> QuantParams:
     """Power-of-two parameters: scale ``2^-p`` and the symmetric zero point (XINT8)."""
     from quark_onnx import pof2
 
-    dtype = numpy_dtype(qtype)
-    zero = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
     return QuantParams(
         qtype=qtype,
         scale=np.array(pof2.scale_of(p), dtype=np.float32),
-        zero_point=np.array(zero, dtype=dtype),
+        zero_point=np.array(qtype.symmetric_zero_point, dtype=numpy_dtype(qtype)),
     )
 
 
@@ -280,7 +278,7 @@ def from_range(
         zero = np.zeros(scale.shape, dtype=np.float64)
     elif symmetric:
         amax = np.maximum(-lo, hi)
-        zero_code = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+        zero_code = qtype.symmetric_zero_point
         scale = rounded(np.where(amax > 0, amax / (qtype.qmax - zero_code), 1.0))
         zero = np.full(scale.shape, zero_code, dtype=np.float64)
     else:
@@ -379,7 +377,7 @@ def dynamic_params(x: np.ndarray, qtype: QuantType, symmetric: bool) -> QuantPar
         if not qtype.is_integer:
             raise QuantizationError(f"dynamic quantization takes integer types, not {qtype.name}")
         amax = np.float32(np.max(np.abs(x))) if x.size else np.float32(0)
-        zero = 0 if qtype.is_signed else 2 ** (qtype.bits - 1)
+        zero = qtype.symmetric_zero_point
         scale = amax / np.float32(qtype.qmax - zero) if amax > 0 else np.float32(1.0)
         return QuantParams(
             qtype=qtype,
