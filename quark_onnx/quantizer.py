@@ -241,13 +241,9 @@ class ModelQuantizer:
         with _stage(report, "insert_qdq"):
             from quark_onnx.passes.insert_qdq import InsertQDQ
 
-            InsertQDQ(plan, solved.positions)(model)
-        from quark_onnx import qparams
-
-        self.params = {
-            name: qparams.from_position(solved.positions[name], spec.qtype)
-            for name, spec in plan.tensors.items()
-        }
+            inserter = InsertQDQ(plan, solved.positions)
+            inserter(model)
+        self.params = inserter.params
 
         if samples and (self.qconfig.include_fast_ft or self.qconfig.include_bias_correction):
             _materialize(prepared, external_dir)
