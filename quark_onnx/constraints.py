@@ -546,6 +546,11 @@ def solve_positions(
     return result
 
 
+def _span(bounds: tuple[int, int]) -> str:
+    """A rule's limits as text, ``lo..hi``, from the one definition in npu_rules."""
+    return f"{bounds[0]}..{bounds[1]}"
+
+
 def _violation(
     rule: str, node: PlannedNode, value: int, limits: str, tensors: Iterable[str], what: str
 ) -> Violation:
@@ -595,7 +600,11 @@ def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) ->
             sc = rules.shift_cut(p_w, p_in, p_out)
             names = (node.weight, node.inputs[0], node.output)
             if options.AdjustShiftCut and not rules.in_range(sc, rules.SHIFT_CUT_RANGE):
-                out.append(_violation("shift_cut", node, sc, "0..16", names, "shift_cut"))
+                out.append(
+                    _violation(
+                        "shift_cut", node, sc, _span(rules.SHIFT_CUT_RANGE), names, "shift_cut"
+                    )
+                )
             if node.bias and options.AdjustShiftBias and pos(node.bias) is not None:
                 sb = rules.shift_bias(p_w, p_in, pos(node.bias))
                 bounds = rules.shift_bias_range(sc, node.before_leaky_relu)
@@ -605,7 +614,7 @@ def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) ->
                             "shift_bias",
                             node,
                             sb,
-                            f"{bounds[0]}..{bounds[1]}",
+                            _span(bounds),
                             (*names[:2], node.bias),
                             "shift_bias",
                         )
@@ -618,7 +627,12 @@ def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) ->
             if options.AdjustShiftRead and rules.shift_read(values) > rules.SHIFT_READ_MAX:
                 out.append(
                     _violation(
-                        "shift_read", node, rules.shift_read(values), "<= 7", names, "shift_read"
+                        "shift_read",
+                        node,
+                        rules.shift_read(values),
+                        f"<= {rules.SHIFT_READ_MAX}",
+                        names,
+                        "shift_read",
                     )
                 )
             if op == "Add" and options.AdjustShiftWrite and p_out is not None:
@@ -626,7 +640,12 @@ def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) ->
                 if not rules.in_range(sw, rules.SHIFT_WRITE_RANGE):
                     out.append(
                         _violation(
-                            "shift_write", node, sw, "-7..25", (*names, node.output), "shift_write"
+                            "shift_write",
+                            node,
+                            sw,
+                            _span(rules.SHIFT_WRITE_RANGE),
+                            (*names, node.output),
+                            "shift_write",
                         )
                     )
         elif op == "Mul" and options.AdjustShiftMul and p_out is not None:
@@ -638,7 +657,12 @@ def verify(plan: QuantPlan, positions: dict[str, int], options: ExtraOptions) ->
             if not rules.in_range(s, rules.MUL_SHIFT_RANGE):
                 out.append(
                     _violation(
-                        "mul_shift", node, s, "0..32", (*names, node.output), "sum p_in - p_out"
+                        "mul_shift",
+                        node,
+                        s,
+                        _span(rules.MUL_SHIFT_RANGE),
+                        (*names, node.output),
+                        "sum p_in - p_out",
                     )
                 )
         elif op == "HardSigmoid" and options.AdjustHardSigmoid and p_out is not None:
