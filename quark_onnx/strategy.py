@@ -267,19 +267,3 @@ def compute_params(
                 biases[name] = bias
     ordered = {name: params.get(name, biases.get(name)) for name in plan.tensors}
     return {name: p for name, p in ordered.items() if p is not None}
-
-
-def describe(params: Mapping[str, QuantParams]) -> dict[str, dict[str, Any]]:
-    """A JSON-able summary per tensor (type, granularity, axis, block size) for reports."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, p in params.items():
-        entry: dict[str, Any] = {"type": p.qtype.name, "granularity": p.granularity}
-        if p.axis is not None:
-            entry["axis"] = p.axis
-        if p.block_size is not None:
-            entry["block_size"] = p.block_size
-        if p.scale is not None and p.scale.ndim == 0:
-            entry["scale"] = float(p.scale)
-            entry["zero_point"] = int(p.zero_point) if p.qtype.is_integer else 0
-        out[name] = entry
-    return out

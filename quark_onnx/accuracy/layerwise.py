@@ -202,9 +202,6 @@ class Replay:
             be topological).
         samples: feeds, one dict per run (each run is independent; shapes as the model takes).
         label: used in error messages.
-        store_dtype: keep computed float32 tensors in this dtype between segments (``float16``
-            halves the memory of a replay whose values only feed statistics; they are widened
-            back to float32 when fed to the next segment). None keeps them exact.
     """
 
     def __init__(
@@ -212,9 +209,7 @@ class Replay:
         proto: onnx.ModelProto,
         samples: Sequence[dict[str, np.ndarray]],
         label: str,
-        store_dtype: type | None = None,
     ) -> None:
-        self.store_dtype = store_dtype
         if not samples:
             raise QuantizationError(f"{label}: no samples to replay the model on")
         self.label = label
@@ -309,7 +304,7 @@ class Replay:
             [
                 onnx.helper.make_tensor_value_info(
                     x,
-                    onnx.helper.np_dtype_to_tensor_dtype(self._load(self.env[x][0]).dtype),
+                    onnx.helper.np_dtype_to_tensor_dtype(self.env[x][0].dtype),
                     None,
                 )
                 for x in inputs
@@ -335,9 +330,9 @@ class Replay:
         for name in dead:  # a private list: lists handed out by get() stay intact
             self.env[name] = list(self.env[name])
         for i in range(self.num_samples):
-            feeds = {x: self._load(self.env[x][i]) for x in inputs}
+            feeds = {x: self.env[x][i] for x in inputs}
             for o, arr in zip(outputs, session.run(outputs, feeds), strict=True):
-                results[o].append(self._store(arr))
+                results[o].append(arr)
             for name in dead:
                 self.env[name][i] = None  # type: ignore[call-overload]
             self.runs += 1
@@ -345,15 +340,6 @@ class Replay:
         for name in dead:
             del self.env[name]
         self.env.update(results)
-
-    def _store(self, array: np.ndarray) -> np.ndarray:
-        if self.store_dtype is not None and array.dtype == np.float32:
-            return array.astype(self.store_dtype)
-        return array
-
-    @staticmethod
-    def _load(array: np.ndarray) -> np.ndarray:
-        return array.astype(np.float32) if array.dtype == np.float16 else array
 
 
 def session_options() -> Any:
