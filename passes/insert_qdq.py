@@ -522,7 +522,7 @@ class InsertQDQ(QuarkPass):
         self, graph: ir.Graph, value: ir.Value, array: np.ndarray, params: QuantParams
     ) -> None:
         name = value.name or ""
-        codes = params.codes if params.codes is not None else _codes(array, params)
+        codes = params.codes if params.codes is not None else qparams.quantize(array, params)
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
         if params.is_cast:
             out = ir.Value(
@@ -620,26 +620,6 @@ def _granularity_attributes(params: QuantParams) -> dict[str, ir.Attr]:
     if params.block_size is not None:
         attrs["block_size"] = ir.AttrInt64("block_size", int(params.block_size))
     return attrs
-
-
-def _codes(array: np.ndarray, params: QuantParams) -> np.ndarray:
-    """The codes of a constant (``qparams.quantize``; int32 saturates in float64).
-
-    ``qparams.quantize`` clips in float32, where ``2^31 - 1`` rounds up to ``2^31`` and the cast
-    to int32 overflows; int32 (bias) codes are therefore rounded and clipped in float64 here.
-    """
-    if params.qtype is QuantType.QInt32 and params.scale is not None:
-        x = np.asarray(array, dtype=np.float32)
-        scale = qparams.broadcast_parameter(
-            params.scale.astype(np.float32), x.shape, params.axis, params.block_size
-        )
-        assert params.zero_point is not None
-        zero = qparams.broadcast_parameter(
-            params.zero_point.astype(np.float64), x.shape, params.axis, params.block_size
-        )
-        q = np.rint(x.astype(np.float64) / scale.astype(np.float64)) + zero
-        return np.clip(q, QuantType.QInt32.qmin, QuantType.QInt32.qmax).astype(np.int32)
-    return qparams.quantize(array, params)
 
 
 def _unsafe_upgrade(model: ir.Model, current: int, target: int) -> str | None:
