@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from cli_helpers import run_cli, tiny_cnn
 from conftest import make_model
 from onnx import TensorProto, helper
 
@@ -18,42 +17,6 @@ from quark_onnx.config import get_default_config
 from quark_onnx.errors import ConfigError
 
 F = TensorProto.FLOAT
-
-
-def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "quark_onnx", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def tiny_cnn(seed: int) -> onnx.ModelProto:
-    """x[1,3,8,8] -> Conv 3x3 -> Relu -> Conv 3x3 -> Relu -> GlobalAveragePool -> Flatten."""
-    rng = np.random.default_rng(seed)
-    inits = {
-        "w1": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
-        "b1": rng.normal(0, 0.1, 4).astype(np.float32),
-        "w2": rng.normal(0, 0.3, (6, 4, 3, 3)).astype(np.float32),
-        "b2": rng.normal(0, 0.1, 6).astype(np.float32),
-    }
-    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [1, 1], "dilations": [1, 1]}
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", group=1, **conv),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", group=1, **conv),
-        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
-        helper.make_node("GlobalAveragePool", ["r2"], ["g"], name="gap"),
-        helper.make_node("Flatten", ["g"], ["y"], name="flatten"),
-    ]
-    return make_model(
-        nodes,
-        [helper.make_tensor_value_info("x", F, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", F, [1, 6])],
-        inits,
-    )
 
 
 @pytest.fixture(scope="module")

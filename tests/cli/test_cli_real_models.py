@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from cli_helpers import run_cli
 from conftest import shared_path
 from onnx import TensorProto, helper
 
@@ -20,14 +19,9 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 SQUEEZENET_SPEC = "resize=256,crop=224,mean=104;117;123,order=BGR"
 
 
-def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "quark_onnx", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+def _run_cli(*args: object, cwd: Path):
+    """The console script with room for real models (twice the default timeout)."""
+    return run_cli(*args, cwd=cwd, timeout=1200)
 
 
 def test_batch_of_real_models_with_a_corrupt_file(tmp_path):
@@ -36,7 +30,7 @@ def test_batch_of_real_models_with_a_corrupt_file(tmp_path):
     corrupt = tmp_path / "broken.onnx"
     corrupt.write_bytes(squeezenet.read_bytes()[:5000])  # a truncated download
     out = tmp_path / "out"
-    result = run_cli(
+    result = _run_cli(
         "quantize", digits, squeezenet, corrupt, "-o", out, "--random-calib", "8",
         "--jobs", "2", cwd=tmp_path,
     )  # fmt: skip
@@ -56,9 +50,9 @@ def test_batch_of_real_models_with_a_corrupt_file(tmp_path):
     assert rows["digits_cnn"][1] == rows["squeezenet1.1"][1] == "ok"
     assert rows["broken"][1] == "failed"
 
-    ready = run_cli("check", out / "squeezenet1.1.onnx", out / "digits_cnn.onnx", cwd=tmp_path)
+    ready = _run_cli("check", out / "squeezenet1.1.onnx", out / "digits_cnn.onnx", cwd=tmp_path)
     assert ready.returncode == 0, ready.stdout
-    not_ready = run_cli("check", squeezenet, cwd=tmp_path)
+    not_ready = _run_cli("check", squeezenet, cwd=tmp_path)
     assert not_ready.returncode == 1
     lines = not_ready.stdout.splitlines()
     assert lines[0].startswith(f"{squeezenet}: NOT Vitis AI ready")
@@ -124,12 +118,12 @@ def test_image_folder_calibration_equals_the_same_arrays_from_npz(tmp_path):
     # pre-processings; off here, so that equal calibration results give byte-equal models.
     common = ["--calib-limit", count, "--compare-samples", "4"]
     common += ["--set", "include_bias_correction=false"]
-    images = run_cli(
+    images = _run_cli(
         "quantize", model, "-o", tmp_path / "images", "--calib", folder, "--preprocess",
         SQUEEZENET_SPEC, *common, cwd=tmp_path,
     )  # fmt: skip
     assert images.returncode == 0, images.stderr
-    npz = run_cli(
+    npz = _run_cli(
         "quantize", model, "-o", tmp_path / "npz", "--calib", tmp_path / "calib.npz", *common,
         cwd=tmp_path,
     )  # fmt: skip
@@ -152,7 +146,7 @@ def test_image_folder_must_fit_the_model_input(tmp_path):
     """A crop the model cannot take fails this model with one line naming the shapes."""
     model = shared_path("models", "squeezenet1.1.onnx")
     folder = shared_path("data", "imagenet", "calib")
-    result = run_cli(
+    result = _run_cli(
         "quantize", model, "-o", tmp_path / "o", "--calib", folder, "--preprocess",
         "resize=256,crop=200", cwd=tmp_path,
     )  # fmt: skip

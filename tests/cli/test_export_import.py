@@ -3,53 +3,16 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from conftest import make_model, run_ort, shared_path
-from onnx import TensorProto, helper
+from cli_helpers import run_cli, tiny_cnn
+from conftest import run_ort, shared_path
 
 from quark_onnx.cli import build_parser, main
 from quark_onnx.presets import preset_names
-
-F = TensorProto.FLOAT
-
-
-def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "quark_onnx", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def tiny_cnn() -> onnx.ModelProto:
-    rng = np.random.default_rng(5)
-    inits = {
-        "w1": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
-        "b1": rng.normal(0, 0.1, 4).astype(np.float32),
-        "w2": rng.normal(0, 0.3, (6, 4, 3, 3)).astype(np.float32),
-        "b2": rng.normal(0, 0.1, 6).astype(np.float32),
-    }
-    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [1, 1], "dilations": [1, 1]}
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", group=1, **conv),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", group=1, **conv),
-        helper.make_node("GlobalAveragePool", ["c2"], ["g"], name="gap"),
-        helper.make_node("Flatten", ["g"], ["y"], name="flatten"),
-    ]
-    return make_model(
-        nodes,
-        [helper.make_tensor_value_info("x", F, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", F, [1, 6])],
-        inits,
-    )
 
 
 def run_main(*args: object, cwd: Path, capsys) -> subprocess.CompletedProcess:
@@ -70,7 +33,7 @@ def run_main(*args: object, cwd: Path, capsys) -> subprocess.CompletedProcess:
 def work(tmp_path_factory) -> Path:
     """The tiny model quantized by `quark-onnx quantize` (XINT8)."""
     root = tmp_path_factory.mktemp("export")
-    onnx.save(tiny_cnn(), root / "tiny.onnx")
+    onnx.save(tiny_cnn(5, relu2=False), root / "tiny.onnx")
     x = np.random.default_rng(1).uniform(0, 1, (8, 3, 8, 8)).astype(np.float32)
     np.savez(root / "calib.npz", x=x)
     done = run_cli(
@@ -105,7 +68,7 @@ def test_export_recipe_then_import_rebuilds_byte_identically(work, tmp_path, cap
 
 
 def test_export_recipe_refuses_another_float_model(work, tmp_path, capsys):
-    other = tiny_cnn()
+    other = tiny_cnn(5, relu2=False)
     other.graph.node[1].op_type = "Sigmoid"  # same tensors, another function
     onnx.save(other, tmp_path / "other.onnx")
     done = run_main(
