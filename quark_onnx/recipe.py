@@ -54,10 +54,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quark_onnx import qparams
+from quark_onnx import qparams, safetensors_io
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.enums import QuantType
-from quark_onnx.errors import ModelSaveError, QuantizationError, QuarkOnnxError
+from quark_onnx.errors import ConfigError, ModelSaveError, QuantizationError, QuarkOnnxError
 from quark_onnx.qparams import QuantParams
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,6 @@ def config_from_json(data: Any, source: str) -> QuantizationConfig:
         RecipeError: not an object of ``settings`` and ``extra_options``, or a setting this
             version does not know (the recipe was written by another version).
     """
-    from quark_onnx.errors import ConfigError
-
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("settings"), dict)
@@ -164,8 +162,6 @@ def config_from_json(data: Any, source: str) -> QuantizationConfig:
 def _set_setting(qconfig: QuantizationConfig, key: str, value: Any) -> None:
     """Assign one recorded setting; enum values are accepted as ``Member`` or, as
     :meth:`QuantizationConfig.effective_settings` prints them, ``Class.Member``."""
-    from quark_onnx.errors import ConfigError
-
     try:
         setattr(qconfig, key, value)
     except ConfigError:
@@ -394,7 +390,6 @@ def _write(
 ) -> Path:
     """Write the parameter file, then ``recipe.json`` (last: a folder without it holds no
     recipe, so an interrupted save never leaves a half recipe that loads)."""
-    from quark_onnx import safetensors_io
     from quark_onnx.model_io import atomic_write_bytes
 
     entries, arrays = _entries(params, shapes)
@@ -441,8 +436,6 @@ def _document(
 
 def _roundtrip(params: dict[str, QuantParams]) -> dict[str, QuantParams]:
     """``params`` as they will read back from the files (arrays through safetensors bytes)."""
-    from quark_onnx import safetensors_io
-
     entries, arrays = _entries(params, {})
     back, _ = safetensors_io.deserialize(safetensors_io.serialize(arrays), "<params>")
     restored, _ = _params_from_entries(entries, back, "<recipe>", "<params>")
@@ -571,15 +564,6 @@ def import_recipe(
 # ------------------------------------------------------------------------------------------------
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice")
-        out[key] = value
-    return out
-
-
 def read_recipe(directory: str | os.PathLike) -> Recipe:
     """Read and check a recipe folder (no model needed; see the module docstring).
 
@@ -587,8 +571,6 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
         RecipeError: missing or malformed files, an unknown format version, a parameter file
             that was changed (SHA-256), inconsistent shapes, types or arrays.
     """
-    from quark_onnx import safetensors_io
-
     folder = Path(directory)
     path = folder / RECIPE_FILE
     if not folder.is_dir():
@@ -600,7 +582,9 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
         )
     source = str(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+        doc = json.loads(
+            path.read_text(encoding="utf-8"), object_pairs_hook=safetensors_io.reject_duplicate_keys
+        )
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise RecipeError(f"{source}: not a readable JSON recipe ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

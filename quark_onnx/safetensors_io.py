@@ -187,7 +187,9 @@ def deserialize(
             "file is truncated or corrupt"
         )
     try:
-        header = json.loads(data[8 : 8 + length].decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(
+            data[8 : 8 + length].decode("utf-8"), object_pairs_hook=reject_duplicate_keys
+        )
     except (UnicodeDecodeError, ValueError) as exc:
         raise SafetensorsError(
             f"{source}: the header is not UTF-8 JSON ({exc}); the file is corrupt"
@@ -235,8 +237,9 @@ def deserialize(
     return tensors, dict(metadata)
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """JSON object hook: a repeated key would silently hide a tensor, so it is an error."""
+def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` object hook that raises ``ValueError`` on a repeated key (the default keeps
+    the last one silently, which would hide a tensor or a setting)."""
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
