@@ -53,7 +53,7 @@ import onnx_ir as ir
 from quark_onnx import qparams
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import QuantizationError
-from quark_onnx.passes._graph import NameGenerator, add_initializer
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
 from quark_onnx.qparams import QuantParams
 
 logger = logging.getLogger(__name__)
@@ -220,11 +220,18 @@ def _is(node: ir.Node | None, op_type: str) -> bool:
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
-    from quark_onnx.passes._graph import constant_array
+    return None if value is None else constant_array(value)
 
-    if value is None:
-        return None
-    return constant_array(value)
+
+def _scale_and_zero(node: ir.Node) -> tuple[ir.Value | None, ir.Value | None]:
+    """The (optional) scale and zero-point inputs of a QuantizeLinear/DequantizeLinear."""
+    inputs = node.inputs
+    return (inputs[1] if len(inputs) > 1 else None, inputs[2] if len(inputs) > 2 else None)
+
+
+def _is_symmetric(zero: np.ndarray, qtype: QuantType) -> bool:
+    """Every zero point is ``qtype``'s symmetric one (0, or the middle code when unsigned)."""
+    return bool(np.all(zero.astype(np.int64) == qtype.symmetric_zero_point))
 
 
 def _qtype_of(dtype: np.dtype, where: str) -> QuantType:
@@ -341,7 +348,7 @@ class _Reader:
             block = int(block_attr.value) if block_attr is not None and block_attr.value else None
         if zero is None:
             zero = np.zeros(scale.shape, dtype=qparams.numpy_dtype(qtype))
-        symmetric = bool(np.all(zero.astype(np.int64) == _symmetric_zero(qtype)))
+        symmetric = _is_symmetric(zero, qtype)
         return QuantParams(
             qtype=qtype,
             scale=np.array(scale, copy=True),
@@ -356,8 +363,7 @@ class _Reader:
         source = dq.inputs[0]
         if source is None:
             raise QDQImportError(f"{where}: DequantizeLinear without input")
-        scale_v = dq.inputs[1] if len(dq.inputs) > 1 else None
-        zero_v = dq.inputs[2] if len(dq.inputs) > 2 else None
+        scale_v, zero_v = _scale_and_zero(dq)
         out = dq.outputs[0]
         codes = _const(source)
         if codes is not None:
@@ -408,10 +414,8 @@ class _Reader:
         x = q.inputs[0]
         if x is None:
             raise QDQImportError(f"{self._where(q)}: QuantizeLinear without input")
-        q_scale_v = q.inputs[1] if len(q.inputs) > 1 else None
-        q_zero_v = q.inputs[2] if len(q.inputs) > 2 else None
-        dq_scale_v = dq.inputs[1] if len(dq.inputs) > 1 else None
-        dq_zero_v = dq.inputs[2] if len(dq.inputs) > 2 else None
+        q_scale_v, q_zero_v = _scale_and_zero(q)
+        dq_scale_v, dq_zero_v = _scale_and_zero(dq)
         q_scale, dq_scale = _const(q_scale_v), _const(dq_scale_v)
         q_zero, dq_zero = _const(q_zero_v), _const(dq_zero_v)
         q_out_type = q.outputs[0].type
@@ -433,7 +437,7 @@ class _Reader:
                     f"{where}: a run-time zero point is not supported (only run-time scales)"
                 )
             qtype = _qtype_of(np.dtype(dtype), where)
-            symmetric = bool(np.all(zero.astype(np.int64) == _symmetric_zero(qtype)))
+            symmetric = _is_symmetric(zero, qtype)
             p = QuantParams(qtype=qtype, dynamic=True, symmetric=symmetric)
         else:
             if not _same_array(q_scale, dq_scale) or not _same_array(q_zero, dq_zero):
@@ -600,12 +604,6 @@ def _cast_to(node: ir.Node) -> ir.DataType | None:
 def _attr(node: ir.Node, name: str) -> object:
     attr = node.attributes.get(name)
     return None if attr is None else attr.value
-
-
-def _symmetric_zero(qtype: QuantType) -> int:
-    if not qtype.is_integer or qtype.is_signed:
-        return 0
-    return 2 ** (qtype.bits - 1)
 
 
 def _same_array(a: np.ndarray | None, b: np.ndarray | None) -> bool:
