@@ -14,7 +14,7 @@ from quark_onnx import model_io
 from quark_onnx.enums import QuantType
 from quark_onnx.importer import QDQImportError, extract_params, read_qdq
 from quark_onnx.passes.insert_qdq import InsertQDQ
-from quark_onnx.qparams import QuantParams, from_range, weight_params
+from quark_onnx.qparams import QuantParams, from_range, quantize, weight_params
 from quark_onnx.recipe import import_recipe, load_recipe
 
 F = TensorProto.FLOAT
@@ -208,18 +208,29 @@ def test_foreign_qdq_model_imports_and_reexports_equivalently(tmp_path):
     np.testing.assert_array_equal(via_recipe, expected)
 
 
-def _with_node(node: onnx.NodeProto, extra_inits=None, opset_domain=None) -> onnx.ModelProto:
+def _with_node(node: onnx.NodeProto, opset_domain=None) -> onnx.ModelProto:
     graph = helper.make_graph(
         [node],
         "g",
         [helper.make_tensor_value_info("x", F, [2, 16])],
         [helper.make_tensor_value_info("y", F, None)],
-        [onnx.numpy_helper.from_array(v, k) for k, v in (extra_inits or {}).items()],
     )
     opsets = [helper.make_opsetid("", 21)]
     if opset_domain:
         opsets.append(helper.make_opsetid(opset_domain, 1))
     return helper.make_model(graph, opset_imports=opsets)
+
+
+def _dequantized_graph_input() -> onnx.ModelProto:
+    """A DequantizeLinear of a graph input (the model takes int8 inputs)."""
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["xi", "s"], ["y"], name="dq_in")],
+        "g",
+        [helper.make_tensor_value_info("xi", TensorProto.INT8, [2, 16])],
+        [helper.make_tensor_value_info("y", F, [2, 16])],
+        [onnx.numpy_helper.from_array(np.array(0.1, np.float32), "s")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
 @pytest.mark.parametrize(
@@ -238,25 +249,10 @@ def _with_node(node: onnx.NodeProto, extra_inits=None, opset_domain=None) -> onn
             ),
             "'vq' is VitisQuantizeLinear of the custom domain",
         ),
-        (
-            _with_node(
-                helper.make_node("DequantizeLinear", ["xi", "s"], ["y"], name="dq_in"),
-            ),
-            None,
-        ),
+        (_dequantized_graph_input(), "'dq_in': dequantizes the graph input 'xi'"),
     ],
 )
 def test_unsupported_constructs_are_refused_naming_the_node(model, message):
-    if message is None:  # a DequantizeLinear of a graph input (the model takes int8 inputs)
-        graph = helper.make_graph(
-            [helper.make_node("DequantizeLinear", ["xi", "s"], ["y"], name="dq_in")],
-            "g",
-            [helper.make_tensor_value_info("xi", TensorProto.INT8, [2, 16])],
-            [helper.make_tensor_value_info("y", F, [2, 16])],
-            [onnx.numpy_helper.from_array(np.array(0.1, np.float32), "s")],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-        message = "'dq_in'"
     with pytest.raises(QDQImportError) as err:
         read_qdq(model)
     assert message in str(err.value)
@@ -283,6 +279,12 @@ def test_extract_params_matches_read_qdq_and_keeps_codes():
     found = extract_params(quantized)
     codes = found["wt"].codes
     assert codes is not None and codes.dtype == ml_dtypes.int4 and codes.shape == (16, 64)
+    # the codes InsertQDQ wrote (numpy reference), and what read_qdq finds
+    expected = quantize(W.T, params["wt"])
+    np.testing.assert_array_equal(codes.astype(np.int8), expected.astype(np.int8))
+    read = read_qdq(quantized).params
+    assert list(read) == list(found)
+    np.testing.assert_array_equal(read["wt"].codes.astype(np.int8), codes.astype(np.int8))
 
 
 @pytest.mark.real_model

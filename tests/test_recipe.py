@@ -193,11 +193,10 @@ def tiny_cnn() -> onnx.ModelProto:
 def _quantize(model: onnx.ModelProto, preset: str, samples: int = 4) -> onnx.ModelProto:
     qc = get_default_config(preset)
     x = np.random.default_rng(0).uniform(0, 1, (samples, 3, 8, 8)).astype(np.float32)
-    feeds = {"x": x.reshape(samples, 1, 3, 8, 8)[:, 0]}
 
     class Reader:
         def __init__(self) -> None:
-            self.it = iter([{"x": feeds["x"][i : i + 1]} for i in range(samples)])
+            self.it = iter([{"x": x[i : i + 1]} for i in range(samples)])
 
         def get_next(self):
             return next(self.it, None)
@@ -250,10 +249,7 @@ def test_recipe_captures_codes_not_requantization(tmp_path, xint8):
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_round_trips_byte_identically(tmp_path, preset):
     model = tiny_cnn()
-    try:
-        quantized = _quantize(model, preset)
-    except Exception as exc:  # a preset that cannot quantize this model is not a recipe matter
-        pytest.skip(f"{preset} does not quantize the tiny model: {exc}")
+    quantized = _quantize(model, preset)  # every preset quantizes the tiny model
     save_recipe(tmp_path / "rec", quantized, preset, model)
     rebuilt = load_recipe(tmp_path / "rec", model)
     assert rebuilt.SerializeToString() == quantized.SerializeToString()

@@ -98,7 +98,14 @@ def _subparsers():
     return action.choices
 
 
-@pytest.mark.parametrize("command", ["quantize", "check", "compare", "presets", "options"])
+HELP_COMMANDS = ["quantize", "check", "compare", "presets", "options", "export", "import"]
+
+
+def test_help_test_covers_every_command():
+    assert set(_subparsers()) == set(HELP_COMMANDS)
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_help_explains_every_flag(command, tmp_path):
     sub = _subparsers()[command]
     result = run_cli(command, "--help", cwd=tmp_path)
@@ -279,7 +286,8 @@ def test_saved_calibration_is_reused(tmp_path, work):
 def test_compare_command(tmp_path, work):
     out = tmp_path / "out"
     model = work / "models" / "tiny1.onnx"
-    run_cli("quantize", model, "-o", out, "--calib", work / "calib.npz", cwd=tmp_path)
+    done = run_cli("quantize", model, "-o", out, "--calib", work / "calib.npz", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
     result = run_cli(
         "compare", model, out / "tiny1.onnx", "--data", work / "calib.npz", "--limit", "5",
         "--json", tmp_path / "c.json", cwd=tmp_path,
