@@ -1062,6 +1062,35 @@ def _preset_names() -> list[str]:
         return [_DEFAULT_PRESET]
 
 
+def _add_models(parser: argparse.ArgumentParser, done: str) -> None:
+    """The ``MODEL_OR_FOLDER...`` positional of the commands that take many models."""
+    parser.add_argument(
+        "models",
+        nargs="+",
+        metavar="MODEL_OR_FOLDER",
+        help=f"ONNX model files, or folders whose *.onnx files are all {done}",
+    )
+
+
+def _add_output(parser: argparse.ArgumentParser, metavar: str, help: str) -> None:
+    """The required ``-o/--output``."""
+    parser.add_argument("-o", "--output", required=True, metavar=metavar, help=help)
+
+
+def _add_settings(
+    parser: argparse.ArgumentParser, *, default: str | None, preset_help: str, set_help: str
+) -> None:
+    """``--config/--preset PRESET`` and the repeatable ``--set KEY=VALUE``."""
+    parser.add_argument(
+        "--config", "--preset", dest="config", default=default, metavar="PRESET", help=preset_help
+    )
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help=set_help)
+
+
+def _add_float_model(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--float-model", metavar="FLOAT", help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``quark-onnx`` argument parser (every flag documented in its ``--help``)."""
     from quark_onnx import __version__
@@ -1099,35 +1128,16 @@ def build_parser() -> argparse.ArgumentParser:
         "  quark-onnx quantize model.onnx -o out --calib calib.npz --set include_cle=true \\\n"
         "      --set ActivationSymmetric=true --exclude /head/Gemm",
     )
-    q.add_argument(
-        "models",
-        nargs="+",
-        metavar="MODEL_OR_FOLDER",
-        help="ONNX model files, or folders whose *.onnx files are all quantized",
-    )
-    q.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        metavar="OUT_DIR",
-        help="folder for the quantized models and reports (created if missing)",
-    )
-    q.add_argument(
-        "--config",
-        "--preset",
-        dest="config",
+    _add_models(q, "quantized")
+    _add_output(q, "OUT_DIR", "folder for the quantized models and reports (created if missing)")
+    _add_settings(
+        q,
         default=_DEFAULT_PRESET,
-        metavar="PRESET",
-        help=f"the preset to start from (default {_DEFAULT_PRESET}; one of "
+        preset_help=f"the preset to start from (default {_DEFAULT_PRESET}; one of "
         f"{', '.join(_preset_names())}; see `quark-onnx presets`)",
-    )
-    q.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a QuantizationConfig field (include_cle=true, calibrate_method=NonOverflow"
-        ") or an extra option (ActivationSymmetric=false); VALUE is a JSON literal, else a "
-        "string; repeat for several (see `quark-onnx options`)",
+        set_help="override a QuantizationConfig field (include_cle=true, calibrate_method="
+        "NonOverflow) or an extra option (ActivationSymmetric=false); VALUE is a JSON literal, "
+        "else a string; repeat for several (see `quark-onnx options`)",
     )
     data = q.add_argument_group(
         "calibration data (one of --calib, --random-calib, --load-calibration)"
@@ -1220,12 +1230,7 @@ def build_parser() -> argparse.ArgumentParser:
             "model is not ready; the exit code is 1 when any model is not ready."
         ),
     )
-    c.add_argument(
-        "models",
-        nargs="+",
-        metavar="MODEL_OR_FOLDER",
-        help="ONNX model files, or folders whose *.onnx files are all checked",
-    )
+    _add_models(c, "checked")
     c.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
     c.add_argument(
         "--strict",
@@ -1332,35 +1337,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("recipe", "gguf", "onnx"),
         help="recipe (folder), gguf (file) or onnx (file)",
     )
-    e.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        metavar="OUT",
-        help="the recipe folder, .gguf file or .onnx file to write (never MODEL itself)",
+    _add_output(
+        e, "OUT", "the recipe folder, .gguf file or .onnx file to write (never MODEL itself)"
     )
-    e.add_argument(
-        "--float-model",
-        metavar="FLOAT",
-        help="recipe: the float model MODEL was quantized from",
-    )
+    _add_float_model(e, "recipe: the float model MODEL was quantized from")
     e.add_argument(
         "--report",
         metavar="REPORT_JSON",
         help="recipe: take the settings from the MODEL.report.json `quantize` wrote",
     )
-    e.add_argument(
-        "--config",
-        "--preset",
-        dest="config",
-        metavar="PRESET",
-        help=f"recipe: the preset MODEL was quantized with (default {_DEFAULT_PRESET})",
-    )
-    e.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="recipe: a setting MODEL was quantized with on top of the preset (as for quantize)",
+    _add_settings(
+        e,
+        default=None,  # None: not given (it conflicts with --report)
+        preset_help=f"recipe: the preset MODEL was quantized with (default {_DEFAULT_PRESET})",
+        set_help="recipe: a setting MODEL was quantized with on top of the preset (as for "
+        "quantize)",
     )
     e.add_argument(
         "--require-exact",
@@ -1400,18 +1391,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument(
         "source", metavar="SOURCE", help="a QDQ .onnx model, or a recipe folder to rebuild"
     )
-    i.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        metavar="OUT",
-        help="the recipe folder (SOURCE a model) or the .onnx model (SOURCE a recipe)",
-    )
-    i.add_argument(
-        "--float-model",
-        metavar="FLOAT",
-        help="rebuilding: the float model the recipe was saved from",
-    )
+    _add_output(i, "OUT", "the recipe folder (SOURCE a model) or the .onnx model (SOURCE a recipe)")
+    _add_float_model(i, "rebuilding: the float model the recipe was saved from")
     i.add_argument("--overwrite", action="store_true", help="replace an existing output")
     i.set_defaults(func=_cmd_import)
     return parser
