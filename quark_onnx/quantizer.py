@@ -412,10 +412,19 @@ def _make_reader(
     return _PeekableReader(reader, keep=keep)
 
 
+#: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed
+#: heap pages go back to the OS when they end, so the next stage's peak does not stack on them.
+_LARGE_STAGES = frozenset({"prepare", "calibrate", "adaround", "bias_correction", "error_analysis"})
+
+
 @contextmanager
 def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
     start = time.perf_counter()
     try:
         yield
     finally:
+        if name in _LARGE_STAGES:
+            from quark_onnx.memory import release_freed_memory
+
+            release_freed_memory()
         report.timings[name] = round(time.perf_counter() - start, 4)

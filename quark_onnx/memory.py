@@ -1,0 +1,55 @@
+"""Give memory the process no longer uses back to the operating system between stages.
+
+The quantizer's stages are short-lived and large: onnxsim's simplification copies the model a few
+times, calibration holds onnxruntime sessions and batches in flight, the accuracy stages replay
+layers on many samples. When a stage ends its Python objects are freed, but glibc's allocator
+keeps the freed pages of its heap (and of its per-thread arenas) mapped, so the resident set stays
+at the stage's peak and the *next* stage's peak stacks on top of it. ``malloc_trim(0)`` returns
+those pages; measured on SqueezeNet 1.1 (XINT8, 100 samples) it takes the RSS after the prepare
+stage from 247 MB to 211 MB, which every later stage's peak then starts from.
+
+On other C libraries (musl, macOS, Windows) there is no ``malloc_trim`` and this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> bool:
+    """Return the allocator's free pages to the OS (about 5 ms).
+
+    No ``gc.collect()``: the stages' arrays are freed by reference counting when the stage
+    returns, and a full collection costs ~55 ms once onnx_ir and onnxsim are imported.
+    Returns True when the C library could be asked (glibc), False otherwise. Never raises.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    try:
+        trim(0)
+    except OSError as exc:  # pragma: no cover - a C library that exports the name but fails
+        logger.debug("malloc_trim failed: %s", exc)
+        return False
+    return True
