@@ -9,6 +9,9 @@ those pages; measured on SqueezeNet 1.1 (XINT8, 100 samples) it takes the RSS af
 stage from 247 MB to 211 MB, which every later stage's peak then starts from.
 
 On other C libraries (musl, macOS, Windows) there is no ``malloc_trim`` and this does nothing.
+
+:func:`peak_rss_mb` reads the process's high-water mark, which the quantizer records after every
+stage (``QuantizationReport.peak_rss_mb``): the stage after which it jumps is the one that set it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import sys
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -53,3 +57,14 @@ def release_freed_memory() -> bool:
         logger.debug("malloc_trim failed: %s", exc)
         return False
     return True
+
+
+def peak_rss_mb() -> float | None:
+    """The process's peak resident set size so far in MiB (``getrusage``), None where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes
+    return round(peak / (1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0), 1)

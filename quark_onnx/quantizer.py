@@ -423,8 +423,11 @@ def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        if name in _LARGE_STAGES:
-            from quark_onnx.memory import release_freed_memory
+        from quark_onnx import memory
 
-            release_freed_memory()
+        if name in _LARGE_STAGES:
+            memory.release_freed_memory()
         report.timings[name] = round(time.perf_counter() - start, 4)
+        peak = memory.peak_rss_mb()
+        if peak is not None:
+            report.peak_rss_mb[name] = peak

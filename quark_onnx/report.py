@@ -31,6 +31,9 @@ class QuantizationReport:
     check: dict[str, Any] = field(default_factory=dict)
     comparison: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    #: The process's peak RSS (MiB) when each stage ended: a high-water mark, so the stage after
+    #: which it jumps is the one that set the peak (empty where the OS does not report it).
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -70,6 +73,8 @@ class QuantizationReport:
             ),
             "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
+        if self.peak_rss_mb:
+            lines.append(f"peak memory: {max(self.peak_rss_mb.values()):.0f} MiB")
         return "\n".join(lines)
 
 

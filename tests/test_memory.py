@@ -39,3 +39,15 @@ def test_freed_small_blocks_leave_the_resident_set() -> None:
     assert before > held - 50  # nothing was returned without the trim
     assert after < before - 100, (held, before, after)
     del top
+
+
+def test_peak_rss_is_a_high_water_mark_in_mib() -> None:
+    peak = memory.peak_rss_mb()
+    if peak is None:
+        pytest.skip("no getrusage")
+    assert peak >= _rss_mb() - 1.0
+    block = np.ones(50 * 1024 * 1024 // 8)  # 50 MiB, touched
+    now = memory.peak_rss_mb()
+    assert now >= peak
+    assert now >= _rss_mb() - 1.0  # the block counts
+    del block

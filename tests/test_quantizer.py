@@ -77,6 +77,10 @@ def test_seed_example_on_digits(tmp_path):
     report = quantizer.report
     assert report.unfixable == [] and report.check["ready"]
     assert report.calibration["samples"] == 200
+    if report.peak_rss_mb:  # every stage records the high-water mark, which never goes down
+        assert list(report.peak_rss_mb) == list(report.timings)
+        peaks = list(report.peak_rss_mb.values())
+        assert peaks == sorted(peaks) and peaks[0] > 0
     # deterministic: the same inputs give the same bytes, also from an .npz path
     again = tmp_path / "again.onnx"
     ModelQuantizer(seed_config()).quantize_model(

@@ -1,6 +1,7 @@
 """Same inputs, same bytes: across processes with different hash seeds, and across threads.
 
-The quantized model file is compared byte for byte (the report differs only in timings).
+The quantized model file is compared byte for byte (the report differs only in timings and
+peak memory).
 """
 
 from __future__ import annotations
