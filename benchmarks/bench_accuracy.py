@@ -23,9 +23,16 @@ Each variant starts from the XINT8 preset with every technique off and switches 
 ``base`` (none), ``cle``
 (``include_cle``), ``bc`` (``include_bias_correction``), ``adaround`` (``include_fast_ft``), and
 combinations joined with ``+``. For each the benchmark prints top-1, the drop from float in points,
-the time of each accuracy stage (``report.timings``), the total quantization time and whether the
-output passes :func:`quark_onnx.check`. Top-1 uses onnxruntime's CPU provider with default
-optimisations (QDQ fused into int8 kernels, as deployed). This is a benchmark: it prints numbers.
+the fidelity to the float model on the same images (``agree``: share of images whose top-1 class is
+the float model's; ``SQNR``: output signal-to-quantization-noise ratio in dB), the time of each
+accuracy stage (``report.timings``), the total quantization time and whether the output passes
+:func:`quark_onnx.check`. Then, for every pair of variants that differ by one technique, the
+paired top-1 split (images only the variant with the technique gets right / only the one without)
+with its exact two-sided McNemar p-value, and the change in agreement and SQNR: a top-1 change
+of a few images with p well above 0.05 is not evidence either way, while the fidelity columns
+say whether the technique brought the outputs closer to the float model. Top-1 uses onnxruntime's
+CPU provider with default optimisations (QDQ fused into int8 kernels, as deployed). This is a
+benchmark: it prints numbers.
 
 Profiling a stage (bias correction here; pyinstrument is in the test environment)::
 
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -131,17 +139,66 @@ class _Reader:
         return {self.name: self.x[self.i - 1 : self.i]}
 
 
-def top1(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+def logits(model: Any, x: np.ndarray) -> np.ndarray:
+    """The model's output for every image (batch 1), stacked: ``(N, classes)`` float32."""
     import onnxruntime as ort
 
     data = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    preds = [int(np.argmax(session.run(None, {name: x[i : i + 1]})[0])) for i in range(len(x))]
-    return float(np.mean(np.asarray(preds) == y))
+    out = [session.run(None, {name: x[i : i + 1]})[0].reshape(-1) for i in range(len(x))]
+    return np.stack(out).astype(np.float32)
 
 
-def run_variant(model: str, variant: str, cx: np.ndarray, tx: np.ndarray, ty: np.ndarray) -> dict:
+def top1(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.argmax(logits(model, x), axis=1) == y))
+
+
+def fidelity(q: np.ndarray, f: np.ndarray) -> dict[str, float]:
+    """How close quantized outputs ``q`` are to the float model's ``f`` (same images).
+
+    ``agreement``: share of images whose top-1 class is the float model's; ``sqnr_db``:
+    ``10 log10(sum f^2 / sum (f - q)^2)`` over every output value.
+    """
+    err = float(np.sum((f.astype(np.float64) - q) ** 2))
+    signal = float(np.sum(f.astype(np.float64) ** 2))
+    sqnr = 10.0 * np.log10(signal / err) if err > 0 else float("inf")
+    agree = float(np.mean(np.argmax(q, axis=1) == np.argmax(f, axis=1)))
+    return {"agreement": round(agree, 4), "sqnr_db": round(sqnr, 2)}
+
+
+def mcnemar(on: np.ndarray, off: np.ndarray) -> tuple[int, int, float]:
+    """Exact two-sided McNemar test of two classifiers on the same images.
+
+    ``on``/``off``: per image, whether each got it right. Returns ``(gained, lost, p)``: images
+    only ``on`` gets right, images only ``off`` gets right, and the probability of a split at
+    least this uneven if both were equally accurate (binomial, n = gained + lost, 1/2).
+    """
+    gained = int(np.count_nonzero(on & ~off))
+    lost = int(np.count_nonzero(off & ~on))
+    n = gained + lost
+    if n == 0:
+        return gained, lost, 1.0
+    k = min(gained, lost)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return gained, lost, min(1.0, 2.0 * tail)
+
+
+def technique_pairs(variants: list[str]) -> list[tuple[str, str, str]]:
+    """``(on, off, technique)`` for every variant that differs from another by one technique."""
+    sets = {v: frozenset([] if v == "base" else v.split("+")) for v in variants}
+    pairs = []
+    for on, techs in sets.items():
+        for off, fewer in sets.items():
+            extra = techs - fewer
+            if fewer < techs and len(extra) == 1:
+                pairs.append((on, off, next(iter(extra))))
+    return pairs
+
+
+def run_variant(
+    model: str, variant: str, cx: np.ndarray, tx: np.ndarray, ty: np.ndarray, f_out: np.ndarray
+) -> dict:
     import onnx
 
     from quark_onnx import Config, ModelQuantizer, get_default_config
@@ -161,10 +218,14 @@ def run_variant(model: str, variant: str, cx: np.ndarray, tx: np.ndarray, ty: np
     seconds = time.perf_counter() - start
     report = quantizer.report
     assert report is not None
+    q_out = logits(quantized, tx)
+    correct = np.argmax(q_out, axis=1) == ty
     return {
         "model": model,
         "variant": variant,
-        "top1": top1(quantized, tx, ty),
+        "top1": float(np.mean(correct)),
+        "correct": correct,
+        **fidelity(q_out, f_out),
         "quantize_seconds": round(seconds, 2),
         "timings": {k: v for k, v in report.timings.items() if k in STAGES},
         "ready": report.ready,
@@ -183,19 +244,43 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for model in args.models.split(","):
         cx, tx, ty = dataset(model)
-        float_top1 = top1(MODELS[model], tx, ty)
+        f_out = logits(MODELS[model], tx)
+        float_top1 = float(np.mean(np.argmax(f_out, axis=1) == ty))
         print(f"\n{model}: float top-1 {float_top1:.4f} on {len(tx)} images", flush=True)
-        print(f"  {'variant':<18} {'top-1':>7} {'drop':>6} {'quant s':>8}  stages (s)  ready")
-        for variant in args.variants.split(","):
-            r = run_variant(model, variant, cx, tx, ty)
+        print(
+            f"  {'variant':<18} {'top-1':>7} {'drop':>6} {'agree':>6} {'SQNR dB':>8} "
+            f"{'quant s':>8}  stages (s)  ready"
+        )
+        variants = args.variants.split(",")
+        done: dict[str, dict] = {}
+        for variant in variants:
+            r = run_variant(model, variant, cx, tx, ty, f_out)
             r["float_top1"] = float_top1
             r["drop_points"] = round(100 * (float_top1 - r["top1"]), 2)
             stages = ", ".join(f"{k} {v:.1f}" for k, v in r["timings"].items())
             print(
                 f"  {variant:<18} {r['top1']:7.4f} {r['drop_points']:6.2f} "
+                f"{r['agreement']:6.3f} {r['sqnr_db']:8.2f} "
                 f"{r['quantize_seconds']:8.1f}  {stages}  {r['ready']}",
                 flush=True,
             )
+            done[variant] = r
+        pairs = technique_pairs(variants)
+        if pairs:
+            print("  technique on vs off (same images; exact McNemar test of the top-1 split):")
+        for on, off, tech in pairs:
+            gained, lost, p = mcnemar(done[on]["correct"], done[off]["correct"])
+            d_agree = done[on]["agreement"] - done[off]["agreement"]
+            d_sqnr = done[on]["sqnr_db"] - done[off]["sqnr_db"]
+            print(
+                f"    +{tech:<9} {on:<12} vs {off:<12} top-1 {gained:+d}/{-lost:d} images "
+                f"(p = {p:.2f}), agreement {100 * d_agree:+.1f} pts, SQNR {d_sqnr:+.2f} dB"
+            )
+            done[on].setdefault("versus", []).append(
+                {"off": off, "technique": tech, "gained": gained, "lost": lost, "p": p}
+            )
+        for r in done.values():
+            r.pop("correct")
             results.append(r)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
