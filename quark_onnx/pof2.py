@@ -266,7 +266,34 @@ def minmse_position(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> int:
     if nz.size == 0:
         return ZERO_POSITION
     window = minmse_window(float(x64.min()), float(x64.max()), float(nz.min()), qtype)
-    return best_position(window, (sse(x64, p, qtype) for p in window))
+    best, best_err = window[0], math.inf
+    for p in window:  # ascending
+        err, clipped = _sse_and_clip64(x64, p, qtype)
+        if err < best_err:  # strictly: ties go to the lower position
+            best, best_err = p, err
+        if clipped > best_err * (1.0 + 1e-12):
+            # every later position clips more: its error is at least ``clipped``
+            break
+    return int(best)
+
+
+def _sse_and_clip64(x64: np.ndarray, p: int, qtype: QuantType) -> tuple[float, float]:
+    """:func:`sse` at ``p`` and the part of it from values beyond the extreme codes.
+
+    Why the search may stop on the second number. A value above ``hi * 2^-p`` is represented by
+    ``hi`` (it rounds to ``hi`` or saturates there), so its error is exactly
+    ``x - hi * 2^-p``; likewise below ``lo * 2^-p``. Raising ``p`` lowers both thresholds, so the
+    set of such values only grows and each of their errors only grows: this *clipping error* is
+    non-decreasing in ``p`` and a lower bound of the whole error at every later position. Once it
+    exceeds the best error found, no later position can be better (the 1e-12 margin keeps float64
+    summation rounding from deciding a near-tie differently from the exhaustive search).
+    """
+    lo, hi = code_range(qtype)
+    scaled = x64 * math.ldexp(1.0, int(p))
+    err = np.clip(np.rint(scaled), lo, hi) * math.ldexp(1.0, -int(p)) - x64
+    err *= err
+    beyond = (scaled > hi) | (scaled < lo)
+    return float(np.sum(err)), float(np.sum(err, where=beyond))
 
 
 def _finite_stats(x: np.ndarray) -> tuple[int, float, float, float]:

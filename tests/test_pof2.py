@@ -165,6 +165,56 @@ def test_minmse_window_contains_the_global_optimum_above_nonoverflow():
         assert pof2.minmse_position(x) == min(q for q, e in errors.items() if e == best)
 
 
+@pytest.mark.parametrize("qtype", [QuantType.QInt8, QuantType.QUInt8, QuantType.QInt16])
+def test_minmse_search_stops_early_yet_equals_the_exhaustive_argmin(qtype, monkeypatch):
+    rng = np.random.default_rng(11)
+    kinds = [
+        lambda n: rng.standard_normal(n),
+        lambda n: np.maximum(rng.standard_normal(n), 0.0),
+        lambda n: rng.standard_t(1.5, size=n),
+        lambda n: rng.integers(-40, 40, size=n) / 16.0,  # on a power-of-two grid: exact ties
+        lambda n: np.concatenate([rng.uniform(-1e-3, 1e-3, n - 1), [50.0]]),  # one outlier
+        lambda n: np.full(n, 0.3),
+    ]
+    evaluated = []
+    original = pof2._sse_and_clip64
+
+    def counting(x64, p, q):
+        evaluated.append(p)
+        return original(x64, p, q)
+
+    monkeypatch.setattr(pof2, "_sse_and_clip64", counting)
+    windows = 0
+    for kind in kinds:
+        for n in (1, 7, 500):
+            x = kind(n) * 10 ** rng.uniform(-2, 2)
+            if qtype is QuantType.QUInt8:
+                x = np.abs(x)
+            lo, hi = float(x.min()), float(x.max())
+            nz = np.abs(x[x != 0])
+            if nz.size == 0:
+                assert pof2.minmse_position(x, qtype) == pof2.ZERO_POSITION
+                continue
+            window = pof2.minmse_window(lo, hi, float(nz.min()), qtype)
+            errors = {q: pof2.sse(x, q, qtype) for q in window}
+            best = min(errors.values())
+            assert pof2.minmse_position(x, qtype) == min(q for q, e in errors.items() if e == best)
+            windows += len(window)
+    # the clipping bound must have cut the search short somewhere (and it cannot add work)
+    assert len(evaluated) < windows
+
+
+def test_minmse_search_does_not_stop_while_a_later_position_can_win():
+    # a large bulk and one far outlier: at p = 3 the clipping error is already half the best
+    # error, yet p = 4 wins (errors 20797, 5543, 2466, 2095, 2200 for p = 1..5); a search that
+    # stopped on a loose bound would return 3
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-1.0, 1.0, 1_000_000), [50.0]])
+    errors = {p: pof2.sse(x, p) for p in range(1, 9)}
+    assert min(errors, key=errors.get) == 4
+    assert pof2.minmse_position(x) == 4
+
+
 def test_best_position_ties_go_to_the_lower_position():
     assert pof2.best_position([5, 3, 4], [1.0, 2.0, 1.0]) == 4
     assert pof2.best_position(range(3), [0.0, 0.0, 0.0]) == 0
