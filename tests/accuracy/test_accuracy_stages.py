@@ -405,3 +405,116 @@ def test_nodes_to_exclude_keeps_a_layer_float():
     assert "conv1" in {f.name for f in plan.float_nodes}
     assert "conv1" not in {n.name for n in plan.nodes}
     assert math.isfinite(len(plan.nodes))
+
+
+# --- replay storage and memory budget ----------------------------------------------------------
+
+
+def _qdq_chain(scale: float = 0.0625) -> onnx.ModelProto:
+    """x -> Q/DQ -> Conv -> Relu -> Q/DQ -> Conv -> Add(the first DQ) -> y (all scales ``scale``).
+
+    The first DQ output is read by the first Conv and, much later, by the Add: it crosses
+    segment boundaries.
+    """
+    rng = np.random.default_rng(11)
+    s = np.array(scale, np.float32)
+    z = np.array(0, np.int8)
+    inits = {"s": s, "z": z}
+    for i in range(2):
+        inits[f"w{i}"] = rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)
+        inits[f"b{i}"] = rng.normal(0, 0.2, 4).astype(np.float32)
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+        helper.make_node("Conv", ["xd", "w0", "b0"], ["c0"], name="conv0", **CONV),
+        helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("QuantizeLinear", ["r0", "s", "z"], ["rq"]),
+        helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["rd"]),
+        helper.make_node("Conv", ["rd", "w1", "b1"], ["c1"], name="conv1", **CONV),
+        helper.make_node("Add", ["c1", "xd"], ["y"]),
+    ]
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        inits,
+    )
+
+
+def test_replay_keeps_a_dequantized_tensor_as_its_int8_codes_exactly():
+    rng = np.random.default_rng(12)
+    proto = _qdq_chain()
+    samples = _samples(rng, 3)
+    replay = Replay(proto, samples, "test")
+    replay.get(["c0"])
+    # xd is still needed (by the Add); it is kept as the int8 codes xq, not as float32
+    assert "xd" not in replay.env and replay.env["xq"][0].dtype == np.int8
+    (xd, y) = replay.get(["xd", "y"])
+    for i, s in enumerate(samples):
+        want_xd, want_y = _outputs(proto, s, ["xd", "y"])
+        np.testing.assert_array_equal(xd[i], want_xd)  # dequantization is exact: same bits
+        np.testing.assert_allclose(y[i], want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_keeps_a_non_power_of_two_dequantized_tensor_as_float():
+    """A DQ with scale 0.1 is not exact in any other order of operations: kept as computed."""
+    rng = np.random.default_rng(13)
+    proto = _qdq_chain(scale=0.1)
+    replay = Replay(proto, _samples(rng, 2), "test")
+    replay.get(["c0"])
+    assert "xq" not in replay.env and replay.env["xd"][0].dtype == np.float32
+
+
+def _replay_walk(proto, samples, budget, steps):
+    """Values of c0 and y after adding ``steps`` to c0, with a given memory budget."""
+    replay = Replay(proto, samples, "test", memory_budget=budget)
+    (c0,) = replay.get(["c0"])
+    c0 = [a.copy() for a in c0]
+    replay.add_to("c0", steps)
+    (y,) = replay.get(["y"])
+    return replay, c0, y
+
+
+def test_replay_under_a_memory_budget_recomputes_the_same_bits():
+    rng = np.random.default_rng(14)
+    proto = _qdq_chain()
+    samples = _samples(rng, 4)
+    step = rng.normal(0, 0.1, (1, 4, 1, 1)).astype(np.float32)
+    free, c0_free, y_free = _replay_walk(proto, samples, None, step)
+    tight, c0_tight, y_tight = _replay_walk(proto, samples, 0, step)
+    for a, b in zip(c0_free + y_free, c0_tight + y_tight, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the patched c0 is not re-added: y differs from the unpatched walk
+    _, _, y_plain = _replay_walk(proto, samples, None, np.zeros_like(step))
+    assert not np.array_equal(y_plain[0], y_free[0])
+    # the tight replay kept nothing but the inputs and ran the first segments again
+    assert tight.checkpoint == 0 and tight.runs > free.runs
+    assert free.checkpoint == free.cursor
+
+
+def test_replay_budget_moves_the_checkpoint_only_where_the_state_fits():
+    rng = np.random.default_rng(15)
+    proto = _qdq_chain()
+    samples = _samples(rng, 2)
+    codes_bytes = 2 * 4 * 8 * 8  # xq: int8, two samples
+    replay = Replay(proto, samples, "test", memory_budget=codes_bytes)
+    replay.get(["c0"])
+    # split after the input's QuantizeLinear: only xq (int8) is live there, and it fits
+    assert replay.checkpoint == 1 and set(replay.env) == {"xq"}
+
+
+def test_bias_correction_is_identical_with_and_without_the_memory_budget(monkeypatch):
+    import quark_onnx.accuracy.bias_correction as bc
+
+    rng = np.random.default_rng(16)
+    proto = _conv_chain(rng, n=3)
+    calib = _samples(rng, 8, offset=0.5)
+    results = []
+    for budget in (None, 0):
+        monkeypatch.setattr(bc, "REPLAY_BUDGET", budget)
+        prepared, model, plan, positions, options = _quantize(proto, calib)
+        summary = correct_bias(prepared, model, calib, plan, positions, options)
+        assert summary["changed_channels"] > 0
+        summary.pop("seconds"), summary.pop("segment_runs")
+        results.append((summary, to_proto(model).SerializeToString()))
+    assert results[0] == results[1]
