@@ -25,11 +25,12 @@ run. The next run overlaps the observer updates of the previous one (onnxruntime
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,7 @@ class Collector:
         providers: Sequence[str] = ("CPUExecutionProvider",),
         max_batch: int = DEFAULT_MAX_BATCH,
         pipeline: bool = True,
+        parallel: bool = True,
         external_data_dir: str | Path | None = None,
     ) -> None:
         self.model = model
@@ -182,6 +184,7 @@ class Collector:
         self.providers = list(providers)
         self.max_batch = max(1, int(max_batch))
         self.pipeline = pipeline
+        self.parallel = parallel
         self.histogram = self.method in _HISTOGRAM_METHODS
         self.moving_average = (
             options.CalibMovingAverageConstant
@@ -191,6 +194,7 @@ class Collector:
         self.names = list(dict.fromkeys(tensor_names))
         self.specs = input_specs(model)
         self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         self._plan()
         self._build_session()
 
@@ -438,10 +442,35 @@ class Collector:
             ) from exc
 
     def _observe(self, feed: dict[str, np.ndarray], first: int, outputs: list[np.ndarray]) -> None:
+        """Fold one run into the observers, releasing each output as soon as it is folded (the
+        arrays are onnxruntime's own buffers: the next run can reuse them while this one is
+        still being observed)."""
         for name in self.fed:
             self.observers[name].update(feed[name])
-        for name, value in zip(self.sources, outputs, strict=True):
-            self.observers[name].update(value)
+        if self._helper is None or len(outputs) < 2:
+            self._fold(outputs, range(len(outputs)))
+            return
+        # two threads, each output folded by one of them (so every observer still sees its
+        # batches in order and computes exactly what one thread would)
+        sizes = [o.size for o in outputs]
+        mine: list[int] = []
+        theirs: list[int] = []
+        load = [0, 0]
+        for i in sorted(range(len(outputs)), key=sizes.__getitem__, reverse=True):
+            side = 0 if load[0] <= load[1] else 1
+            (mine, theirs)[side].append(i)
+            load[side] += sizes[i]
+        other = self._helper.submit(self._fold, outputs, theirs)
+        try:
+            self._fold(outputs, mine)
+        finally:
+            other.result()
+
+    def _fold(self, outputs: list[Any], indices: Iterable[int]) -> None:
+        for i in indices:
+            value, outputs[i] = outputs[i], None
+            self.observers[self.sources[i]].update(value)
+            del value
 
     def run(
         self,
@@ -471,7 +500,14 @@ class Collector:
         )
         start = time.perf_counter()
         samples = 0
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool, display:
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+            if self.histogram and self.parallel:  # heavy updates: a second thread folds half
+                self._helper = stack.enter_context(
+                    concurrent.futures.ThreadPoolExecutor(max_workers=1)
+                )
+                stack.callback(setattr, self, "_helper", None)
+            stack.enter_context(display)
             previous = None
             for feed, rows, first in self._batches(reader, limit):
                 if self.pipeline:
@@ -495,6 +531,9 @@ class Collector:
                 "the calibration data reader yielded no samples (get_next() returned None at "
                 "once); give at least one feed, or set UseRandomData=True"
             )
+        for obs in self.observers.values():
+            if isinstance(obs, HistogramObserver):
+                obs.flush()  # bin what is buffered, release the staging arrays
         self._derive()
         self._report_nonfinite(samples)
         result = CalibrationResult(

@@ -55,10 +55,30 @@ _HALF = 1 << 15
 MAX_HIST_POSITION = 132
 #: Values binned per step: the step's keys and offsets stay in the CPU cache.
 _CHUNK = 1 << 15
-#: A staged bucket holds ``n_b * 2^40 + sum(low16)``; both parts stay exact while ``n_b < 2^23``.
+#: Added to every staged bit pattern: a staged bucket ``b`` holds ``n_b (2^40 + 2^16 b) +
+#: sum(low16)``, from which both parts follow exactly while ``n_b <= 2^22``.
 _PACK = 1 << 40
-#: Values staged before the staged counts are unpacked (every bucket then has ``n_b < 2^23``).
+#: Values staged before the staged sums are unpacked (every bucket then has ``n_b <= 2^22``).
 _STAGE_LIMIT = (1 << 22) - _CHUNK
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+def _pattern(v: float) -> int:
+    """The float32 bit pattern of ``v`` (a float32 value)."""
+    return int(np.float32(v).view(np.uint32))
+
+
+def _key_length(length: int) -> int:
+    """``length`` keys rounded up to whole exponents (128 keys), at most 65536."""
+    return min(NUM_BUCKETS, -(-length // 128) * 128)
 
 
 def signed_limits(qtype: QuantType) -> tuple[int, int]:
@@ -116,15 +136,20 @@ def bucket_units() -> tuple[np.ndarray, np.ndarray]:
     return mid, unit
 
 
-def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int, float, float]:
-    """``x`` as a contiguous float32 array of its finite values, how many were dropped, and the
-    minimum and maximum of the kept values (``inf, -inf`` when none)."""
+def _float32(x: np.ndarray) -> np.ndarray:
+    """``x`` as a contiguous one-dimensional float32 array (a view when it already is one)."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise CalibrationError(f"cannot observe a tensor of dtype {x.dtype}")
         x = x.astype(np.float32)
-    x = np.ascontiguousarray(x).reshape(-1)
+    return np.ascontiguousarray(x).reshape(-1)
+
+
+def _finite_float32(x: np.ndarray) -> tuple[np.ndarray, int, float, float]:
+    """``x`` as a contiguous float32 array of its finite values, how many were dropped, and the
+    minimum and maximum of the kept values (``inf, -inf`` when none)."""
+    x = _float32(x)
     if x.size == 0:
         return x, 0, math.inf, -math.inf
     lo, hi = x.min(), x.max()  # numpy min/max propagate NaN
@@ -297,18 +322,21 @@ class HistogramObserver:
       position changes (:func:`histogram_sse`);
     * the exact minimum and maximum.
 
-    The arrays cover the keys up to the largest one seen (whole exponents): a tensor that is never
-    negative and stays below ``2^k`` holds ``128 (127 + k)`` keys per array (~16.6 k keys, 130 KiB,
-    for a ReLU6 output), a signed one at most 65536 (512 KiB). Two arrays are kept, plus a staging
-    array of the same length while data comes in. Merging adds the statistics, so shards merge
-    exactly (the square sums up to float64 rounding).
+    Memory: ``n_b`` and ``T_b`` are stored for the non-empty buckets only (a few thousand for a
+    typical activation), plus, while data comes in, one int64 staging array over the keys up to
+    the largest one seen (whole exponents): ``128 (127 + k)`` keys for a tensor that is never
+    negative and stays below ``2^k`` (~16.6 k keys, 130 KiB, for a ReLU6 output), at most 65536
+    (512 KiB) for a signed one. Any query bins what is buffered and releases the staging array
+    (:meth:`flush`). Merging adds the statistics, so shards merge exactly (the square sums up to
+    float64 rounding).
 
-    Binning, per step of :data:`_CHUNK` values (cache-sized): one ``np.add.at`` of ``2^40 + low16``
-    into the int64 staging array -- a count and an offset sum packed in one integer, unpacked every
-    :data:`_STAGE_LIMIT` values, before the count part could reach ``2^23`` -- and two float64 sums
-    of squares. That is one scatter per value instead of the two ``np.bincount`` calls (a count and
-    a float64 weighted sum over 65536 buckets) that a float-sum histogram needs, and the integer
-    offsets make the bucket sums exact.
+    Binning, per step of :data:`_CHUNK` values (cache-sized): one ``np.add.at`` of the value's bit
+    pattern plus ``2^40`` into the staging array, and one or two float64 sums of squares. A staged
+    bucket ``b`` then holds ``n_b (2^40 + 2^16 b) + sum(low16)``, which gives both the count and
+    the exact offset sum (:meth:`_unstage`, every :data:`_STAGE_LIMIT` values, while
+    ``n_b <= 2^22``). That is one scatter per value instead of the two ``np.bincount`` calls (a
+    count and a float64 weighted sum over 65536 buckets) that a float-sum histogram needs, and the
+    integer offsets make the bucket sums exact.
     """
 
     kind = "histogram"
@@ -317,15 +345,15 @@ class HistogramObserver:
     buffer_size = _CHUNK
 
     def __init__(self) -> None:
-        # _n, _t (and _stage while data comes in) cover the keys 0 .. L-1 only, L one past the
-        # largest key seen: a tensor that is never negative needs no negative keys
-        self._n = np.zeros(0, dtype=np.int64)
-        self._t = np.zeros(0, dtype=np.int64)
+        # non-empty buckets (keys ascending) and their statistics, up to the last unstaging
+        self._keys = _EMPTY
+        self._n = _EMPTY
+        self._t = _EMPTY
+        # while data comes in: keys 0 .. L-1, L one past the largest key seen
         self._stage: np.ndarray | None = None
         self._staged = 0
         self._pending: list[np.ndarray] = []
         self._pending_size = 0
-        self._pending_negative = False
         self.square_sums = (0.0, 0.0)
         self.min = math.inf
         self.max = -math.inf
@@ -334,8 +362,9 @@ class HistogramObserver:
 
     # --- statistics ---------------------------------------------------------------------------
 
-    def _sync(self) -> None:
-        """Bin the buffered values and unpack the staged statistics."""
+    def flush(self) -> None:
+        """Bin the buffered values and release the staging array (queries call this; the
+        observer keeps accepting updates afterwards)."""
         self._flush_pending()
         if self._stage is not None:
             self._unstage()
@@ -344,58 +373,70 @@ class HistogramObserver:
     def _flush_pending(self) -> None:
         if self._pending:
             values = np.concatenate(self._pending)
-            negative = self._pending_negative
-            self._pending, self._pending_size, self._pending_negative = [], 0, False
-            self._bin(values, negative)
+            self._pending, self._pending_size = [], 0
+            self._bin(values, checked=True)
 
     def _unstage(self) -> None:
+        """Move the staged sums into the per-bucket statistics.
+
+        Staged bucket ``b`` holds ``S = n_b M_b + L_b`` with ``M_b = 2^40 + 2^16 b`` and
+        ``L_b = sum(low16) < n_b 2^16 < M_b``: ``n_b = S // M_b`` and ``T_b = L_b - n_b 2^15``
+        (``S < 2^22 (2^40 + 2^32 + 2^16) < 2^63``).
+        """
         stage = self._stage
         if stage is None or self._staged == 0:
             return
-        n = stage >> 40
-        self._n += n
-        self._t += (stage & (_PACK - 1)) - n * _HALF
-        stage[:] = 0
+        keys = np.flatnonzero(stage)
+        staged = stage[keys]
+        scale = (keys << 16) + _PACK
+        n = staged // scale
+        t = staged - n * scale - n * _HALF
+        stage[keys] = 0
         self._staged = 0
+        self._add_buckets(keys, n, t)
 
-    def _grow(self, length: int) -> None:
-        """Extend the key range to ``0 .. length - 1`` (whole exponents, at most 65536 keys)."""
-        length = min(NUM_BUCKETS, -(-length // 128) * 128)
-        grow = length - self._n.size
-        if grow > 0:
-            self._n = np.concatenate([self._n, np.zeros(grow, np.int64)])
-            self._t = np.concatenate([self._t, np.zeros(grow, np.int64)])
-            if self._stage is not None:
-                self._stage = np.concatenate([self._stage, np.zeros(grow, np.int64)])
+    def _add_buckets(self, keys: np.ndarray, n: np.ndarray, t: np.ndarray) -> None:
+        """Add ``(n, t)`` of the non-empty buckets ``keys`` (ascending) to the statistics."""
+        if self._keys.size:
+            union = np.union1d(self._keys, keys)
+            n_all = np.zeros(union.size, np.int64)
+            t_all = np.zeros(union.size, np.int64)
+            old = np.searchsorted(union, self._keys)
+            new = np.searchsorted(union, keys)
+            n_all[old] = self._n
+            t_all[old] = self._t
+            n_all[new] += n
+            t_all[new] += t
+            keys, n, t = union, n_all, t_all
+        self._keys, self._n, self._t = _frozen(keys), _frozen(n), _frozen(t)
 
     def _set(self, n: np.ndarray, t: np.ndarray) -> None:
-        """Store full-length statistics, trimmed after the last non-empty key."""
-        nonzero = np.flatnonzero(n)
-        length = int(nonzero[-1]) + 1 if nonzero.size else 0
-        self._n = np.array(n[:length], dtype=np.int64)
-        self._t = np.array(t[:length], dtype=np.int64)
+        """Store full-length (65536) statistics."""
+        keys = np.flatnonzero(n)
+        self._keys = _frozen(keys.astype(np.int64))
+        self._n = _frozen(np.asarray(n, np.int64)[keys])
+        self._t = _frozen(np.asarray(t, np.int64)[keys])
 
     def nonzero_buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(keys, n_b, T_b)`` of the non-empty buckets, keys ascending."""
-        self._sync()
-        keys = np.flatnonzero(self._n)
-        return keys, self._n[keys], self._t[keys]
+        """``(keys, n_b, T_b)`` of the non-empty buckets, keys ascending (int64, read-only)."""
+        self.flush()
+        return self._keys, self._n, self._t
 
     def _full(self, a: np.ndarray) -> np.ndarray:
         out = np.zeros(NUM_BUCKETS, dtype=np.int64)
-        out[: a.size] = a
+        out[self._keys] = a
         return out
 
     @property
     def counts(self) -> np.ndarray:
         """Values per bucket ``n_b`` (int64, 65536; a copy)."""
-        self._sync()
+        self.flush()
         return self._full(self._n)
 
     @property
     def offset_sums(self) -> np.ndarray:
         """``T_b``: sum of the centred low-16-bit offsets per bucket (int64, 65536; a copy)."""
-        self._sync()
+        self.flush()
         return self._full(self._t)
 
     @property
@@ -411,7 +452,7 @@ class HistogramObserver:
 
     @property
     def count(self) -> int:
-        self._sync()
+        self.flush()
         return int(self._n.sum())
 
     @property
@@ -424,49 +465,82 @@ class HistogramObserver:
 
     def update(self, x: np.ndarray) -> None:
         """Fold one batch (any shape, any real dtype; converted to float32) into the histogram."""
+        x = _float32(x)
+        self.batches += 1
+        if x.size >= self.buffer_size:
+            self._bin(x, checked=False)
+            return
         values, dropped, lo, hi = _finite_float32(x)
         self.nonfinite += dropped
-        self.batches += 1
         if values.size == 0:
             return
         self.min = min(self.min, lo)
         self.max = max(self.max, hi)
-        if values.size >= self.buffer_size:
-            self._bin(values, lo < 0.0)
-            return
         self._pending.append(values.copy() if values.base is not None else values)
         self._pending_size += values.size
-        self._pending_negative |= lo < 0.0
         if self._pending_size >= self.buffer_size:
             self._flush_pending()
 
-    def _bin(self, values: np.ndarray, negative: bool = True) -> None:
-        """Fold ``values`` (finite float32); ``negative=False`` promises none is below zero."""
-        if self._stage is None:
-            self._stage = np.zeros(self._n.size, dtype=np.int64)
-        bits = values.view(np.uint32)  # the key is the numeric top half: no byte-order question
+    def _bin(self, values: np.ndarray, checked: bool) -> None:
+        """Fold contiguous float32 ``values``, :data:`_CHUNK` values per step.
+
+        Each step reads its values once from memory and then works in the CPU cache: minimum and
+        maximum (non-finite values dropped and counted, unless ``checked`` says they were, and
+        that the range is already folded in), the scatter into the staging array and the sums
+        of squares. The largest key of a step follows from its minimum and maximum: the pattern
+        of the minimum when it is negative (negative keys grow with the magnitude), else that of
+        the maximum -- unless the minimum is zero, when a ``-0.0`` (key ``2^15``) may hide among
+        the zeros and the largest key itself decides.
+        """
+        add_at, einsum = np.add.at, np.einsum
         pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
+            chunk = values[start : start + _CHUNK]
+            lo, hi = float(chunk.min()), float(chunk.max())  # NaN propagates
+            if not checked:
+                if not (math.isfinite(lo) and math.isfinite(hi)):
+                    kept = chunk[np.isfinite(chunk)]
+                    self.nonfinite += chunk.size - kept.size
+                    if kept.size == 0:
+                        continue
+                    chunk = kept
+                    lo, hi = float(kept.min()), float(kept.max())
+                self.min = min(self.min, lo)
+                self.max = max(self.max, hi)
+            word = chunk.view(np.uint32)  # the key is the numeric top half: no byte-order question
+            packed = word.astype(np.int64)
+            keys = packed >> 16
+            if lo < 0.0:
+                top = _pattern(lo) >> 16
+            elif lo > 0.0:
+                top = _pattern(hi) >> 16
+            else:
+                top = int(keys.max())
+            stage = self._stage
+            if stage is None or top >= stage.size:
+                stage = self._stage_for(top)
             if self._staged > _STAGE_LIMIT:
                 self._unstage()
-            end = min(start + _CHUNK, values.size)
-            word = bits[start:end]
-            keys = word >> 16
-            top = int(keys.max())
-            if top >= self._stage.size:
-                self._grow(top + 1)
-            packed = word.astype(np.int64)
-            packed &= 0xFFFF
-            packed |= _PACK
-            np.add.at(self._stage, keys, packed)
-            self._staged += end - start
-            x64 = values[start:end].astype(np.float64)
-            if negative:
+            packed += _PACK
+            add_at(stage, keys, packed)
+            self._staged += chunk.size
+            x64 = chunk.astype(np.float64)
+            if lo < 0.0:
                 neg = np.minimum(x64, 0.0)
-                neg_sq += float(np.einsum("i,i->", neg, neg))
+                neg_sq += float(einsum("i,i->", neg, neg))
                 np.maximum(x64, 0.0, out=x64)
-            pos_sq += float(np.einsum("i,i->", x64, x64))  # numpy's own loop, not a BLAS thread
+            pos_sq += float(einsum("i,i->", x64, x64))  # numpy's own loop, not a BLAS thread
         self.square_sums = (self.square_sums[0] + pos_sq, self.square_sums[1] + neg_sq)
+
+    def _stage_for(self, top: int) -> np.ndarray:
+        """The staging array, created or extended to hold key ``top`` (whole exponents)."""
+        length = _key_length(top + 1)
+        if self._stage is None:
+            self._stage = np.zeros(length, dtype=np.int64)
+        else:
+            grow = np.zeros(length - self._stage.size, np.int64)
+            self._stage = np.concatenate([self._stage, grow])
+        return self._stage
 
     def merge(self, other: HistogramObserver) -> HistogramObserver:
         out = HistogramObserver()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
 import numpy as np
 import onnx
@@ -407,3 +408,56 @@ def test_digits_cnn_minmse_matches_numpy(shared):
         assert result.position(name, method=PowerOfTwoMethod.MinMSE) == minmse_position(
             outs[name]
         ), name
+
+
+def test_two_folding_threads_give_exactly_the_one_thread_result():
+    from quark_onnx.calibration.collector import Collector
+
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["s"]),
+        helper.make_node("Mul", ["s", "h"], ["y"]),
+    ]
+    model = make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        {"W": rng.standard_normal((4, 3)).astype(np.float32)},
+    )
+    data = _feeds(40)
+    results = []
+    released = []
+    for parallel, pipeline in ((True, True), (False, False)):
+        c = Collector(
+            model,
+            ["x", "h", "s", "y"],
+            method=PowerOfTwoMethod.MinMSE,
+            options=OPTS,
+            max_batch=1,
+            pipeline=pipeline,
+            parallel=parallel,
+        )
+        original = c._run
+        runs = []
+
+        def spy(feed, first, original=original, runs=runs):
+            outputs = original(feed, first)
+            runs.append(outputs)
+            return outputs
+
+        c._run = spy
+        fold, threads = c._fold, set()
+
+        def fold_spy(outputs, indices, fold=fold, threads=threads):
+            threads.add(threading.get_ident())
+            fold(outputs, indices)
+
+        c._fold = fold_spy
+        assert c.sources == ["h", "s", "y"]
+        results.append(c.run(ArrayDataReader({"x": data}, batch_size=1), progress=False))
+        released.append(all(o is None for outputs in runs for o in outputs) and len(runs) == 40)
+        assert len(threads) == (2 if parallel else 1)
+    assert len(results[0].observers) == 4
+    assert results[0].to_dict() == results[1].to_dict()
+    assert released == [True, True]  # every output is dropped once folded

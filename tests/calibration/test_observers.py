@@ -430,8 +430,9 @@ def test_key_range_grows_with_the_data_and_stays_exact():
     obs = HistogramObserver()
     for part in parts:
         obs.update(part)
+    assert obs._stage.size <= 128 * 130  # below 2^3: keys of exponents up to 129 only
     assert obs.nonzero_buckets()[0].max() < 1 << 15
-    assert obs._n.size <= 128 * 130  # below 2^3: keys of exponents up to 129 only
+    assert obs._stage is None  # a query releases the staging array
     parts.append(-rng.uniform(0, 3.0, 40_000).astype(np.float32))
     obs.update(parts[-1])
     x = np.concatenate(parts)
@@ -455,3 +456,85 @@ def test_small_batches_are_buffered_and_give_the_same_statistics():
     np.testing.assert_array_equal(one.offset_sums, many.offset_sums)
     np.testing.assert_allclose(one.square_sums, many.square_sums, rtol=1e-12, atol=0)
     np.testing.assert_allclose(one.sse(range(0, 30)), many.sse(range(0, 30)), rtol=1e-12)
+
+
+def _bit_statistics(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-key counts and centred offset sums of float32 ``x``, straight from the bit pattern."""
+    bits = x.view(np.uint32)
+    keys = (bits >> 16).astype(np.intp)
+    t = (bits & 0xFFFF).astype(np.int64) - (1 << 15)
+    sum_t = np.zeros(1 << 16, np.int64)
+    np.add.at(sum_t, keys, t)
+    return np.bincount(keys, minlength=1 << 16), sum_t
+
+
+@pytest.mark.parametrize("negative_zeros", [False, True])
+def test_negative_zeros_among_zeros_are_binned_under_their_own_key(negative_zeros):
+    # the largest key of a chunk comes from its min/max; with min == 0 a -0.0 (key 2^15) may hide
+    # among the zeros, and must still be counted there
+    rng = np.random.default_rng(22)
+    x = rng.uniform(0, 6.0, 100_000).astype(np.float32)
+    x[::3] = 0.0
+    if negative_zeros:
+        x[1::5] = -0.0
+    obs = HistogramObserver()
+    obs.update(x)
+    counts, sum_t = _bit_statistics(x)
+    np.testing.assert_array_equal(obs.counts, counts)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    assert (obs.counts[1 << 15] > 0) == negative_zeros
+    assert obs.minmse_position() == oracle_minmse(x)
+
+
+def test_staged_sums_unpack_exactly_for_the_largest_keys():
+    # one bucket near the top of the key range receives more values than a staging period
+    # (2^22): the count and the offset sum must come apart exactly from n (2^40 + 2^16 b) + L
+    rng = np.random.default_rng(23)
+    big = np.float32(-3.0e38)
+    x = np.full(5_000_000, big, np.float32)
+    x[::2] = np.nextafter(big, np.float32(0))  # same bucket, another offset
+    x[::1001] = rng.standard_normal(x[::1001].size).astype(np.float32)
+    obs = HistogramObserver()
+    for part in np.array_split(x, 3):
+        obs.update(part)
+    counts, sum_t = _bit_statistics(x)
+    np.testing.assert_array_equal(obs.counts, counts)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    assert (obs.min, obs.max) == (float(x.min()), float(x.max()))
+
+
+def test_nonfinite_values_in_large_batches_are_dropped_per_chunk():
+    rng = np.random.default_rng(24)
+    x = rng.standard_normal(200_000).astype(np.float32)
+    x[5] = np.nan
+    x[70_000:70_010] = np.inf
+    x[140_000 : 140_000 + (1 << 15)] = -np.inf  # a whole chunk of -inf and part of the next
+    x[-1] = np.nan
+    obs = HistogramObserver()
+    obs.update(x)
+    finite = x[np.isfinite(x)]
+    counts, sum_t = _bit_statistics(finite)
+    assert obs.nonfinite == x.size - finite.size
+    assert (obs.min, obs.max) == (float(finite.min()), float(finite.max()))
+    np.testing.assert_array_equal(obs.counts, counts)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    x64 = finite.astype(np.float64)
+    expected = (float(np.sum(x64[x64 > 0] ** 2)), float(np.sum(x64[x64 < 0] ** 2)))
+    np.testing.assert_allclose(obs.square_sums, expected, rtol=1e-12, atol=0)
+
+
+def test_queries_release_the_staging_array_and_updates_continue_exactly():
+    x = _data("normal", 200_000, 25)
+    obs = HistogramObserver()
+    seen = []
+    for part in np.array_split(x, 4):
+        obs.update(part)
+        seen.append(part)
+        assert obs._stage is not None  # large batches are binned at once, into the stage
+        counts, sum_t = _bit_statistics(np.concatenate(seen))
+        np.testing.assert_array_equal(obs.counts, counts)  # a query: flush
+        np.testing.assert_array_equal(obs.offset_sums, sum_t)
+        assert obs._stage is None
+    keys, n, _ = obs.nonzero_buckets()
+    assert keys.size == np.count_nonzero(counts) and not n.flags.writeable
+    assert obs.minmse_position() == oracle_minmse(x)
