@@ -26,9 +26,10 @@ sample dropped, so ``y_q``/``y_f`` are never held for all samples; between layer
 keeps at most the budget (int8 codes where the quantized model has them) and recomputes the rest
 from its checkpoint. The float replay stays float32: storing it in float16 between segments cost
 MobileNetV2 a point of top-1 (0.772 -> 0.762 on 500 val images). With 32 samples the stage adds
-about 25-40 MB (SqueezeNet 1.1) and 45-60 MB (MobileNetV2) of peak memory, down from 210 and
-410 MB when both replays kept every live tensor of every sample, in about the same time (the
-reruns cost about what the smaller memory traffic saves).
+about 30 MB (SqueezeNet 1.1) and 35-65 MB (MobileNetV2) of peak memory, down from 210 and 410 MB
+when both replays kept every live tensor of every sample; it takes about 1.2-1.5x as long (reruns,
+and the page faults of memory returned to the system: 2.3 s instead of 1.5-1.8 s on
+MobileNetV2). A larger :data:`REPLAY_BUDGET` trades memory back for time.
 
 Saturation: a corrected bias that leaves the int8 range at ``p_b`` is clipped, and counted in the
 report. A layer without a bias is skipped and reported: adding one would need a new position
