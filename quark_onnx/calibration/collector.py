@@ -20,6 +20,15 @@ Batches are streamed: each feed is validated, run and folded into constant-size 
 dropped. When every input's axis 0 is the same named dynamic dimension and every tensor read
 carries it on axis 0, up to ``max_batch`` samples from consecutive feeds are concatenated into one
 run. The next run overlaps the observer updates of the previous one (onnxruntime releases the GIL).
+The outputs are onnxruntime's own buffers: each is dropped as soon as it is folded, so the next run
+can reuse its memory. Histogram updates are split between two threads (numpy releases the GIL in
+its conversions and reductions, not in the scatter ``np.add.at``); each observer is folded by one
+thread in batch order, so the statistics are exactly those of one thread.
+
+Cost (2 cores, SqueezeNet, ~2.9 M activation values per sample): a min/max observer ~0.3 ns per
+value; the histogram ~5 ns per value, of which the scatter is ~3 ns (``np.add.at``, holding the
+GIL: the floor of an exact per-value histogram in numpy), conversions, sums of squares and
+min/max the rest.
 """
 
 from __future__ import annotations
