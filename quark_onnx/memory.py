@@ -25,6 +25,13 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
+try:
+    import os as _os
+
+    _PAGE_SIZE = _os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+    _PAGE_SIZE = 4096
+
 
 @functools.lru_cache(maxsize=1)
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -57,6 +64,30 @@ def release_freed_memory() -> bool:
         logger.debug("malloc_trim failed: %s", exc)
         return False
     return True
+
+
+def resident_mb() -> float | None:
+    """The process's resident set size now, in MiB (Linux ``/proc/self/statm``), else None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * _PAGE_SIZE / 2**20
+
+
+def release_freed_memory_above(limit_mb: float | None) -> bool:
+    """:func:`release_freed_memory` only while the resident set is above ``limit_mb``.
+
+    Trimming has a cost beyond its ~5 ms: pages handed back are faulted in again by the next
+    allocation. A loop that frees and reallocates (a replay that runs one layer after another)
+    trims only when what it holds has grown past its allowance. ``None`` (RSS unknown) trims.
+    """
+    if limit_mb is not None:
+        now = resident_mb()
+        if now is not None and now <= limit_mb:
+            return False
+    return release_freed_memory()
 
 
 def peak_rss_mb() -> float | None:

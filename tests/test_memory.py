@@ -51,3 +51,16 @@ def test_peak_rss_is_a_high_water_mark_in_mib() -> None:
     assert now >= peak
     assert now >= _rss_mb() - 1.0  # the block counts
     del block
+
+
+@pytest.mark.skipif(memory.resident_mb() is None, reason="no /proc/self/statm")
+def test_release_above_a_limit_trims_only_past_it(monkeypatch) -> None:
+    now = memory.resident_mb()
+    assert abs(now - _rss_mb()) < 5.0  # statm and status agree
+    calls = []
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: calls.append(1) or True)
+    assert memory.release_freed_memory_above(now + 1000.0) is False
+    assert calls == []
+    assert memory.release_freed_memory_above(now - 1.0) is True
+    assert memory.release_freed_memory_above(None) is True
+    assert calls == [1, 1]

@@ -14,12 +14,14 @@ one); a value added to a tensor (:meth:`Replay.add_to`) is added again whenever 
 Memory: live ``DequantizeLinear`` outputs with a power-of-two scale are kept as their integer
 codes (exact, 4x smaller for int8); under a budget, new segments are also split after their last
 ``QuantizeLinear`` so a checkpoint can hold int8 codes instead of a float convolution output.
-Sessions run without onnxruntime's memory arena and glibc's free pages are returned after each
-request (:func:`release_freed_memory`): without both, freed buffers stayed resident (~+90/+120 MB
-on MobileNetV2). Values are bit-identical whatever the budget: a rerun uses the first run's
-session, dequantizing power-of-two codes is exact, and the extra split lies between a
-``QuantizeLinear`` and its ``DequantizeLinear``, which no optimization fuses while Q/DQ fusions
-are off (checked: the XINT8 models of digits_cnn, SqueezeNet and MobileNetV2 are byte-identical).
+Sessions run without onnxruntime's memory arena, and glibc's free pages are returned after a
+request once the process holds more than :data:`TRIM_SLACK_MB` over the replay's start
+(:func:`quark_onnx.memory.release_freed_memory_above`): without both, freed buffers stayed
+resident (~+90/+120 MB on MobileNetV2). Values are bit-identical whatever the budget: a rerun
+uses the first run's session, dequantizing power-of-two codes is exact, and the extra split lies
+between a ``QuantizeLinear`` and its ``DequantizeLinear``, which no optimization fuses while Q/DQ
+fusions are off (checked: the XINT8 models of digits_cnn, SqueezeNet and MobileNetV2 are
+byte-identical).
 
 :func:`find_layers` lists the quantized Conv/ConvTranspose/Gemm nodes with their int8 weight (and
 bias) initializers and positions, and the names of their input and output in both graphs (the
@@ -36,12 +38,9 @@ MobileNetV2's quantized logits were identical on 20 calibration images.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
 import logging
 import math
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +49,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quark_onnx import memory
 from quark_onnx.errors import QuantizationError
 
 logger = logging.getLogger(__name__)
+
+#: Growth of the resident set (MiB) over a replay's start that is tolerated before freed heap
+#: pages are handed back (:func:`quark_onnx.memory.release_freed_memory_above`).
+TRIM_SLACK_MB = 32.0
 
 #: Op types whose weights (input 1) and bias (input 2) the accuracy stages adjust.
 LAYER_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
@@ -279,6 +283,9 @@ class Replay:
         self.label = label
         self.proto = proto
         self.memory_budget = memory_budget
+        # freed pages go back to the OS once the process holds this much more than at the start
+        now = memory.resident_mb()
+        self._trim_above = None if now is None else now + TRIM_SLACK_MB
         self.nodes = list(proto.graph.node)
         self.initializers: dict[str, onnx.TensorProto] = {
             t.name: t for t in proto.graph.initializer
@@ -432,7 +439,7 @@ class Replay:
             self.segments = [s for s in self.segments if s.start >= move_to]
             self.patches = {k: v for k, v in self.patches.items() if self.producer[k] + 1 > move_to}
         if chain:
-            release_freed_memory()
+            memory.release_freed_memory_above(self._trim_above)
 
     def add_to(self, name: str, step: np.ndarray) -> None:
         """Add ``step`` (broadcast, float32 in place) to tensor ``name`` on every sample, now and
@@ -599,28 +606,6 @@ def session_options() -> Any:
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return opts
-
-
-def release_freed_memory() -> None:
-    """Return the C heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
-
-    glibc keeps freed blocks of onnxruntime's and numpy's buffers in its heaps (one per thread);
-    after a request the replay's peak would otherwise stay resident (about +90 MB on MobileNetV2).
-    """
-    global _malloc_trim
-    if _malloc_trim is None:
-        _malloc_trim = _no_trim
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):  # musl and others: no such call
-                _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    _malloc_trim(0)
-
-
-def _no_trim(_: int) -> int:
-    return 0
-
-
-_malloc_trim: Any = None
 
 
 def ir_model_to_proto(model: ir.Model) -> onnx.ModelProto:
