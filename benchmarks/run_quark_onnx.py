@@ -3,7 +3,7 @@
 Runs in the project environment (``/work/venv`` or whichever interpreter has ``quark_onnx``
 installed). Uses only the public API::
 
-    qc = get_default_config("XINT8")   # ReLU6 -> Relu, CLE and bias correction on, AdaRound off
+    qc = get_default_config("XINT8")   # bias correction on, CLE off, AdaRound off
     ModelQuantizer(Config(global_quant_config=qc)).quantize_model(float_path, out_path, reader)
 
 with ``reader = ArrayDataReader({input_name: calib_NCHW_float32}, batch_size=1)``.
@@ -29,7 +29,7 @@ def prepare(args, spec, imported):
     import numpy as np
 
     reader = ArrayDataReader({spec.input_name: np.load(spec.calib_path)}, batch_size=1)
-    qc = get_default_config("XINT8")  # as shipped: CLE and bias correction on, AdaRound off
+    qc = get_default_config("XINT8")  # as shipped: bias correction on, CLE and AdaRound off
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     return lambda: quantizer.quantize_model(str(spec.float_path), str(args.out), reader)
 

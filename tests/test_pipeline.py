@@ -49,14 +49,6 @@ def _xint8(**changes) -> tuple[QuantizationConfig, ExtraOptions]:
     return qconfig, dataclasses.replace(qconfig.resolved_options(), **changes)
 
 
-def _xint8_without_relu6_rewrites(**changes) -> tuple[QuantizationConfig, ExtraOptions]:
-    """The XINT8 passes with ReLU6 kept as Clip and no CLE (the preset replaces ReLU6 by Relu,
-    which changes numerics on purpose, and equalizes across it)."""
-    qconfig, options = _xint8(ReplaceClip6Relu=False, **changes)
-    qconfig.include_cle = False
-    return qconfig, options
-
-
 # -- prepare_passes ----------------------------------------------------------------------------
 
 
@@ -67,8 +59,6 @@ def test_xint8_pipeline_order():
         "RemoveInferenceDropout",
         "ConvertSplitToSlice",
         "ConvertBNToConv",
-        "ReplaceClip6Relu",
-        "CrossLayerEqualization",
         "ConvertReduceMeanToGlobalAvgPool",
         "SplitLargeKernelPool",
         "ConvertSigmoidToHardSigmoid",
@@ -78,7 +68,6 @@ def test_xint8_pipeline_order():
 
 def test_every_switch_is_honoured():
     qconfig, options = _xint8(ReplaceClip6Relu=True, ConvertClipToRelu=True)
-    qconfig.include_cle = False
     assert _names(prepare_passes(qconfig, options)) == ALL_PREPARE
     for i, name in enumerate(ALL_PREPARE[2:-1], start=2):  # RemoveInferenceDropout: always on
         _, off = _xint8(**{"ReplaceClip6Relu": True, "ConvertClipToRelu": True, name: False})
@@ -200,8 +189,7 @@ def test_digits_xint8_prepare_is_float_exact():
     assert _spatial_reduce_means(model) == 3
     assert sum(n.op_type == "BatchNormalization" for n in model.graph) == 13
     ref = run_model(model, {"image": x})["logits"]
-    # numerics-changing passes off
-    qconfig, options = _xint8_without_relu6_rewrites(ConvertSigmoidToHardSigmoid=False)
+    qconfig, options = _xint8(ConvertSigmoidToHardSigmoid=False)  # numerics-changing passes off
     report = run_passes(model, prepare_passes(qconfig, options))
     ops = collections.Counter(n.op_type for n in model.graph)
     assert ops["BatchNormalization"] == 0
@@ -217,7 +205,7 @@ def test_digits_bn_folding_without_onnxsim():
     model, x, _ = _digits()
     x = x[:64]
     ref = run_model(model, {"image": x})["logits"]
-    qconfig, options = _xint8_without_relu6_rewrites(ConvertSigmoidToHardSigmoid=False)
+    qconfig, options = _xint8(ConvertSigmoidToHardSigmoid=False)
     qconfig.optimize_model = False
     report = run_passes(model, prepare_passes(qconfig, options))
     assert report.record("ConvertBNToConv").modified
@@ -233,7 +221,7 @@ def test_digits_numerics_changing_passes_are_measured():
     model, x, _ = _digits()
     x = x[:128]
     ref = run_model(model, {"image": x})["logits"]
-    qconfig, options = _xint8_without_relu6_rewrites(ConvertClipToRelu=True)
+    qconfig, options = _xint8(ConvertClipToRelu=True)
     report = run_passes(model, prepare_passes(qconfig, options), sample_feeds={"image": x})
     clip = report.record("ConvertClipToRelu").max_abs_diff["logits"]
     hard = report.record("ConvertSigmoidToHardSigmoid").max_abs_diff["logits"]
@@ -314,7 +302,7 @@ def test_zoo_light_models(name):
     model = ir.serde.deserialize_model(_zoo_with_random_weights(name))
     bns = sum(n.op_type == "BatchNormalization" for n in model.graph)
     # all float-preserving passes, without onnxsim so that ConvertBNToConv has work to do
-    qconfig, options = _xint8_without_relu6_rewrites(ConvertSigmoidToHardSigmoid=False)
+    qconfig, options = _xint8(ConvertSigmoidToHardSigmoid=False)
     qconfig.optimize_model = False
     report = _compare_after_pipeline(model, qconfig, options)
     assert report.record("ConvertBNToConv").modified == (bns > 0)
