@@ -253,7 +253,12 @@ class Replay:
     checkpoint to the tensors asked for. Without ``memory_budget`` the checkpoint always moves to
     the furthest boundary reached, so every node runs once. With one, it moves to the furthest
     boundary whose live tensors (all samples) fit in ``memory_budget`` bytes; the segments after it
-    are run again by later requests (their sessions are kept), trading time for memory. New
+    are run again by later requests (their sessions are kept), trading time for memory. The trade
+    is bounded: once the nodes run so far exceed ``1 + rerun_allowance`` times the distinct nodes
+    reached (a model whose live tensors never fit, e.g. ResNet-50 at 224x224, would otherwise rerun
+    its whole prefix for every request: quadratic), a request that finds no boundary within budget
+    moves the checkpoint anyway, to the boundary of the second half of its run with the smallest
+    live state. New
     segments are then also split after their last ``QuantizeLinear`` so a boundary exists where
     the live state is integer codes.
 
@@ -269,6 +274,8 @@ class Replay:
         label: used in error messages.
         memory_budget: bytes the checkpoint's live tensors may take over all samples (the
             samples themselves are the caller's and not counted); None: no limit, no recompute.
+        rerun_allowance: node runs beyond one pass allowed, as a fraction of one pass, before
+            the checkpoint moves past the budget; None: never past it.
     """
 
     def __init__(
@@ -277,12 +284,15 @@ class Replay:
         samples: Sequence[dict[str, np.ndarray]],
         label: str,
         memory_budget: int | None = None,
+        rerun_allowance: float | None = 1.0,
     ) -> None:
         if not samples:
             raise QuantizationError(f"{label}: no samples to replay the model on")
         self.label = label
         self.proto = proto
         self.memory_budget = memory_budget
+        self.rerun_allowance = rerun_allowance
+        self._nodes_run = 0  # node executions per sample, reruns included
         # freed pages go back to the OS once the process holds this much more than at the start
         now = memory.resident_mb()
         self._trim_above = None if now is None else now + TRIM_SLACK_MB
@@ -406,6 +416,8 @@ class Replay:
                 f"{self.label}: tensor {lost[0]!r} is no longer kept; ask for tensors in graph "
                 "order"
             )
+        if chain:
+            self._nodes_run += chain[-1].end - chain[0].start
         wanted = set(names)  # and the codes a wanted tensor may be kept as
         wanted.update(self.coded[n].codes for n in names if n in self.coded)
         old = self.env
@@ -497,14 +509,23 @@ class Replay:
         return out
 
     def _choose_checkpoint(self, stored: dict[int, dict[str, np.ndarray]]) -> int:
-        """The furthest boundary whose live tensors, times the samples, fit the budget."""
+        """The furthest boundary whose live tensors, times the samples, fit the budget; past the
+        rerun allowance (class doc), the smallest state in the second half of the run."""
         assert self.memory_budget is not None
+        sizes = {
+            boundary: sum(a.nbytes for k, a in tensors.items() if k not in self.graph_inputs)
+            for boundary, tensors in stored.items()
+        }
         best = self.checkpoint
-        for boundary, tensors in stored.items():
-            size = sum(a.nbytes for k, a in tensors.items() if k not in self.graph_inputs)
+        for boundary, size in sizes.items():
             if size * self.num_samples <= self.memory_budget and boundary > best:
                 best = boundary
-        return best
+        if best != self.checkpoint or not sizes or self.rerun_allowance is None:
+            return best
+        if self._nodes_run <= (1.0 + self.rerun_allowance) * self.cursor:
+            return best
+        half = (self.checkpoint + max(sizes)) / 2
+        return min((b for b in sizes if b >= half), key=lambda b: (sizes[b], -b))
 
     def _extend(self, end: int, wanted: set[str]) -> None:
         """New segments over nodes ``[cursor, end)``."""

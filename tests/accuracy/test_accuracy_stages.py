@@ -503,6 +503,24 @@ def test_replay_budget_moves_the_checkpoint_only_where_the_state_fits():
     assert replay.checkpoint == 1 and set(replay.env) == {"xq"}
 
 
+def test_replay_moves_past_the_budget_once_reruns_exceed_the_allowance():
+    rng = np.random.default_rng(17)
+    proto = _qdq_chain()
+    samples = _samples(rng, 3)
+    names = ["c0", "r0", "rd", "c1", "y"]  # one request per tensor, in graph order
+    free = Replay(proto, samples, "test")
+    expected = [free.get([n])[0] for n in names]
+    for allowance, moves in ((None, False), (0.0, True)):
+        replay = Replay(proto, samples, "test", memory_budget=0, rerun_allowance=allowance)
+        for name, want in zip(names, expected, strict=True):
+            (got,) = replay.get([name])
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b)
+        # nothing fits a zero budget: only the allowance lets the checkpoint leave the input
+        assert (replay.checkpoint > 0) is moves
+        assert replay.runs > free.runs
+
+
 def test_bias_correction_is_identical_with_and_without_the_memory_budget(monkeypatch):
     import quark_onnx.accuracy.bias_correction as bc
 
