@@ -127,6 +127,7 @@ class ModelQuantizer:
             model=proto,
             keep=self._samples_to_keep(),
         )
+        del proto  # only the reader's checks read it: its weight bytes need not stay resident
         sample = reader.peek() if reader is not None else None
         with _stage(report, "prepare"):
             report.passes = self._prepare(model, sample)
