@@ -150,10 +150,6 @@ def logits(model: Any, x: np.ndarray) -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
-def top1(model: Any, x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean(np.argmax(logits(model, x), axis=1) == y))
-
-
 def fidelity(q: np.ndarray, f: np.ndarray) -> dict[str, float]:
     """How close quantized outputs ``q`` are to the float model's ``f`` (same images).
 

@@ -44,7 +44,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -370,7 +370,7 @@ class _Reader:
             scale = _const(scale_v)
             zero = _const(zero_v)
             p = self._params_from(dq, scale, zero, codes.dtype)
-            p = QuantParams(**{**p.__dict__, "codes": np.array(codes, copy=True)})
+            p = replace(p, codes=np.array(codes, copy=True))
             key = _constant_key(out, source.name or "")
             p.validate(tuple(codes.shape), key)
             folded = qparams.dequantize(codes, p)

@@ -139,10 +139,16 @@ def _finite_chunks(x: np.ndarray) -> Iterator[np.ndarray]:
         yield _finite64(flat[start : start + CHUNK])
 
 
-def _sse64(x64: np.ndarray, p: int, qtype: QuantType) -> float:
+def _errors64(x64: np.ndarray, p: int, qtype: QuantType) -> tuple[np.ndarray, np.ndarray]:
+    """``(fake_quant(x, p) - x, x * 2^p)`` in float64."""
     lo, hi = code_range(qtype)
-    q = np.clip(np.rint(x64 * math.ldexp(1.0, int(p))), lo, hi)
-    return float(np.sum((q * math.ldexp(1.0, -int(p)) - x64) ** 2))
+    scaled = x64 * math.ldexp(1.0, int(p))
+    return np.clip(np.rint(scaled), lo, hi) * math.ldexp(1.0, -int(p)) - x64, scaled
+
+
+def _sse64(x64: np.ndarray, p: int, qtype: QuantType) -> float:
+    err, _ = _errors64(x64, p, qtype)
+    return float(np.sum(err * err))
 
 
 def sse(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> float:
@@ -289,8 +295,7 @@ def _sse_and_clip64(x64: np.ndarray, p: int, qtype: QuantType) -> tuple[float, f
     summation rounding from deciding a near-tie differently from the exhaustive search).
     """
     lo, hi = code_range(qtype)
-    scaled = x64 * math.ldexp(1.0, int(p))
-    err = np.clip(np.rint(scaled), lo, hi) * math.ldexp(1.0, -int(p)) - x64
+    err, scaled = _errors64(x64, p, qtype)
     err *= err
     beyond = (scaled > hi) | (scaled < lo)
     return float(np.sum(err)), float(np.sum(err, where=beyond))

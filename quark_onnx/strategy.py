@@ -37,6 +37,7 @@ for them and no calibration data (reader) is required.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -138,15 +139,7 @@ def weight_params(spec: TensorSpec, w: np.ndarray, scale_bits: int = 0) -> Quant
 
 
 def _with_codes(params: QuantParams, w: np.ndarray) -> QuantParams:
-    return QuantParams(
-        qtype=params.qtype,
-        scale=params.scale,
-        zero_point=params.zero_point,
-        axis=params.axis,
-        block_size=params.block_size,
-        symmetric=params.symmetric,
-        codes=qparams.quantize(w, params),
-    )
+    return dataclasses.replace(params, codes=qparams.quantize(w, params))
 
 
 def accumulator_bias_params(
