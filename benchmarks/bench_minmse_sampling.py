@@ -58,9 +58,7 @@ def position(values: np.ndarray, window: range | None = None) -> int:
     from quark_onnx import pof2
 
     if window is None:
-        if values.size > pof2.CHUNK:
-            return pof2._minmse_position_chunked(values, pof2.QuantType.QInt8)
-        return pof2.minmse_position(values)
+        return pof2.minmse_position(values)  # reads big arrays in pieces itself
     return pof2.best_position(window, [pof2.sse(values, p) for p in window])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_peak_rss_is_a_high_water_mark_in_mib() -> None:
     now = memory.peak_rss_mb()
     assert now >= peak
     assert now >= _rss_mb() - 1.0  # the block counts
+    total_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    assert now < total_mib  # MiB, not KiB
     del block
 
 
