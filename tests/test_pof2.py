@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 
 import numpy as np
 import onnx
@@ -237,3 +238,33 @@ def test_pof2_does_not_import_the_calibration_package():
     code = "import sys, quark_onnx.pof2; print('quark_onnx.calibration' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_minmse_in_pieces_equals_the_whole_array_argmin(monkeypatch):
+    monkeypatch.setattr(pof2, "CHUNK", 97)  # many pieces, the last one short
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        x = rng.standard_t(1.5 + trial % 4, size=1000) * 10 ** rng.uniform(-2, 2)
+        x[rng.integers(0, x.size, 3)] = [np.nan, np.inf, 0.0]  # ignored / zero
+        finite = x[np.isfinite(x)]
+        p_no = pof2.weight_position(finite, "NonOverflow")
+        errors = {
+            q: float(np.sum((oracle(finite, q) - finite) ** 2))
+            for q in range(p_no, pof2.POSITION_MAX + 1)
+        }
+        best = min(errors.values())
+        expected = [q for q, e in errors.items() if e <= best * (1 + 1e-12)]
+        assert pof2.minmse_position(x) in expected
+
+
+def test_minmse_never_copies_a_large_weight_whole():
+    x = np.random.default_rng(6).standard_normal(2_000_000).astype(np.float32)
+    tracemalloc.start()
+    try:
+        pof2.minmse_position(x)
+        pof2.error_function(x)(pof2.minmse_position(x))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # one float64 copy of the whole array is 16 MB; a few float64 pieces are alive at a time
+    assert peak < 6 * pof2.CHUNK * 8 < x.size * 8
