@@ -25,13 +25,19 @@ both models, its channel sums accumulated (:func:`channel_sums`, both halves in 
 sample dropped, so ``y_q``/``y_f`` are never held for all samples; between layers each replay
 keeps at most the budget (int8 codes where the quantized model has them) and recomputes the rest
 from its checkpoint. The float replay stays float32: storing it in float16 between segments cost
-MobileNetV2 a point of top-1 (0.772 -> 0.762 on 500 val images). With 32 samples the stage adds
-about 30 MB (SqueezeNet 1.1) and 35-65 MB (MobileNetV2) of peak memory, down from 210 and 410 MB
-when both replays kept every live tensor of every sample; it takes about 1.2-1.5x as long (reruns,
-and the page faults of memory returned to the system: 2.3 s instead of 1.5-1.8 s on
-MobileNetV2). A larger :data:`REPLAY_BUDGET` trades memory back for time. Where no boundary
-fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the recomputation to
-about one extra pass: 8.7 s instead of 50 s for ResNet-50 with random weights.
+MobileNetV2 a point of top-1 (0.772 -> 0.762 on 500 val images). Peak resident memory of the
+stage with 32 samples (whole XINT8 run, 2 cores, over the resident set before it): SqueezeNet 1.1
++45 MB (237 -> 282), MobileNetV2 +91 MB (277 -> 368), down from +50-80 and +150 MB when the
+segments' sessions allocated straight from glibc, whose heap they fragmented
+(:mod:`~.layerwise`), and from 210 and 410 MB when both replays kept every live tensor of every
+sample. On MobileNetV2 the +91 MB are about: the float replay's checkpoint, up to 37 MB (past
+the budget, where the rerun allowance moves it to a 96x56x56 float32 state), the quantized one's
+up to 14 MB of int8 codes, one sample's tensors along both replays' segments (15-25 MB at
+112x112), and the live sessions and the quantized model's proto (~5 MB). The stage takes about
+1.2-1.5x a single walk (reruns): 2.6-2.9 s on MobileNetV2 with or without the shared arena
+(medians of alternate runs). A larger :data:`REPLAY_BUDGET` trades memory back for time. Where
+no boundary fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the
+recomputation to about one extra pass: 8.7 s instead of 50 s for ResNet-50 with random weights.
 
 Saturation: a corrected bias that leaves the int8 range at ``p_b`` is clipped, and counted in the
 report. A layer without a bias is skipped and reported: adding one would need a new position
@@ -171,7 +177,36 @@ def correct_bias(
         memory_budget=REPLAY_BUDGET,
     )
     flt = Replay(prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET)
-    half = len(samples) // 2
+    try:
+        per_layer = _correct_layers(layers, skipped, quant, flt, len(samples) // 2, summary)
+    finally:
+        # the arena regions and heap pages of both replays go back before the next stage
+        quant.close()
+        flt.close()
+    summary["per_layer"] = per_layer
+    summary["skipped"] = skipped
+    summary["samples"] = len(samples)
+    summary["segment_runs"] = quant.runs + flt.runs
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    logger.info(
+        "bias correction: %d layer(s), %d channel(s) changed, %d saturated, %d skipped",
+        summary["layers"],
+        summary["changed_channels"],
+        summary["saturated"],
+        len(skipped),
+    )
+    return summary
+
+
+def _correct_layers(
+    layers: list[Layer],
+    skipped: list[dict[str, Any]],
+    quant: Replay,
+    flt: Replay,
+    half: int,
+    summary: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The per-layer walk of :func:`correct_bias`; returns the per-layer report."""
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
         for layer in layers:
@@ -249,16 +284,4 @@ def correct_bias(
             # added to the layer's float32 output (kept or recomputed): later layers see the
             # corrected prefix
             quant.add_to(layer.output, applied.reshape(shape).astype(np.float32))
-    summary["per_layer"] = per_layer
-    summary["skipped"] = skipped
-    summary["samples"] = len(samples)
-    summary["segment_runs"] = quant.runs + flt.runs
-    summary["seconds"] = round(time.perf_counter() - start, 3)
-    logger.info(
-        "bias correction: %d layer(s), %d channel(s) changed, %d saturated, %d skipped",
-        summary["layers"],
-        summary["changed_channels"],
-        summary["saturated"],
-        len(skipped),
-    )
-    return summary
+    return per_layer
