@@ -149,3 +149,34 @@ def test_zoo_light_models_quantize_ready(name, tmp_path):
     assert verdict.ready, verdict.summary()
     for finding in verdict.warnings:
         assert finding.rule == "unsupported_op" and finding.node
+
+
+def test_the_ir_does_not_import_sympy_and_quantization_never_imports_torch(tmp_path):
+    # onnx-ir from 0.2 on imports sympy at import time (34 MB resident): the pin keeps it out.
+    # (onnxsim imports sympy when it happens to be installed; no dependency of ours installs it.)
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+import numpy as np
+import onnx_ir
+import quark_onnx.quantizer
+print("sympy" in sys.modules)
+from onnx import TensorProto, helper, numpy_helper, save
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32) / 9, "w")
+conv = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])
+graph = helper.make_graph(
+    [conv], "g",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w])
+opset = [helper.make_opsetid("", 17)]
+save(helper.make_model(graph, opset_imports=opset, ir_version=8), r"{tmp_path}/m.onnx")
+data = ArrayDataReader({{"x": np.random.default_rng(0).random((4, 3, 8, 8), np.float32)}})
+q = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
+q.quantize_model(r"{tmp_path}/m.onnx", r"{tmp_path}/q.onnx", data)
+print("torch" in sys.modules, len(q.report.timings) > 0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
