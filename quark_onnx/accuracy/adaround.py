@@ -351,87 +351,83 @@ def adaround(
     used = list(samples[: settings.NumBatches] if settings.NumBatches else samples)
     layers, skipped = find_layers(model, tensor_names(prepared))
     float_weights = {t.name: t for t in prepared.graph.initializer}
-    quant = Replay(ir_model_to_proto(model), used, "AdaRound (quantized model)")
-    flt = Replay(prepared, used, "AdaRound (float model)")
     per_layer: list[dict[str, Any]] = []
-    try:
-        with Progress(len(layers), desc="AdaRound", unit="layers", logger=logger) as progress:
-            for layer in layers:
-                progress.update()
-                w_name = _float_weight_name(layer)
-                if layer.weight_codes.dtype != np.int8 or w_name not in float_weights:
-                    skipped.append({"node": layer.name, "reason": "no float int8-quantized weight"})
-                    continue
-                w_float = onnx.numpy_helper.to_array(float_weights[w_name]).astype(np.float32)
-                bias = _dequantized_bias(layer, w_float)
-                (xs,) = quant.get([layer.input])
-                (ts,) = flt.get([layer.float_output])
-                t0 = time.perf_counter()
-                fit_x, check_x = held_out_split(xs)
-                fit_t, check_t = held_out_split(ts)
-                stats = _statistics(layer, w_float, bias, fit_x, fit_t)
-                held = _statistics(layer, w_float, bias, check_x, check_t) if check_x else None
-                if stats is None:
-                    skipped.append(
-                        {"node": layer.name, "reason": f"unsupported {layer.op_type} form"}
-                    )
-                    continue
-                wg, gram, cross, const, how = stats
-                diag = np.mean(np.diagonal(gram, axis1=1, axis2=2), axis=1)
-                mu = DAMPING * np.maximum(diag, 1e-12)
-                gram = gram + mu[:, None, None] * np.eye(gram.shape[1])[None]
-                cross = cross + mu[:, None, None] * np.swapaxes(wg, 1, 2)
-                const = const + float(np.sum(mu[:, None, None] * wg * wg))
-                stat_seconds = time.perf_counter() - t0
-                result = learn_rounding(
-                    wg,
-                    layer.weight_position,
-                    gram,
-                    cross,
-                    const,
-                    iterations=settings.NumIterations,
-                    learning_rate=settings.LearningRate,
-                    time_budget=settings.TimeBudgetPerLayer,
+    # closing the replays hands their arena regions and heap pages back before the next stage
+    with (
+        Replay(ir_model_to_proto(model), used, "AdaRound (quantized model)") as quant,
+        Replay(prepared, used, "AdaRound (float model)") as flt,
+        Progress(len(layers), desc="AdaRound", unit="layers", logger=logger) as progress,
+    ):
+        for layer in layers:
+            progress.update()
+            w_name = _float_weight_name(layer)
+            if layer.weight_codes.dtype != np.int8 or w_name not in float_weights:
+                skipped.append({"node": layer.name, "reason": "no float int8-quantized weight"})
+                continue
+            w_float = onnx.numpy_helper.to_array(float_weights[w_name]).astype(np.float32)
+            bias = _dequantized_bias(layer, w_float)
+            (xs,) = quant.get([layer.input])
+            (ts,) = flt.get([layer.float_output])
+            t0 = time.perf_counter()
+            fit_x, check_x = held_out_split(xs)
+            fit_t, check_t = held_out_split(ts)
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t)
+            held = _statistics(layer, w_float, bias, check_x, check_t) if check_x else None
+            if stats is None:
+                skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
+                continue
+            wg, gram, cross, const, how = stats
+            diag = np.mean(np.diagonal(gram, axis1=1, axis2=2), axis=1)
+            mu = DAMPING * np.maximum(diag, 1e-12)
+            gram = gram + mu[:, None, None] * np.eye(gram.shape[1])[None]
+            cross = cross + mu[:, None, None] * np.swapaxes(wg, 1, 2)
+            const = const + float(np.sum(mu[:, None, None] * wg * wg))
+            stat_seconds = time.perf_counter() - t0
+            result = learn_rounding(
+                wg,
+                layer.weight_position,
+                gram,
+                cross,
+                const,
+                iterations=settings.NumIterations,
+                learning_rate=settings.LearningRate,
+                time_budget=settings.TimeBudgetPerLayer,
+            )
+            held_out = None
+            if held is not None and result.accepted:
+                # judged on samples the rounding was not fitted on (undamped
+                # reconstruction error)
+                _, h_gram, h_cross, h_const, _ = held
+                step = math.ldexp(1.0, -layer.weight_position)
+                nearest = np.clip(np.rint(wg / step), -128, 127) * step
+                held_out = (
+                    _quadratic_loss(nearest, h_gram, h_cross, h_const),
+                    _quadratic_loss(result.codes * step, h_gram, h_cross, h_const),
                 )
-                held_out = None
-                if held is not None and result.accepted:
-                    # judged on samples the rounding was not fitted on (undamped
-                    # reconstruction error)
-                    _, h_gram, h_cross, h_const, _ = held
-                    step = math.ldexp(1.0, -layer.weight_position)
-                    nearest = np.clip(np.rint(wg / step), -128, 127) * step
-                    held_out = (
-                        _quadratic_loss(nearest, h_gram, h_cross, h_const),
-                        _quadratic_loss(result.codes * step, h_gram, h_cross, h_const),
-                    )
-                    result.accepted = held_out[1] < held_out[0]
-                    if not result.accepted:
-                        result.codes = np.clip(np.rint(wg / step), -128, 127).astype(np.int8)
-                codes = _ungroup(result.codes, how)
-                changed = int(np.count_nonzero(codes != layer.weight_codes))
-                if result.accepted and changed:
-                    set_codes(layer.weight, codes)
-                    quant.set_initializer(layer.weight.name or "", codes)
-                summary["layers"] += 1
-                summary["accepted"] += int(result.accepted)
-                per_layer.append(
-                    {
-                        "node": layer.name,
-                        "loss_nearest": result.loss_nearest,
-                        "loss_learned": result.loss_learned,
-                        "accepted": result.accepted,
-                        "changed_codes": changed if result.accepted else 0,
-                        "held_out_loss_nearest": None if held_out is None else held_out[0],
-                        "held_out_loss_learned": None if held_out is None else held_out[1],
-                        "iterations": result.iterations,
-                        "seconds": round(result.seconds + stat_seconds, 3),
-                    }
-                )
-                logger.debug("AdaRound %s: %s", layer.name, per_layer[-1])
-    finally:
-        # the arena regions and heap pages of both replays go back before the next stage
-        quant.close()
-        flt.close()
+                result.accepted = held_out[1] < held_out[0]
+                if not result.accepted:
+                    result.codes = np.clip(np.rint(wg / step), -128, 127).astype(np.int8)
+            codes = _ungroup(result.codes, how)
+            changed = int(np.count_nonzero(codes != layer.weight_codes))
+            if result.accepted and changed:
+                set_codes(layer.weight, codes)
+                quant.set_initializer(layer.weight.name or "", codes)
+            summary["layers"] += 1
+            summary["accepted"] += int(result.accepted)
+            per_layer.append(
+                {
+                    "node": layer.name,
+                    "loss_nearest": result.loss_nearest,
+                    "loss_learned": result.loss_learned,
+                    "accepted": result.accepted,
+                    "changed_codes": changed if result.accepted else 0,
+                    "held_out_loss_nearest": None if held_out is None else held_out[0],
+                    "held_out_loss_learned": None if held_out is None else held_out[1],
+                    "iterations": result.iterations,
+                    "seconds": round(result.seconds + stat_seconds, 3),
+                }
+            )
+            logger.debug("AdaRound %s: %s", layer.name, per_layer[-1])
     summary["per_layer"] = per_layer
     summary["skipped"] = skipped
     summary["samples"] = len(used)

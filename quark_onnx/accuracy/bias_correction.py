@@ -170,19 +170,19 @@ def correct_bias(
         summary["skipped_reason"] = "no calibration samples kept (AccuracySamples = 0?)"
         return summary
     layers, skipped = find_layers(model, tensor_names(prepared))
-    quant = Replay(
-        ir_model_to_proto(model),
-        samples,
-        "bias correction (quantized model)",
-        memory_budget=REPLAY_BUDGET,
-    )
-    flt = Replay(prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET)
-    try:
+    # closing the replays hands their arena regions and heap pages back before the next stage
+    with (
+        Replay(
+            ir_model_to_proto(model),
+            samples,
+            "bias correction (quantized model)",
+            memory_budget=REPLAY_BUDGET,
+        ) as quant,
+        Replay(
+            prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET
+        ) as flt,
+    ):
         per_layer = _correct_layers(layers, skipped, quant, flt, len(samples) // 2, summary)
-    finally:
-        # the arena regions and heap pages of both replays go back before the next stage
-        quant.close()
-        flt.close()
     summary["per_layer"] = per_layer
     summary["skipped"] = skipped
     summary["samples"] = len(samples)

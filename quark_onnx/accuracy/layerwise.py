@@ -488,9 +488,16 @@ class Replay:
             raise QuantizationError(f"{self.label}: tensor {name!r} does not end a segment")
         self.patches[name] = step
 
+    def __enter__(self) -> Replay:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Drop the sessions and the kept tensors, and hand the memory they used back (the shared
-        arena's free regions, then glibc's free pages). The replay cannot be used afterwards."""
+        arena's free regions, then glibc's free pages). The replay cannot be used afterwards
+        (``with Replay(...) as replay:`` closes it at the end of the block)."""
         self.segments = []
         self.env = {}
         self.patches = {}

@@ -110,3 +110,16 @@ def test_close_drops_sessions_and_state():
     assert not replay.env and not replay.segments
     with pytest.raises(QuantizationError):
         replay.get(["y"])
+
+
+def test_a_with_block_closes_the_replay_also_on_error():
+    proto = _wide_conv(channels=4, size=8)
+    samples = [{"x": np.ones((1, 8, 8, 8), np.float32)}]
+    with Replay(proto, samples, "test", memory_budget=None) as replay:
+        replay.get(["c"])
+        assert replay.env
+    assert not replay.env and not replay.segments
+    with pytest.raises(RuntimeError), Replay(proto, samples, "test") as failing:
+        failing.get(["c"])
+        raise RuntimeError("stage failed")
+    assert not failing.env and not failing.segments
