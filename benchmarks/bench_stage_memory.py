@@ -1,0 +1,132 @@
+"""Peak resident memory of each quantizer stage, for one model and one calibration array.
+
+Run from the repository root::
+
+    python benchmarks/bench_stage_memory.py --model mobilenetv2
+    python benchmarks/bench_stage_memory.py --model path/to/model.onnx --calib path/to/calib.npy
+
+``--model`` is a shared model name (digits_cnn, squeezenet1.1, mobilenetv2) or a path; the shared
+names read the calibration arrays that ``bench_peers.py`` caches under ``benchmarks/.work/data``
+(run it once first), a path needs ``--calib`` (a ``.npy`` of samples along axis 0).
+
+A thread reads ``VmRSS`` from ``/proc/self/status`` every 3 ms and keeps the maximum per label;
+the label is the quantizer stage running (``ModelQuantizer``'s stages: load, prepare, plan,
+calibrate, positions, constraints, insert_qdq, bias_correction, finalize, check, save) or
+``after <stage>`` between stages. ``--trim`` also returns glibc's free pages after every stage (as
+the quantizer does after its large stages only), so each stage starts from what is really held.
+The XINT8 preset is quantized unless ``--preset`` names another. Linux only. The whole-process
+peak (``ru_maxrss``) is printed too: it is what ``bench_peers.py`` reports.
+
+This is a measurement, not a test; numbers move by a few MB between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import resource
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / ".work" / "data"
+SHARED = ROOT.parent / "shared" / "models"
+SHARED_MODELS = {
+    "digits_cnn": ("digits_cnn.onnx", "digits_cnn_calib.npy"),
+    "squeezenet1.1": ("squeezenet1.1.onnx", "squeezenet1.1_calib.npy"),
+    "mobilenetv2": ("mobilenetv2_rebuilt.onnx", "mobilenetv2_calib.npy"),
+}
+
+
+def resident_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class StageSampler:
+    """Maximum resident set per label, sampled by a daemon thread."""
+
+    def __init__(self, period: float = 0.003) -> None:
+        self.label = "imports"
+        self.peaks: dict[str, float] = {}
+        self._period = period
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            label, now = self.label, resident_mb()
+            self.peaks[label] = max(self.peaks.get(label, 0.0), now)
+            time.sleep(self._period)
+
+    def mark(self, label: str) -> None:
+        self.label = label
+        time.sleep(2 * self._period)  # the label's first sample is taken before work starts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="mobilenetv2")
+    parser.add_argument("--calib", help="a .npy of calibration samples (axis 0)")
+    parser.add_argument("--preset", default="XINT8")
+    parser.add_argument("--trim", action="store_true", help="trim the heap after every stage")
+    args = parser.parse_args(argv)
+
+    sampler = StageSampler()
+    import onnx
+
+    import quark_onnx.quantizer as quantizer_module
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+    from quark_onnx.memory import release_freed_memory
+
+    if args.model in SHARED_MODELS:
+        model_file, calib_file = SHARED_MODELS[args.model]
+        model_path, calib_path = SHARED / model_file, Path(args.calib or DATA / calib_file)
+    else:
+        if not args.calib:
+            parser.error("--calib is needed with a model path")
+        model_path, calib_path = Path(args.model), Path(args.calib)
+    if not calib_path.exists():
+        parser.error(f"{calib_path}: missing (python benchmarks/bench_peers.py caches it)")
+
+    original_stage = quantizer_module._stage
+
+    @contextlib.contextmanager
+    def labelled_stage(report, name: str) -> Iterator[None]:
+        sampler.mark(name)
+        with original_stage(report, name):
+            yield
+        if args.trim:
+            release_freed_memory()
+        sampler.mark(f"after {name}")
+
+    quantizer_module._stage = labelled_stage
+    sampler.mark("calibration array")
+    samples = np.load(calib_path)
+    input_name = onnx.load(str(model_path), load_external_data=False).graph.input[0].name
+    reader = ArrayDataReader({input_name: samples}, batch_size=1)
+    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config(args.preset)))
+    with tempfile.TemporaryDirectory() as tmp:
+        quantizer.quantize_model(str(model_path), Path(tmp) / "out.onnx", reader)
+    sampler.mark("end")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{model_path.name}, {args.preset}, {len(samples)} samples: process peak {peak:.0f} MB")
+    print(f"  {'stage':28s} {'peak MB':>8s} {'seconds':>8s}")
+    timings = quantizer.report.timings
+    for label, value in sampler.peaks.items():
+        seconds = timings.get(label)
+        shown = f"{seconds:8.3f}" if seconds is not None else ""
+        print(f"  {label:28s} {value:8.0f} {shown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
