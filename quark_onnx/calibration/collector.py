@@ -467,6 +467,9 @@ class Collector:
             options.add_session_config_entry("session.disable_prepacking", "1")
         with _load_errors():
             session = ort.InferenceSession(data, options, providers=self.providers)
+        # The Python session keeps the bytes only to rebuild itself after a provider fallback,
+        # which the CPU provider never needs: 14 MB for MobileNetV2 for the session's lifetime.
+        # (A private attribute: touched only when it is exactly our bytes.)
         if getattr(session, "_model_bytes", None) is data:
             session._model_bytes = None
         return session
