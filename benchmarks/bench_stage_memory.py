@@ -9,11 +9,12 @@ Run from the repository root::
 names read the calibration arrays that ``bench_peers.py`` caches under ``benchmarks/.work/data``
 (run it once first), a path needs ``--calib`` (a ``.npy`` of samples along axis 0).
 
-A thread reads ``VmRSS`` from ``/proc/self/status`` every 3 ms and keeps the maximum per label;
-the label is the quantizer stage running (``ModelQuantizer``'s stages: load, prepare, plan,
-calibrate, positions, constraints, insert_qdq, bias_correction, finalize, check, save) or
-``after <stage>`` between stages. ``--trim`` also returns glibc's free pages after every stage (as
-the quantizer does after its large stages only), so each stage starts from what is really held.
+A thread reads the resident set (``quark_onnx.memory.resident_mb``) every 3 ms and keeps the
+maximum per label; the label is the quantizer stage running (``ModelQuantizer``'s stages: load,
+prepare, plan, calibrate, positions, constraints, insert_qdq, bias_correction, finalize, check,
+save) or ``after <stage>`` between stages. ``--trim`` also returns glibc's free pages after every
+stage (as the quantizer does after its large stages only), so each stage starts from what is
+really held.
 The XINT8 preset is quantized unless ``--preset`` names another. Linux only. The whole-process
 peak (``ru_maxrss``) is printed too: it is what ``bench_peers.py`` reports.
 
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quark_onnx.memory import resident_mb
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / ".work" / "data"
 SHARED = ROOT.parent / "shared" / "models"
@@ -42,14 +45,6 @@ SHARED_MODELS = {
     "squeezenet1.1": ("squeezenet1.1.onnx", "squeezenet1.1_calib.npy"),
     "mobilenetv2": ("mobilenetv2_rebuilt.onnx", "mobilenetv2_calib.npy"),
 }
-
-
-def resident_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 class StageSampler:
@@ -64,7 +59,8 @@ class StageSampler:
     def _sample(self) -> None:
         while True:
             label, now = self.label, resident_mb()
-            self.peaks[label] = max(self.peaks.get(label, 0.0), now)
+            if now is not None:
+                self.peaks[label] = max(self.peaks.get(label, 0.0), now)
             time.sleep(self._period)
 
     def mark(self, label: str) -> None:

@@ -20,17 +20,13 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-try:
-    import os as _os
-
-    _PAGE_SIZE = _os.sysconf("SC_PAGE_SIZE")
-except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-    _PAGE_SIZE = 4096
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @functools.lru_cache(maxsize=1)

@@ -45,12 +45,12 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from google.protobuf.message import DecodeError, EncodeError
+from google.protobuf.message import DecodeError, EncodeError, Message
 
 from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
 
@@ -740,8 +740,8 @@ def _is_repeated(field) -> bool:
     return bool(repeated) if repeated is not None else field.label == field.LABEL_REPEATED
 
 
-def _copy_fields(src, dst, skip: set[str]) -> None:
-    """Copy every set field of ``src`` except ``skip`` into ``dst`` (same message type)."""
+def copy_fields(src: Message, dst: Message, skip: Collection[str]) -> None:
+    """Copy every set field of protobuf message ``src`` except ``skip`` into ``dst`` (same type)."""
     for field, value in src.ListFields():
         if field.name in skip:
             continue
@@ -810,12 +810,12 @@ class _DataWriter:
             length = os.fstat(handle.fileno()).st_size - offset
         if length < EXTERNAL_THRESHOLD:
             inline = onnx.TensorProto()
-            _copy_fields(tensor, inline, {"external_data", "data_location"})
+            copy_fields(tensor, inline, {"external_data", "data_location"})
             handle.seek(offset)
             inline.raw_data = handle.read(length)
             self.stub(inline, dst)
             return
-        _copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
+        copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
         self._align()
         handle.seek(offset)
         remaining = length
@@ -846,7 +846,7 @@ class _DataWriter:
                 .astype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).newbyteorder("<"))
                 .tobytes()
             )
-        _copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
+        copy_fields(tensor, dst, {"raw_data", "external_data", "data_location", *_TYPED_FIELDS})
         self._align()
         self.f.write(data)
         self._reference(dst, len(data))
@@ -854,7 +854,7 @@ class _DataWriter:
 
 def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter) -> None:
     """``dst`` = ``src`` with every large tensor (subgraphs too) written out by ``writer``."""
-    _copy_fields(src, dst, {"node", "initializer", "sparse_initializer"})
+    copy_fields(src, dst, {"node", "initializer", "sparse_initializer"})
     for tensor in src.initializer:
         writer.stub(tensor, dst.initializer.add())
     for sparse in src.sparse_initializer:
@@ -864,10 +864,10 @@ def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter)
         writer.stub(sparse.indices, new.indices)
     for node in src.node:
         new = dst.node.add()
-        _copy_fields(node, new, {"attribute"})
+        copy_fields(node, new, {"attribute"})
         for attr in node.attribute:
             a = new.attribute.add()
-            _copy_fields(attr, a, {"t", "tensors", "g", "graphs"})
+            copy_fields(attr, a, {"t", "tensors", "g", "graphs"})
             if attr.HasField("t"):
                 writer.stub(attr.t, a.t)
             for t in attr.tensors:
@@ -898,7 +898,7 @@ def _save_with_external_data(
     data_in_place = False
     try:
         header = onnx.ModelProto()
-        _copy_fields(proto, header, {"graph"})
+        copy_fields(proto, header, {"graph"})
         with os.fdopen(fd_data, "wb") as f:
             writer = _DataWriter(f, data_path.name, source)
             try:

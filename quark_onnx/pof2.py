@@ -373,7 +373,7 @@ def error_function(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> Callabl
     # positions stage). ``x`` itself (a view; memory-mapped for external weights) is converted
     # again, piece by piece, for each position asked: the solver asks a few per tensor.
     source = np.asarray(x)
-    count = _finite_stats(source)[0] if source.size > CHUNK else _finite64(source).size
+    count = _finite_stats(source)[0]
 
     @functools.cache
     def cost(p: int) -> float:

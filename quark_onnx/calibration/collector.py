@@ -70,7 +70,7 @@ import onnxruntime as ort
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
 from quark_onnx.errors import CalibrationError
 from quark_onnx.memory import release_freed_memory
-from quark_onnx.model_io import fits_in_protobuf, save_model
+from quark_onnx.model_io import copy_fields, fits_in_protobuf, save_model
 from quark_onnx.options import ExtraOptions, closest_name
 from quark_onnx.progress import Progress
 
@@ -220,27 +220,14 @@ def _inference_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     it does not read), so the inferred types and shapes are those of the whole model.
     """
     light = onnx.ModelProto()
-    _copy_fields(model, light, skip="graph")
-    _copy_fields(model.graph, light.graph, skip="initializer")
+    copy_fields(model, light, {"graph"})
+    copy_fields(model.graph, light.graph, {"initializer"})
     for t in model.graph.initializer:
         if math.prod(t.dims) <= _INFERENCE_KEEPS_VALUES:
             light.graph.initializer.add().CopyFrom(t)
         else:
             light.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
     return light
-
-
-def _copy_fields(src: Any, dst: Any, skip: str) -> None:
-    """Copy the set fields of protobuf message ``src`` into ``dst``, but field ``skip``."""
-    for field, value in src.ListFields():
-        if field.name == skip:
-            continue
-        if hasattr(value, "extend"):  # repeated
-            getattr(dst, field.name).extend(value)
-        elif hasattr(value, "CopyFrom"):  # message
-            getattr(dst, field.name).CopyFrom(value)
-        else:
-            setattr(dst, field.name, value)
 
 
 class Collector:

@@ -109,6 +109,12 @@ def _chain(batch: str | int = "N") -> onnx.ModelProto:
     )
 
 
+def _on_chain(cls: type[Collector] = Collector, names=("h", "s", "y"), **kwargs) -> Collector:
+    """A MinMSE collector of ``names`` on :func:`_chain`, one sample per run unless told."""
+    kwargs.setdefault("max_batch", 1)
+    return cls(_chain(), list(names), method=PowerOfTwoMethod.MinMSE, options=OPTS, **kwargs)
+
+
 class _Scripted(Collector):
     """A collector whose run time and fold rate are fixed, logging folds and run starts."""
 
@@ -162,18 +168,11 @@ def _events_of_batch(events: list[tuple[str, int]], batch: int) -> list[tuple[st
 )
 def test_next_run_starts_when_what_is_left_to_fold_takes_one_run(run_time, start_before):
     data = np.random.default_rng(4).standard_normal((6, 4)).astype(np.float32)
-    serial = Collector(
-        _chain(),
-        ["h", "s", "y"],
-        method=PowerOfTwoMethod.MinMSE,
-        options=OPTS,
-        max_batch=1,
-        pipeline=False,
-    ).run(ArrayDataReader({"x": data}, batch_size=1), progress=False)
-
-    c = _Scripted(
-        _chain(), ["h", "s", "y"], method=PowerOfTwoMethod.MinMSE, options=OPTS, max_batch=1
+    serial = _on_chain(pipeline=False).run(
+        ArrayDataReader({"x": data}, batch_size=1), progress=False
     )
+
+    c = _on_chain(_Scripted)
     c.run_time = run_time
     result = c.run(ArrayDataReader({"x": data}, batch_size=1), progress=False)
     assert result.to_dict() == serial.to_dict()  # same statistics wherever the run starts
@@ -192,14 +191,7 @@ def test_next_run_starts_when_what_is_left_to_fold_takes_one_run(run_time, start
 def test_fast_folds_start_the_next_run_at_once_and_parallel_folds_too():
     data = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
     for parallel in (False, True):
-        c = _Scripted(
-            _chain(),
-            ["h", "s", "y"],
-            method=PowerOfTwoMethod.MinMSE,
-            options=OPTS,
-            max_batch=1,
-            parallel=parallel,
-        )
+        c = _on_chain(_Scripted, parallel=parallel)
         c.run_time, c.rate = 1.0, 0.0  # folding costs nothing next to a run
         c.run(ArrayDataReader({"x": data}, batch_size=1), progress=False)
         for batch in (1, 2):
@@ -223,14 +215,7 @@ def test_pipelined_results_equal_serial_ones_with_batches_of_changing_size():
 
     results = []
     for pipeline in (True, False):
-        c = Collector(
-            _chain(),
-            ["x", "h", "s", "y"],
-            method=PowerOfTwoMethod.MinMSE,
-            options=OPTS,
-            max_batch=3,
-            pipeline=pipeline,
-        )
+        c = _on_chain(names=("x", "h", "s", "y"), max_batch=3, pipeline=pipeline)
         assert c.combine
         results.append(c.run(Feeds(), progress=False).to_dict())
     assert results[0] == results[1]
