@@ -555,35 +555,35 @@ class Replay:
                 raise QuantizationError(f"{self.label}: live tensor {t!r} was not kept")
         return out
 
-    def _candidates(self, sizes: dict[int, int], end: int) -> set[int]:
-        """The boundaries :meth:`_choose_checkpoint` may pick among those measured so far: the
-        furthest that fits the budget and the smallest of the second half of the run."""
+    def _furthest_fitting(self, sizes: dict[int, int]) -> int | None:
+        """The furthest boundary whose live tensors (``sizes``: bytes per sample), times the
+        samples, fit the budget; None if none does."""
         assert self.memory_budget is not None
-        out: set[int] = set()
         fits = [b for b, size in sizes.items() if size * self.num_samples <= self.memory_budget]
-        if fits:
-            out.add(max(fits))
+        return max(fits) if fits else None
+
+    def _smallest_late(self, sizes: dict[int, int], end: int) -> int | None:
+        """The boundary with the smallest state in the second half of the run ending at ``end``
+        (the later one on ties); None if none was measured there yet."""
         half = (self.checkpoint + end) / 2
         late = [b for b in sizes if b >= half]
-        if late:
-            out.add(min(late, key=lambda b: (sizes[b], -b)))
-        return out
+        return min(late, key=lambda b: (sizes[b], -b)) if late else None
+
+    def _candidates(self, sizes: dict[int, int], end: int) -> set[int]:
+        """The boundaries :meth:`_choose_checkpoint` may pick among those measured so far."""
+        picks = (self._furthest_fitting(sizes), self._smallest_late(sizes, end))
+        return {b for b in picks if b is not None}
 
     def _choose_checkpoint(self, sizes: dict[int, int], end: int) -> int:
-        """The furthest boundary whose live tensors (``sizes``: bytes per sample), times the
-        samples, fit the budget; past the rerun allowance (class doc), the smallest state in the
-        second half of the run (which ends at ``end``)."""
-        assert self.memory_budget is not None
-        best = self.checkpoint
-        for boundary, size in sizes.items():
-            if size * self.num_samples <= self.memory_budget and boundary > best:
-                best = boundary
-        if best != self.checkpoint or not sizes or self.rerun_allowance is None:
-            return best
+        """The furthest boundary that fits the budget; past the rerun allowance (class doc), the
+        smallest state in the second half of the run (which ends at ``end``)."""
+        fitting = self._furthest_fitting(sizes)
+        if fitting is not None or not sizes or self.rerun_allowance is None:
+            return self.checkpoint if fitting is None else fitting
         if self._nodes_run <= (1.0 + self.rerun_allowance) * self.cursor:
-            return best
-        half = (self.checkpoint + end) / 2
-        return min((b for b in sizes if b >= half), key=lambda b: (sizes[b], -b))
+            return self.checkpoint
+        late = self._smallest_late(sizes, end)
+        return self.checkpoint if late is None else late
 
     def _extend(self, end: int, wanted: set[str]) -> None:
         """New segments over nodes ``[cursor, end)``."""
