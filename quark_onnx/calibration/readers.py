@@ -384,12 +384,14 @@ class RandomDataReader:
 def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> CalibrationDataReader:
     """The reader calibration uses.
 
-    ``options.UseRandomData`` gives a :class:`RandomDataReader` (``RandomDataSamples`` feeds,
-    ``RandomDataSeed``, ``RandomDataReaderInputShape``, ``RandomDataReaderInputDataRange``).
+    With no ``reader``, ``options.UseRandomData`` gives a :class:`RandomDataReader`
+    (``RandomDataSamples`` feeds, ``RandomDataSeed``, ``RandomDataReaderInputShape``,
+    ``RandomDataReaderInputDataRange``). A given ``reader`` always wins over random data: real
+    samples set real ranges, and the samples the quantizer keeps for bias correction live in it.
     Otherwise ``reader`` is used: a reader object, a path to a ``.npz``/``.npy`` file, a mapping of
     stacked arrays or a list of feeds. ``None`` is an error.
     """
-    if options.UseRandomData:
+    if options.UseRandomData and reader is None:
         return RandomDataReader(
             model,
             num_samples=options.RandomDataSamples,
