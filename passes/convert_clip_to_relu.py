@@ -10,9 +10,16 @@ like the original Clip. When the value already carries a cap, the smaller one is
 A Clip with no upper bound (``hi`` absent, +inf or float32's max) is exactly a Relu; no metadata
 is written.
 
+Only a Clip that is a layer's activation is rewritten (:func:`is_layer_activation`): its input is
+produced by an op the NPU fuses an activation into (Conv, Gemm, MatMul, an Add of two computed
+tensors, a pool; BatchNormalization before it is folded). The Clip of hardswish and hardsigmoid
+(``x * Clip(x + 3, 0, 6) / 6``) reads an Add with a constant and is left alone: it bounds a gate,
+and as a Relu the product grows as ``x^2`` layer after layer until calibration sees Inf.
+
 Handled: bounds as attributes (opset < 11), as initializers or as ``Constant`` node outputs
 (opset >= 11), absent bounds (empty optional inputs). Not rewritten:
 
+* a Clip that is not a layer's activation (a graph input, an ``Add`` of a constant, ...);
 * ``lo`` absent or not exactly 0 (``Clip(-1, 1)``);
 * a bound that is not a constant (computed at run time), or not a scalar;
 * ``hi < 0`` (the Clip is then constant ``hi``, not a Relu);
@@ -28,6 +35,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from quark_onnx.npu_rules import FUSING_PRODUCERS
 from quark_onnx.passes._graph import constant_array
 from quark_onnx.passes.base import QuarkPass
 
@@ -82,6 +90,28 @@ def make_relu_in_place(node: ir.Node) -> list[ir.Value]:
     return dropped
 
 
+def is_layer_activation(node: ir.Node) -> bool:
+    """True when ``node``'s first input is produced by a layer an NPU activation fuses into.
+
+    Layers: :data:`quark_onnx.npu_rules.FUSING_PRODUCERS` and BatchNormalization (a Conv once
+    folded); an Add or Sub counts only when neither operand is a constant, because ``x + 3`` is
+    the shift inside hardswish/hardsigmoid, not a residual connection.
+    """
+    producer = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return False
+    if producer.op_type in ("Add", "Sub"):
+        return all(constant_array(v) is None for v in producer.inputs)
+    return producer.op_type in FUSING_PRODUCERS or producer.op_type == "BatchNormalization"
+
+
+def record_range_cap(value: ir.Value, hi: float) -> None:
+    """Write ``hi`` as ``value``'s range cap (the smaller one when it already has a cap)."""
+    previous = value.metadata_props.get(RANGE_MAX_KEY)
+    cap = hi if previous is None else min(hi, float(previous))
+    value.metadata_props[RANGE_MAX_KEY] = repr(float(cap))
+
+
 def remove_if_unused(graph: ir.Graph, value: ir.Value) -> None:
     """Drop an initializer or Constant node whose value nothing reads any more."""
     if value.uses() or value.is_graph_output() or value in graph.inputs:
@@ -125,14 +155,11 @@ class ConvertClipToRelu(QuarkPass):
         for node, lo, hi in float_clips(model):
             if lo is NOT_CONSTANT or hi is NOT_CONSTANT or lo is None or lo != 0.0:
                 continue
-            if hi is not None and hi < 0.0:
+            if (hi is not None and hi < 0.0) or not is_layer_activation(node):
                 continue
             replace_by_relu(node)
             if hi is not None and hi < _FLOAT32_MAX:
-                out = node.outputs[0]
-                previous = out.metadata_props.get(RANGE_MAX_KEY)
-                cap = hi if previous is None else min(hi, float(previous))
-                out.metadata_props[RANGE_MAX_KEY] = repr(float(cap))
+                record_range_cap(node.outputs[0], hi)
             logger.debug("Clip %s (0, %s) -> Relu", node.name, hi)
             count += 1
         if count:

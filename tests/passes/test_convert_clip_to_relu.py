@@ -18,13 +18,23 @@ IN = h.make_tensor_value_info("x", T.FLOAT, [2, 3, 4, 4])
 OUT = h.make_tensor_value_info("y", T.FLOAT, [2, 3, 4, 4])
 
 
+def layer() -> onnx.NodeProto:
+    """A 1x1 MaxPool (an identity) that makes the Clip after it a layer's activation."""
+    return h.make_node("MaxPool", ["x"], ["l"], kernel_shape=[1, 1])
+
+
 def clip_then_neg(lo: float | None, hi: float | None, form: str = "initializer"):
-    """``y = Neg(Clip(x, lo, hi))``: the Clip output is an inner value that can carry metadata."""
+    """``y = Neg(Clip(MaxPool1x1(x), lo, hi))``: the Clip output is an inner value that can carry
+    metadata."""
     if form == "attribute":
         attrs = {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
-        nodes = [h.make_node("Clip", ["x"], ["c"], **attrs), h.make_node("Neg", ["c"], ["y"])]
+        nodes = [
+            layer(),
+            h.make_node("Clip", ["l"], ["c"], **attrs),
+            h.make_node("Neg", ["c"], ["y"]),
+        ]
         return make_model(nodes, [IN], [OUT], opset=6)
-    nodes, inits, inputs = [], {}, ["x"]
+    nodes, inits, inputs = [layer()], {}, ["l"]
     for name, value in (("lo", lo), ("hi", hi)):
         if value is None:
             inputs.append("")
@@ -61,13 +71,13 @@ def _range_cap(proto: onnx.ModelProto, name: str) -> str | None:
 def test_clip_becomes_relu_with_range_cap(form, hi):
     result, ir_model, proto = _run_pass(clip_then_neg(0.0, hi, form))
     assert result.modified
-    assert [n.op_type for n in proto.graph.node] == ["Relu", "Neg"]
+    assert [n.op_type for n in proto.graph.node] == ["MaxPool", "Relu", "Neg"]
     assert not proto.graph.initializer
     (y,) = run_ort(proto, {"x": X})
     np.testing.assert_array_equal(y, -np.maximum(X, 0))  # the new numerics, exactly
     cap = _range_cap(proto, "c")  # survives serialization, on the Relu's output value
     assert cap is not None and float(cap) == float(np.float32(hi))
-    relu = next(iter(ir_model.graph))
+    relu = next(n for n in ir_model.graph if n.op_type == "Relu")
     assert float(relu.outputs[0].metadata_props[RANGE_MAX_KEY]) == float(np.float32(hi))
     assert ConvertClipToRelu.changes_numerics
 
@@ -108,7 +118,7 @@ def test_other_clips_are_left_alone(lo, hi, form):
 def test_runtime_bounds_are_left_alone():
     # the upper bound is a graph input, so not a constant
     model = make_model(
-        [h.make_node("Clip", ["x", "lo", "hi"], ["y"])],
+        [layer(), h.make_node("Clip", ["l", "lo", "hi"], ["y"])],
         [IN, h.make_tensor_value_info("hi", T.FLOAT, [])],
         [OUT],
         {"lo": np.array(0.0, dtype=np.float32)},
@@ -118,8 +128,9 @@ def test_runtime_bounds_are_left_alone():
     # the lower bound is computed at run time
     model = make_model(
         [
+            layer(),
             h.make_node("ReduceMin", ["x"], ["lo"], keepdims=0),
-            h.make_node("Clip", ["x", "lo", "hi"], ["y"]),
+            h.make_node("Clip", ["l", "lo", "hi"], ["y"]),
         ],
         [IN],
         [OUT],
@@ -127,3 +138,34 @@ def test_runtime_bounds_are_left_alone():
     )
     result, _, _ = _run_pass(model)
     assert not result.modified
+
+
+def test_hardswish_and_hardsigmoid_clips_are_left_alone():
+    """``x * Clip(x + 3, 0, 6) / 6``: the Clip bounds a gate; as a Relu the product would grow as
+    x^2 (calibration of deep networks then sees Inf)."""
+    nodes = [
+        layer(),
+        h.make_node("Add", ["l", "three"], ["s"]),
+        h.make_node("Clip", ["s", "lo", "hi"], ["c"]),
+        h.make_node("Mul", ["l", "c"], ["m"]),
+        h.make_node("Div", ["m", "six"], ["y"]),
+    ]
+    inits = {
+        name: np.array(v, dtype=np.float32)
+        for name, v in (("three", 3.0), ("lo", 0.0), ("hi", 6.0), ("six", 6.0))
+    }
+    result, _, proto = _run_pass(make_model(nodes, [IN], [OUT], inits))
+    assert not result.modified
+    assert "Clip" in [n.op_type for n in proto.graph.node]
+
+
+def test_residual_add_activation_is_converted():
+    """An Add of two computed tensors is a layer (residual): its Clip is an activation."""
+    nodes = [
+        layer(),
+        h.make_node("Add", ["l", "x"], ["s"]),
+        h.make_node("Clip", ["s", "lo", "hi"], ["y"]),
+    ]
+    inits = {"lo": np.array(0.0, dtype=np.float32), "hi": np.array(6.0, dtype=np.float32)}
+    result, _, _ = _run_pass(make_model(nodes, [IN], [OUT], inits))
+    assert result.modified

@@ -417,6 +417,8 @@ def test_digits_cnn_after_bn_folding_keeps_outputs_and_accuracy():
     model = ir.load(shared_path("models", "digits_cnn.onnx"))
     for prepare in (ConvertBNToConv(), ReplaceClip6Relu()):
         model = prepare(model).model
+    for node in model.graph:  # the range caps ReplaceClip6Relu keeps would block every pair
+        node.outputs[0].metadata_props.pop("quark_onnx.range_max", None)
     reference = ir.to_proto(model)
     out, cle, modified = _apply(reference, steps=-1)
     assert modified and cle.report.converged

@@ -1,4 +1,5 @@
-"""ReplaceClip6Relu: Clip(0, 6) -> Relu, whatever form the bounds take; Clip(0, 4) untouched."""
+"""ReplaceClip6Relu: a layer's Clip(0, 6) -> Relu with range cap 6, whatever form the bounds take;
+Clip(0, 4), a Clip that is no layer's activation and the Clip inside hardswish are untouched."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 from quark_onnx.passes import ReplaceClip6Relu
+from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 
 X = np.linspace(-10, 10, 2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
 IN = h.make_tensor_value_info("x", T.FLOAT, [2, 3, 4, 4])
 OUT = h.make_tensor_value_info("y", T.FLOAT, [2, 3, 4, 4])
 
 
+def layer() -> onnx.NodeProto:
+    """A 1x1 MaxPool (an identity) that makes the Clip after it a layer's activation."""
+    return h.make_node("MaxPool", ["x"], ["l"], kernel_shape=[1, 1])
+
+
 def clip_model(lo: float | None, hi: float | None, form: str) -> onnx.ModelProto:
-    """``y = Clip(x, lo, hi)`` with the bounds as attributes, initializers or Constant nodes."""
+    """``y = Clip(MaxPool1x1(x), lo, hi)`` with the bounds as attributes, initializers or Constant
+    nodes."""
     if form == "attribute":  # opset 6 Clip
         attrs = {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
-        return make_model([h.make_node("Clip", ["x"], ["y"], **attrs)], [IN], [OUT], opset=6)
-    nodes, inits, inputs = [], {}, ["x"]
+        nodes = [layer(), h.make_node("Clip", ["l"], ["y"], **attrs)]
+        return make_model(nodes, [IN], [OUT], opset=6)
+    nodes, inits, inputs = [layer()], {}, ["l"]
     for name, value in (("lo", lo), ("hi", hi)):
         if value is None:
             inputs.append("")
@@ -53,11 +62,54 @@ def test_clip6_becomes_relu(form):
     np.testing.assert_array_equal(run_ort(model, {"x": X})[0], np.clip(X, 0, 6))
     result, proto = _run_pass(model)
     assert result.modified
-    assert [n.op_type for n in proto.graph.node] == ["Relu"]  # bound constants removed too
+    assert [n.op_type for n in proto.graph.node] == ["MaxPool", "Relu"]  # bounds removed too
     assert not proto.graph.initializer
     (y,) = run_ort(proto, {"x": X})
     np.testing.assert_array_equal(y, np.maximum(X, 0))  # the new numerics, exactly
     assert ReplaceClip6Relu.changes_numerics
+
+
+def test_the_bound_is_kept_as_range_cap():
+    model = clip_model(0.0, 6.0, "initializer")
+    model.graph.node.append(h.make_node("Neg", ["y"], ["z"]))
+    model.graph.output[0].name = "z"
+    ir_model = ir.serde.deserialize_model(model)
+    assert ReplaceClip6Relu()(ir_model).modified
+    relu = next(n for n in ir_model.graph if n.op_type == "Relu")
+    assert float(relu.outputs[0].metadata_props[RANGE_MAX_KEY]) == 6.0
+
+
+def _hardswish(shift_op: str = "Add") -> onnx.ModelProto:
+    """``y = x * Clip(x + 3, 0, 6) / 6`` as exporters write hardswish (the Clip reads x + 3)."""
+    nodes = [
+        layer(),
+        h.make_node(shift_op, ["l", "three"], ["s"]),
+        h.make_node("Clip", ["s", "lo", "hi"], ["c"]),
+        h.make_node("Mul", ["l", "c"], ["m"]),
+        h.make_node("Div", ["m", "six"], ["y"]),
+    ]
+    inits = {
+        name: np.array(v, dtype=np.float32)
+        for name, v in (("three", 3.0), ("lo", 0.0), ("hi", 6.0), ("six", 6.0))
+    }
+    return make_model(nodes, [IN], [OUT], inits)
+
+
+def test_hardswish_clip_is_left_alone():
+    result, proto = _run_pass(_hardswish())
+    assert not result.modified
+    assert "Clip" in [n.op_type for n in proto.graph.node]
+
+
+def test_clip_of_a_graph_input_is_no_layer_activation():
+    model = make_model(
+        [h.make_node("Clip", ["x", "lo", "hi"], ["y"])],
+        [IN],
+        [OUT],
+        {"lo": np.array(0.0, dtype=np.float32), "hi": np.array(6.0, dtype=np.float32)},
+    )
+    result, _ = _run_pass(model)
+    assert not result.modified
 
 
 @pytest.mark.parametrize(
@@ -79,7 +131,7 @@ def test_other_clips_are_left_alone(lo, hi, form):
 
 def test_runtime_bound_is_left_alone():
     model = make_model(
-        [h.make_node("Clip", ["x", "lo", "hi"], ["y"])],
+        [layer(), h.make_node("Clip", ["l", "lo", "hi"], ["y"])],
         [IN, h.make_tensor_value_info("hi", T.FLOAT, [])],
         [OUT],
         {"lo": np.array(0.0, dtype=np.float32)},
