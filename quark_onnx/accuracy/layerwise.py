@@ -341,7 +341,9 @@ class Replay:
         # codes stay as long as the dequantized tensor they stand for is read
         self.keep_until = dict(self.last_use)
         for t, c in self.coded.items():
-            self.keep_until[c.codes] = max(self.keep_until.get(c.codes, -1), self.last_use[t])
+            # a dequantized tensor nothing reads (a mutated or pruned graph) keeps no codes alive
+            last = self.last_use.get(t, -1)
+            self.keep_until[c.codes] = max(self.keep_until.get(c.codes, -1), last)
         self.patches: dict[str, np.ndarray] = {}
         self._live_at: dict[int, list[str]] = {}
         self.segments: list[_Segment] = []  # from the checkpoint to the cursor
