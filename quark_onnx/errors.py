@@ -35,5 +35,9 @@ class QuantizationError(QuarkOnnxError):
     """The quantizer could not produce a valid model (constraint that cannot be met, ...)."""
 
 
+class FidelityError(QuantizationError):
+    """The quantized model's outputs do not follow the float model's (``RequireFidelity``)."""
+
+
 class PassError(QuarkOnnxError):
     """A graph pass failed on a model it was asked to rewrite."""

@@ -42,8 +42,9 @@ class ExtraOptions:
     )
     ReplaceClip6Relu: bool = _opt(
         False,
-        "Replace Clip(0, 6) (ReLU6) by Relu. Changes numerics where inputs exceed 6; lets ReLU6 "
-        "networks be equalized by CLE.",
+        "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "
+        "the quantized tensor saturates at the smallest power-of-two range holding 6. The Clip "
+        "of hardswish/hardsigmoid is left alone. Changes float numerics above 6.",
     )
     ConvertClipToRelu: bool = _opt(
         False,
@@ -194,6 +195,36 @@ class ExtraOptions:
     )
     FastFinetune: dict = _opt(
         {}, "AdaRound settings: NumIterations, NumBatches, LearningRate, TimeBudgetPerLayer."
+    )
+
+    # --- fidelity guard (quark_onnx.fidelity) ---------------------------------------------------
+    FidelityCheck: bool = _opt(
+        True,
+        "After quantizing, compare every graph output of the quantized model with the original "
+        "float model on the first FidelitySamples calibration samples (SQNR, cosine, top-1 "
+        "agreement for score vectors); an output below the thresholds is a warning naming it "
+        "and the layers that lose the most. Also measures what each numerics-changing pass cost.",
+    )
+    RevertCostlyPasses: bool = _opt(
+        False,
+        "Undo a numerics-changing pass (ReplaceClip6Relu, ConvertSigmoidToHardSigmoid, a DPU "
+        "simulation, ...) that takes the float outputs below 20 dB SQNR or 0.9 top-1 agreement "
+        "on the fidelity samples (quark_onnx.pipeline.PASS_MIN_SQNR_DB, PASS_MIN_AGREEMENT), "
+        "keeping the original operations; a warning names the pass either way.",
+    )
+    FidelitySamples: int = _opt(16, "Calibration samples the fidelity guard runs (first ones).")
+    FidelityMinSQNR: float = _opt(
+        10.0, "Fidelity guard: an output below this SQNR (dB) against float is not faithful."
+    )
+    FidelityMinAgreement: float = _opt(
+        0.75,
+        "Fidelity guard: a score-vector output whose top-1 agreement with float is below this "
+        "is not faithful.",
+    )
+    RequireFidelity: bool = _opt(
+        False,
+        "Raise FidelityError (and write no model) when an output is not faithful, instead of a "
+        "warning (CLI: --require-fidelity).",
     )
 
 

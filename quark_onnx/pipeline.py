@@ -28,9 +28,16 @@ turned into GlobalAveragePool before large pools are split.
 
 :func:`run_passes` times each pass and, for passes with ``changes_numerics = True`` when sample
 inputs are given, runs the model before and after that pass in onnxruntime (CPU, graph
-optimizations off) and records ``max |after - before|`` per model output. Each run needs a full
-in-memory copy of the model: above :data:`MEASURE_MAX_BYTES` of tensors (1 GiB) the differences
-are not measured (one log line says so) and the records carry no ``max_abs_diff``.
+optimizations off) on every sample and records per model output ``max |after - before|`` and the
+fidelity of the new outputs to the old ones (:func:`quark_onnx.fidelity.compare_runs`: SQNR,
+cosine, top-1 agreement for score vectors). A pass whose outputs fall below
+:data:`PASS_MIN_SQNR_DB` or :data:`PASS_MIN_AGREEMENT` is a warning that names the pass, what it
+cost and the option that turns it off. The runs see the model as the quantizer will compute it:
+a range cap (``quark_onnx.range_max``, left by ReplaceClip6Relu and ConvertClipToRelu) saturates
+its Relu at the value ``saturation(cap)`` gives (the power-of-two int8 range that holds the cap,
+for XINT8), so a ReLU6 made Relu is charged for what passes 6, not for the unbounded Relu. Each
+run needs a full in-memory copy of the model: above :data:`MEASURE_MAX_BYTES` of tensors (1 GiB)
+the differences are not measured (one log line says so) and the records carry no measurement.
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -67,10 +76,20 @@ from quark_onnx.passes import (
 )
 from quark_onnx.passes.base import QuarkPass
 
+if TYPE_CHECKING:
+    from quark_onnx.fidelity import OutputFidelity
+
 logger = logging.getLogger(__name__)
 
 #: Output differences of numerics-changing passes are measured only up to this model size.
 MEASURE_MAX_BYTES = 1 << 30
+
+#: A numerics-changing pass is an approximation made for the NPU; it should cost the float model
+#: well under what int8 quantization itself costs (output SQNRs of 10-25 dB on real CNNs). Below
+#: 20 dB (a noise of a tenth of the signal's RMS) or 0.9 top-1 agreement its cost is of the same
+#: order as the quantization, and the user is told which pass and option.
+PASS_MIN_SQNR_DB = 20.0
+PASS_MIN_AGREEMENT = 0.9
 
 
 class GraphCleanup(QuarkPass):
@@ -168,6 +187,11 @@ class PassRecord:
         max_abs_diff: output name -> ``max |after - before|`` on the sample inputs; only for
             numerics-changing passes that modified the model when sample inputs were given
             (``{}`` otherwise).
+        fidelity: per output, the fidelity of the outputs after the pass to those before
+            (:meth:`quark_onnx.fidelity.OutputFidelity.to_dict`; same condition).
+        warning: the warning logged when the pass cost more than the thresholds, else None.
+        reverted: the pass cost more than the thresholds and was undone
+            (``RevertCostlyPasses``): the model is as it was before the pass.
     """
 
     name: str
@@ -175,6 +199,9 @@ class PassRecord:
     seconds: float
     changes_numerics: bool = False
     max_abs_diff: dict[str, float] = field(default_factory=dict)
+    fidelity: list[dict] = field(default_factory=list)
+    warning: str | None = None
+    reverted: bool = False
 
 
 @dataclass
@@ -206,13 +233,28 @@ def _model_label(model: ir.Model) -> str:
     return repr(model.graph.name or "<unnamed graph>")
 
 
-def run_model(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """All outputs of ``model`` on ``feeds`` (onnxruntime, CPU, graph optimizations off)."""
+Feeds = dict[str, np.ndarray]
+
+
+def run_model(
+    model: ir.Model,
+    feeds: Feeds | Sequence[Feeds],
+    *,
+    saturation: Callable[[float], float] | None = None,
+) -> Any:
+    """All outputs of ``model`` on ``feeds`` (onnxruntime, CPU, graph optimizations off).
+
+    One feed gives one ``{output: array}`` dict; a sequence of feeds gives a list of them. With
+    ``saturation``, every Relu whose output carries a range cap is run as
+    ``Clip(x, 0, saturation(cap))`` (the model itself is not changed).
+    """
     import onnxruntime as ort
 
     from quark_onnx.model_io import to_proto
 
     proto = to_proto(model)  # weights memory-mapped from external data are read in
+    if saturation is not None:
+        _saturate_capped_relus(proto, saturation)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
@@ -220,15 +262,53 @@ def run_model(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.nda
         proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds), strict=True))
+    if isinstance(feeds, dict):
+        return dict(zip(names, session.run(names, feeds), strict=True))
+    return [dict(zip(names, session.run(names, feed), strict=True)) for feed in feeds]
+
+
+def _saturate_capped_relus(proto: onnx.ModelProto, saturation: Callable[[float], float]) -> None:
+    """Run each Relu of ``proto`` whose output has a range cap as ``Clip(0, saturation(cap))``."""
+    from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+
+    graph = proto.graph
+    caps = {
+        info.name: float(prop.value)
+        for info in (*graph.value_info, *graph.output)
+        for prop in info.metadata_props
+        if prop.key == RANGE_MAX_KEY
+    }
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 13)
+    for node in proto.graph.node:
+        if node.op_type != "Relu" or node.domain not in ("", "ai.onnx"):
+            continue
+        cap = caps.get(node.output[0])
+        if cap is None:
+            continue
+        high = float(saturation(cap))
+        node.op_type = "Clip"
+        if opset < 11:
+            node.attribute.extend(
+                [onnx.helper.make_attribute("min", 0.0), onnx.helper.make_attribute("max", high)]
+            )
+            continue
+        names = [f"{node.output[0]}__saturation_{bound}" for bound in ("low", "high")]
+        for name, value in zip(names, (0.0, high), strict=True):
+            proto.graph.initializer.append(
+                onnx.numpy_helper.from_array(np.array(value, dtype=np.float32), name)
+            )
+        node.input.extend(names)
 
 
 def _try_run(
-    model: ir.Model, feeds: dict[str, np.ndarray], when: str
-) -> dict[str, np.ndarray] | None:
+    model: ir.Model,
+    feeds: Sequence[Feeds],
+    when: str,
+    saturation: Callable[[float], float] | None,
+) -> list[dict[str, np.ndarray]] | None:
     """:func:`run_model`, or None (with a warning) when onnxruntime cannot run the model."""
     try:
-        return run_model(model, feeds)
+        return run_model(model, feeds, saturation=saturation)
     except Exception as exc:  # onnxruntime raises its own exception types
         logger.warning(
             "cannot measure the output difference %s on model %s: onnxruntime failed (%s)",
@@ -239,30 +319,68 @@ def _try_run(
         return None
 
 
-def _max_abs_diff(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> dict[str, float]:
+def _max_abs_diff(
+    before: Sequence[dict[str, np.ndarray]], after: Sequence[dict[str, np.ndarray]]
+) -> dict[str, float]:
     diffs: dict[str, float] = {}
-    for name, ref in before.items():
-        if name not in after:
-            continue
-        a = np.asarray(after[name], dtype=np.float64)
-        b = np.asarray(ref, dtype=np.float64)
-        diffs[name] = float(np.max(np.abs(a - b))) if a.size else 0.0
+    for ref_run, new_run in zip(before, after, strict=True):
+        for name, ref in ref_run.items():
+            if name not in new_run:
+                continue
+            a = np.asarray(new_run[name], dtype=np.float64)
+            b = np.asarray(ref, dtype=np.float64)
+            diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+            diffs[name] = max(diffs.get(name, 0.0), diff)
     return diffs
+
+
+def _cost_warning(
+    name: str, model: ir.Model, fidelity: Sequence[OutputFidelity], reverted: bool
+) -> str | None:
+    """The warning for a pass whose outputs fell below the pass thresholds, else None."""
+    bad = [f for f in fidelity if not f.faithful]
+    if not bad:
+        return None
+    what = "; ".join(f"output {f.name!r}: {f.describe()}" for f in bad)
+    text = (
+        f"{name} changed the float outputs of model {_model_label(model)} by more than a graph "
+        f"pass should ({what}; thresholds SQNR >= {PASS_MIN_SQNR_DB:g} dB, top-1 agreement >= "
+        f"{PASS_MIN_AGREEMENT:g})"
+    )
+    if reverted:
+        return text + (
+            f": undone, the original operations are kept (RevertCostlyPasses; set it to False "
+            f"to apply {name} anyway)"
+        )
+    return text + f"; set the extra option {name}=False to keep the original operations"
 
 
 def run_passes(
     model: ir.Model,
     passes: Sequence[QuarkPass],
     *,
-    sample_feeds: dict[str, np.ndarray] | None = None,
+    sample_feeds: Feeds | Sequence[Feeds] | None = None,
+    saturation: Callable[[float], float] | None = None,
+    revert_costly: bool = False,
 ) -> PipelineReport:
     """Run ``passes`` on ``model`` in place, in order; report what each did.
+
+    ``sample_feeds``: one feed or several, on which numerics-changing passes are measured;
+    ``saturation``: see :func:`run_model` (how a range cap saturates in the quantized model);
+    ``revert_costly``: undo a measured pass whose outputs fall below the pass thresholds
+    (the graph before the pass is kept: a clone sharing the weights' tensors, so cheap).
 
     Raises:
         PassError: a pass raised; the message names the pass and the model.
     """
+    from quark_onnx.fidelity import compare_runs
+
     report = PipelineReport()
-    outputs: dict[str, np.ndarray] | None = None  # outputs of the current model, when known
+    outputs: list[dict[str, np.ndarray]] | None = None  # outputs of the current model, if known
+    if isinstance(sample_feeds, dict):
+        sample_feeds = [sample_feeds]
+    if not sample_feeds:
+        sample_feeds = None
     if sample_feeds is not None and any(getattr(p, "changes_numerics", False) for p in passes):
         from quark_onnx.model_io import model_bytes
 
@@ -280,8 +398,9 @@ def run_passes(
         name = type(pass_).__name__
         measure = bool(getattr(pass_, "changes_numerics", False)) and sample_feeds is not None
         if measure and outputs is None:
-            outputs = _try_run(model, sample_feeds, f"before {name}")
+            outputs = _try_run(model, sample_feeds, f"before {name}", saturation)
             measure = outputs is not None
+        snapshot = model.clone() if measure and revert_costly else None
         start = time.perf_counter()
         try:
             result = pass_(model)
@@ -293,19 +412,36 @@ def run_passes(
             ) from exc
         seconds = time.perf_counter() - start
         diffs: dict[str, float] = {}
+        fidelity: list[OutputFidelity] = []
+        warning = None
+        reverted = False
         if result.modified:
             if measure:
-                after = _try_run(model, sample_feeds, f"after {name}")
-                diffs = {} if after is None else _max_abs_diff(outputs, after)
-                outputs = after
+                after = _try_run(model, sample_feeds, f"after {name}", saturation)
+                if after is not None:
+                    diffs = _max_abs_diff(outputs, after)
+                    fidelity = compare_runs(
+                        outputs,
+                        after,
+                        min_sqnr_db=PASS_MIN_SQNR_DB,
+                        min_agreement=PASS_MIN_AGREEMENT,
+                    )
+                    reverted = snapshot is not None and any(not f.faithful for f in fidelity)
+                    warning = _cost_warning(name, model, fidelity, reverted)
+                if reverted:
+                    model.graph = snapshot.graph  # outputs stay those before the pass
+                else:
+                    outputs = after
             else:
                 outputs = None
             logger.info(
                 "%s changed the graph in %.3f s%s",
                 name,
                 seconds,
-                f"; max |output difference| {diffs}" if diffs else "",
+                "; " + ", ".join(f"{f.name}: {f.describe()}" for f in fidelity) if fidelity else "",
             )
+            if warning:
+                logger.warning(warning)
         report.passes.append(
             PassRecord(
                 name=name,
@@ -313,6 +449,9 @@ def run_passes(
                 seconds=seconds,
                 changes_numerics=bool(getattr(pass_, "changes_numerics", False)),
                 max_abs_diff=diffs,
+                fidelity=[f.to_dict() for f in fidelity],
+                warning=warning,
+                reverted=reverted,
             )
         )
     return report

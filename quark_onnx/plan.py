@@ -9,8 +9,9 @@ and asks the per-op :mod:`~quark_onnx.policy` registry what each node needs. The
 * ``nodes``: the quantized nodes with, per input slot, the planned tensor read there and the tensor
   whose position is the node's output position (after a fused activation);
 * ``equalities``: position equalities (Concat inputs+output, pools/Pad/Slice in = out, data
-  movement in = out), each with the ``Align*`` option that switches it; :meth:`QuantPlan.groups`
-  merges them with a union-find;
+  movement in = out), each with the ``Align*`` option that switches it, and, for power-of-two
+  plans, a Relu/Clip with a Q/DQ kept before it in = out (:data:`ACTIVATION_EQUALITY_OPS`);
+  :meth:`QuantPlan.groups` merges them with a union-find;
 * ``fused``: producer/activation pairs with no Q/DQ between them (``RemoveQDQConv*`` options; and
   an average pool or HardSigmoid with the hardware-factor ``Mul`` of the DPU simulation after it);
 * ``float_nodes``: every node left in float and why (no policy, excluded by ``nodes_to_exclude``,
@@ -147,6 +148,14 @@ class FloatNode:
     name: str
     op_type: str
     reason: str
+
+
+#: Activations whose input (when quantized and read by them only) takes their output's position:
+#: ``Relu`` and ``Clip`` map values on a power-of-two grid to values on the same grid, so sharing
+#: the output's position adds no error, and the pre-activation's values that the activation
+#: discards (negatives, values above the bound) do not widen its range. The output's statistics
+#: choose the shared position (:func:`quark_onnx.quantizer` drops the input's error curve).
+ACTIVATION_EQUALITY_OPS = frozenset({"Relu", "Clip"})
 
 
 @dataclass(frozen=True)
@@ -700,6 +709,18 @@ def build_plan(
                 equalities.append(
                     Equality(label, node.op_type, (*members, output), policy.align_option)
                 )
+        elif (
+            power_of_two
+            and node.op_type in ACTIVATION_EQUALITY_OPS
+            and output is not None
+            and slots
+            and slots[0] is not None
+            and single_consumer(node.inputs[0]) is node
+        ):
+            # A Q/DQ kept between a layer and its Relu/Clip (RemoveQDQConv* off): one position on
+            # both sides is exact (the activation maps grid values to grid values), while a
+            # position chosen for the pre-activation alone spends range on values it discards.
+            equalities.append(Equality(label, node.op_type, (slots[0], output), None))
 
     plan = QuantPlan(
         tensors=tensors,

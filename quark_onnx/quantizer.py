@@ -35,7 +35,7 @@ import onnx
 
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.enums import PowerOfTwoMethod
-from quark_onnx.errors import ConfigError, QuantizationError
+from quark_onnx.errors import ConfigError, FidelityError, QuantizationError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.report import QuantizationReport
 
@@ -128,9 +128,11 @@ class ModelQuantizer:
             keep=self._samples_to_keep(),
         )
         del proto  # only the reader's checks read it: its weight bytes need not stay resident
-        sample = reader.peek() if reader is not None else None
+        # The first samples serve the measurement of numerics-changing passes and the fidelity
+        # guard; the reader hands them to calibration as well.
+        fidelity_samples = reader.peek(self._fidelity_samples()) if reader is not None else []
         with _stage(report, "prepare"):
-            report.passes = self._prepare(model, sample)
+            report.passes = self._prepare(model, fidelity_samples)
 
         with _stage(report, "plan"):
             from quark_onnx.plan import build_plan
@@ -200,6 +202,17 @@ class ModelQuantizer:
 
             verdict = check(quantized)
             report.check = verdict.to_dict()
+
+        if options.FidelityCheck and fidelity_samples:
+            with _stage(report, "fidelity"):
+                self._guard_fidelity(
+                    report,
+                    source,
+                    model_input,
+                    quantized,
+                    fidelity_samples,
+                    (prepared, model, plan, external_dir),
+                )
 
         if model_output is not None:
             with _stage(report, "save"):
@@ -273,12 +286,116 @@ class ModelQuantizer:
             return 0
         return self.options.AccuracySamples
 
-    def _prepare(self, model: Any, sample: dict[str, np.ndarray] | None) -> list[dict]:
+    def _fidelity_samples(self) -> int:
+        """How many samples the pass measurement and the fidelity guard run (0: none)."""
+        if not self.options.FidelityCheck:
+            return 1  # numerics-changing passes are still measured on one sample
+        if self.options.FidelitySamples < 1:
+            raise ConfigError(
+                f"extra option FidelitySamples must be >= 1, got {self.options.FidelitySamples} "
+                "(set FidelityCheck=False to skip the fidelity guard)"
+            )
+        return self.options.FidelitySamples
+
+    def _prepare(self, model: Any, samples: list[dict[str, np.ndarray]]) -> list[dict]:
         from quark_onnx.pipeline import quantize_passes, run_passes
 
+        saturation = None
+        method = self.qconfig.calibrate_method
+        if self.qconfig.enable_npu_cnn or isinstance(method, PowerOfTwoMethod):
+            from quark_onnx import pof2
+
+            qtype = self.qconfig.activation_type
+
+            def saturation(cap: float) -> float:
+                # the int8 range of the power-of-two position that holds the cap (6 -> 7.94)
+                return pof2.code_range(qtype)[1] * 2.0 ** -pof2.position_for_abs_max(cap, qtype)
+
         passes = quantize_passes(self.qconfig, self.options)
-        pipeline = run_passes(model, passes, sample_feeds=sample)
+        pipeline = run_passes(
+            model,
+            passes,
+            sample_feeds=samples,
+            saturation=saturation,
+            revert_costly=self.options.RevertCostlyPasses,
+        )
         return pipeline.as_dict()["passes"]
+
+    def _guard_fidelity(
+        self,
+        report: QuantizationReport,
+        source: str,
+        model_input: Any,
+        quantized: onnx.ModelProto,
+        samples: list[dict[str, np.ndarray]],
+        stages: tuple[onnx.ModelProto, Any, Any, Path | None],
+    ) -> None:
+        """Measure every output against the original float model; warn (or raise) if unfaithful.
+
+        The reference is the model the user gave, not the prepared one: the cost of the
+        numerics-changing passes counts. When an output is not faithful, the per-layer error
+        analysis (the tensors whose SQNR drops the most) names where it is lost.
+        """
+        from quark_onnx import fidelity
+        from quark_onnx.errors import QuarkOnnxError
+
+        options = self.options
+        reference = model_input if isinstance(model_input, onnx.ModelProto) else str(model_input)
+        try:
+            result = fidelity.measure(
+                reference,
+                quantized,
+                samples,
+                min_sqnr_db=options.FidelityMinSQNR,
+                min_agreement=options.FidelityMinAgreement,
+            )
+        except QuarkOnnxError as exc:
+            logger.warning("%s: fidelity not measured: %s", source, exc)
+            report.fidelity = {"faithful": None, "error": str(exc)}
+            return
+        if not result.faithful:
+            result.worst_layers = self._worst_layers(report, samples, *stages)
+        report.fidelity = result.to_dict()
+        if result.faithful:
+            logger.info(
+                "%s: faithful on %d sample(s): %s",
+                source,
+                result.samples,
+                "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs),
+            )
+            return
+        message = result.message(source)
+        if options.RequireFidelity:
+            raise FidelityError(message + " (RequireFidelity is set: no model was written)")
+        logger.warning(message)
+
+    def _worst_layers(
+        self,
+        report: QuantizationReport,
+        samples: list[dict[str, np.ndarray]],
+        prepared: onnx.ModelProto,
+        model: Any,
+        plan: Any,
+        external_dir: Path | None,
+        count: int = 3,
+    ) -> list[dict[str, Any]]:
+        """The ``count`` quantized tensors whose SQNR drops the most (layer error analysis)."""
+        from quark_onnx.errors import QuarkOnnxError
+
+        errors = report.layer_errors
+        if not errors:
+            from quark_onnx.accuracy.error_analysis import layer_errors
+
+            _materialize(prepared, external_dir)
+            try:
+                errors = layer_errors(prepared, model, samples, plan)
+            except QuarkOnnxError as exc:
+                logger.info("per-layer error analysis failed: %s", exc)
+                return []
+        ranked = sorted(errors, key=lambda e: -e["drop_db"])[:count]
+        return [
+            {k: e[k] for k in ("tensor", "node", "op_type", "sqnr_db", "drop_db")} for e in ranked
+        ]
 
     def _calibrate(
         self,
@@ -308,7 +425,7 @@ class ModelQuantizer:
     ) -> tuple[dict[str, int], dict[str, Any]]:
         """Calibrated activation positions and weight/bias positions, before the NPU rules."""
         from quark_onnx import pof2
-        from quark_onnx.plan import TensorKind
+        from quark_onnx.plan import ACTIVATION_EQUALITY_OPS, TensorKind
         from quark_onnx.strategy import constant_data, constant_values
 
         method = self.qconfig.calibrate_method
@@ -337,6 +454,13 @@ class ModelQuantizer:
                 errors[name] = pof2.error_function(w, spec.qtype)
             else:
                 positions[name] = pof2.bias_position(constant_data(constants, name))
+        for eq in plan.equalities:
+            if eq.op_type in ACTIVATION_EQUALITY_OPS and eq.option is None:
+                # the activation's output decides (its range cap included): the input's own
+                # statistics count values the activation discards
+                pre, post = eq.tensors
+                positions[pre] = positions[post]
+                errors.pop(pre, None)
         return positions, errors
 
 
@@ -357,8 +481,8 @@ class _PeekableReader:
 
     def __init__(self, reader: Any, keep: int = 0) -> None:
         self._reader = reader
-        self._first: dict[str, np.ndarray] | None = None
-        self._peeked = False
+        self._ahead: list[dict[str, np.ndarray]] = []  # read by peek, not yet by get_next
+        self._ended = False
         self._keep = keep
         self.kept: list[dict[str, np.ndarray]] = []
 
@@ -367,17 +491,22 @@ class _PeekableReader:
             self.kept.append({k: np.array(v, copy=True) for k, v in feed.items()})
         return feed
 
-    def peek(self) -> dict[str, np.ndarray] | None:
-        if not self._peeked:
-            self._first = self._reader.get_next()
-            self._peeked = True
-        return self._first
+    def peek(self, count: int = 1) -> list[dict[str, np.ndarray]]:
+        """Copies of the first ``count`` samples (fewer if the reader has fewer); get_next still
+        returns them, in order."""
+        while len(self._ahead) < count and not self._ended:
+            feed = self._reader.get_next()
+            if feed is None:
+                self._ended = True
+            else:
+                self._ahead.append(feed)
+        return [{k: np.array(v, copy=True) for k, v in f.items()} for f in self._ahead[:count]]
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._peeked:
-            self._peeked = False
-            first, self._first = self._first, None
-            return self._remember(first)
+        if self._ahead:
+            return self._remember(self._ahead.pop(0))
+        if self._ended:
+            return None
         return self._remember(self._reader.get_next())
 
 
@@ -397,6 +526,14 @@ def _make_reader(
         reader = NpzDataReader(npz_path)
     elif isinstance(reader, dict):
         reader = ArrayDataReader(reader)
+    if reader is not None and options.UseRandomData:
+        # The Vitis AI documentation's XINT8 snippet sets UseRandomData and users pass their data
+        # anyway: ranges taken from random inputs say nothing about the real ones, and the kept
+        # samples that bias correction replays would be noise too, so the real data is used.
+        logger.warning(
+            "UseRandomData is set but calibration data was given: calibrating on the given data "
+            "(unset UseRandomData to silence this)"
+        )
     if reader is None and options.UseRandomData:
         from quark_onnx.calibration import reader_for
 

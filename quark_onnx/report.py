@@ -30,6 +30,9 @@ class QuantizationReport:
     adaround: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     comparison: dict[str, Any] = field(default_factory=dict)
+    #: The fidelity guard's verdict (:meth:`quark_onnx.fidelity.FidelityResult.to_dict`): every
+    #: output against the original float model; empty when it did not run.
+    fidelity: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     #: The process's peak RSS (MiB) when each stage ended: a high-water mark, so the stage after
     #: which it jumps is the one that set the peak (empty where the OS does not report it).
@@ -42,6 +45,11 @@ class QuantizationReport:
     @property
     def ready(self) -> bool | None:
         return self.check.get("ready") if self.check else None
+
+    @property
+    def faithful(self) -> bool | None:
+        """The fidelity guard's verdict (None when it did not run)."""
+        return self.fidelity.get("faithful") if self.fidelity else None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -71,11 +79,35 @@ class QuantizationReport:
                 f"  {f['severity']} {f['rule']}: {f['message']}"
                 for f in self.check.get("findings", [])
             ),
+            *self._fidelity_lines(),
             "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
         if self.peak_rss_mb:
             lines.append(f"peak memory: {max(self.peak_rss_mb.values()):.0f} MiB")
         return "\n".join(lines)
+
+    def _fidelity_lines(self) -> list[str]:
+        """The fidelity verdict and one line per output (none when the guard did not run)."""
+        fid = self.fidelity
+        if not fid:
+            return []
+        if fid.get("faithful") is None:
+            return [f"faithful to the float model: not measured ({fid.get('error', '')})"]
+        verdict = "yes" if fid["faithful"] else "NO"
+        lines = [f"faithful to the float model: {verdict} ({fid['samples']} sample(s))"]
+        for out in fid.get("outputs", []):
+            agree = out.get("top1_agreement")
+            lines.append(
+                f"  output {out['name']}: SQNR {out['sqnr_db']} dB, cosine {out['cosine']:.4f}"
+                + (f", top-1 agreement {agree:.3f}" if agree is not None else "")
+                + ("" if out["faithful"] else "  <- below threshold")
+            )
+        for layer in fid.get("worst_layers", []):
+            lines.append(
+                f"  loses most: {layer['node'] or layer['tensor']} ({layer['op_type']}), "
+                f"{layer['drop_db']:+.1f} dB"
+            )
+        return lines
 
 
 def _jsonable(value: Any) -> Any:

@@ -81,10 +81,12 @@ def test_every_switch_is_honoured():
 
 
 def _clip_sigmoid_model() -> onnx.ModelProto:
-    """``y = Sigmoid(Clip(x, 0, 6))``, ``z = Clip(x, 0, 6) * 2``: two outputs."""
+    """``y = Sigmoid(Clip(x @ I, 0, 6))``, ``z = Clip(x @ I, 0, 6) * 2``: two outputs (the identity
+    MatMul makes the Clip a layer's activation)."""
     return make_model(
         [
-            h.make_node("Clip", ["x", "lo", "hi"], ["c"]),
+            h.make_node("MatMul", ["x", "eye"], ["l"]),
+            h.make_node("Clip", ["l", "lo", "hi"], ["c"]),
             h.make_node("Sigmoid", ["c"], ["y"]),
             h.make_node("Mul", ["c", "two"], ["z"]),
         ],
@@ -97,6 +99,7 @@ def _clip_sigmoid_model() -> onnx.ModelProto:
             "lo": np.array(0.0, dtype=np.float32),
             "hi": np.array(6.0, dtype=np.float32),
             "two": np.array(2.0, dtype=np.float32),
+            "eye": np.eye(64, dtype=np.float32),
         },
     )
 

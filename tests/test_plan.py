@@ -55,7 +55,8 @@ def test_specs_kinds_and_order():
     assert [(f.name, f.reason) for f in plan.float_nodes] == [
         ("sig", "no quantization policy for op type Sigmoid")
     ]
-    assert plan.groups() == [("r", "m")]  # MaxPool in = out
+    # MaxPool in = out; the Q/DQ kept before the Relu takes the Relu output's position
+    assert plan.groups() == [("c", "r", "m")]
     assert plan.fused == []
 
 
@@ -65,6 +66,29 @@ def test_fused_relu_has_no_tensor_and_output_read_after_activation():
     conv = plan.nodes[0]
     assert (conv.output, conv.fused_tensor, conv.fused_op) == ("r", "c", "Relu")
     assert [(f.producer, f.activation, f.tensor) for f in plan.fused] == [("conv", "act", "c")]
+
+
+def test_kept_qdq_before_relu_or_clip_shares_the_activation_position():
+    for act in ("Relu", "Clip"):
+        plan = build_plan(conv_relu_model(act), xint8())
+        (eq,) = [e for e in plan.equalities if e.op_type == act]
+        assert eq.tensors == ("c", "r") and eq.option is None
+
+
+def test_no_shared_position_where_it_would_not_be_exact():
+    # LeakyRelu scales negatives: its input's range is not its output's
+    plan = build_plan(conv_relu_model("LeakyRelu"), xint8())
+    assert not [e for e in plan.equalities if e.op_type == "LeakyRelu"]
+    # the pre-activation has a second reader, whose values the Relu does not discard
+    proto = ir.serde.serialize_model(conv_relu_model())
+    proto.graph.output.append(vi("c", [1, 4, 6, 6]))
+    plan = build_plan(ir.serde.deserialize_model(proto), xint8())
+    assert not [e for e in plan.equalities if e.op_type == "Relu"]
+    # float-scale plans have no positions to share
+    qc = QuantizationConfig()
+    qc.calibrate_method = "MinMax"
+    plan = build_plan(conv_relu_model(), qc)
+    assert not [e for e in plan.equalities if e.op_type == "Relu"]
 
 
 def test_fusion_only_for_the_option_of_that_activation():
@@ -121,13 +145,18 @@ def concat_model() -> ir.Model:
 
 def test_concat_and_reshape_share_one_group_and_custom_domain_stays_float():
     plan = build_plan(concat_model(), xint8())
-    assert plan.groups() == [("ra", "rb", "cat", "flat")]
+    # each Relu's input is read by the Relu only: it takes the Relu output's position
+    assert plan.groups() == [("a", "ra", "b", "rb", "cat", "flat")]
     assert "shape" not in plan.tensors
     assert {f.name: f.reason for f in plan.float_nodes}["custom"] == "custom domain 'com.example'"
     # AlignConcat off: the Concat equality is dropped, Reshape's stays
     from quark_onnx.options import resolve_extra_options
 
-    assert plan.groups(resolve_extra_options({"AlignConcat": False})) == [("cat", "flat")]
+    assert plan.groups(resolve_extra_options({"AlignConcat": False})) == [
+        ("a", "ra"),
+        ("b", "rb"),
+        ("cat", "flat"),
+    ]
 
 
 def test_range_cap_from_value_metadata():

@@ -1,0 +1,218 @@
+"""Fidelity: does the quantized model still compute what the float model computes?
+
+"Ready" (the NPU compiler takes the model, :mod:`quark_onnx.check`) and "faithful" (its outputs
+still follow the float model's) are separate verdicts. This module measures the second one, on
+every graph output, with the metrics of :mod:`quark_onnx.compare` (sums over all samples and
+elements)::
+
+    SQNR   = 10 log10( sum f^2 / sum (f - q)^2 )      [dB]
+    cosine = sum f q / sqrt( sum f^2 * sum q^2 )
+    top-1 agreement: share of rows (axis 0) whose argmax is the float model's; only for score
+        vectors, i.e. outputs whose rows are flat vectors of at least two scores ([N, C] or
+        [N, C, 1, 1]): an argmax over a box list or a feature map is not a decision.
+
+An output is **faithful** when its SQNR is at least ``min_sqnr_db`` and, for a score vector, its
+top-1 agreement is at least ``min_agreement``. The defaults catch an output that no longer carries
+the float model's signal, not an ordinary quantization loss: 10 dB is a noise of a third of the
+signal's RMS (an int8 model that keeps its float accuracy measures well above that on its logits),
+and a top-1 agreement under 0.75 on a classifier is a model that changed its mind on every fourth
+input. Both are options (``FidelityMinSQNR``, ``FidelityMinAgreement``).
+
+Two users of these measurements:
+
+* :func:`compare_runs` — outputs of one model before and after a numerics-changing graph pass
+  (:func:`quark_onnx.pipeline.run_passes` reports what each such pass cost);
+* :func:`measure` — the original float model against the quantized one on kept calibration
+  samples, after quantization (the fidelity guard of :class:`quark_onnx.ModelQuantizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from quark_onnx.compare import TensorComparison, _Accumulator, _json_float, compare_models
+
+logger = logging.getLogger(__name__)
+
+#: Default thresholds (options ``FidelityMinSQNR`` and ``FidelityMinAgreement``).
+DEFAULT_MIN_SQNR_DB = 10.0
+DEFAULT_MIN_AGREEMENT = 0.75
+
+
+def is_score_vector(shape: Sequence[int]) -> bool:
+    """True for ``[N, C]`` and ``[N, C, 1, 1]`` (``C >= 2``): one flat score vector per row."""
+    dims = [int(d) for d in shape]
+    if len(dims) < 2:
+        return False
+    rest = [d for d in dims[2:] if d != 1]
+    return not rest and dims[1] >= 2
+
+
+@dataclass(frozen=True)
+class OutputFidelity:
+    """Fidelity of one graph output (see the module docstring)."""
+
+    name: str
+    sqnr_db: float
+    cosine: float
+    max_abs_error: float
+    top1_agreement: float | None
+    rows: int
+    faithful: bool
+
+    @classmethod
+    def from_comparison(
+        cls, comparison: TensorComparison, score_vector: bool, min_sqnr: float, min_agree: float
+    ) -> OutputFidelity:
+        agreement = comparison.top1_agreement if score_vector else None
+        faithful = not (comparison.sqnr_db < min_sqnr) and not (
+            agreement is not None and agreement < min_agree
+        )
+        return cls(
+            name=comparison.name,
+            sqnr_db=comparison.sqnr_db,
+            cosine=comparison.cosine,
+            max_abs_error=comparison.max_abs_error,
+            top1_agreement=agreement,
+            rows=comparison.rows if agreement is not None else 0,
+            faithful=faithful,
+        )
+
+    def describe(self) -> str:
+        agree = (
+            f", top-1 agreement {self.top1_agreement:.3f} ({self.rows} rows)"
+            if self.top1_agreement is not None
+            else ""
+        )
+        return f"SQNR {_db(self.sqnr_db)}, cosine {self.cosine:.4f}{agree}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "sqnr_db": _json_float(self.sqnr_db),
+            "cosine": self.cosine,
+            "max_abs_error": self.max_abs_error,
+            "top1_agreement": self.top1_agreement,
+            "rows": self.rows,
+            "faithful": self.faithful,
+        }
+
+
+@dataclass
+class FidelityResult:
+    """Per-output fidelity of a quantized model, with the thresholds it was judged by."""
+
+    samples: int
+    outputs: list[OutputFidelity]
+    min_sqnr_db: float
+    min_agreement: float
+    #: Filled by the caller when some output is not faithful: the layers that lose the most.
+    worst_layers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def faithful(self) -> bool:
+        return all(o.faithful for o in self.outputs)
+
+    @property
+    def unfaithful(self) -> list[OutputFidelity]:
+        return [o for o in self.outputs if not o.faithful]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "faithful": self.faithful,
+            "samples": self.samples,
+            "min_sqnr_db": self.min_sqnr_db,
+            "min_agreement": self.min_agreement,
+            "outputs": [o.to_dict() for o in self.outputs],
+            "worst_layers": list(self.worst_layers),
+        }
+
+    def message(self, model: str) -> str:
+        """One warning text naming each unfaithful output, its fidelity and the worst layers."""
+        bad = "; ".join(f"output {o.name!r}: {o.describe()}" for o in self.unfaithful)
+        text = (
+            f"{model}: the quantized model does not follow the float model on {self.samples} "
+            f"calibration sample(s): {bad} (thresholds: SQNR >= {self.min_sqnr_db:g} dB, "
+            f"top-1 agreement >= {self.min_agreement:g})"
+        )
+        if self.worst_layers:
+            layers = ", ".join(
+                f"{w['node'] or w['tensor']} ({w['op_type']}, {w['drop_db']:+.1f} dB)"
+                for w in self.worst_layers
+            )
+            text += f"; the layers that lose the most: {layers}"
+        return text + (
+            ". Look at those layers' ranges (LayerErrorAnalysis=True lists every tensor), keep "
+            "them float with nodes_to_exclude, or turn off the numerics-changing passes the "
+            "report names"
+        )
+
+
+def measure(
+    float_model: str | onnx.ModelProto,
+    quantized: onnx.ModelProto,
+    samples: Sequence[Mapping[str, np.ndarray]],
+    *,
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
+    min_agreement: float = DEFAULT_MIN_AGREEMENT,
+) -> FidelityResult:
+    """Fidelity of ``quantized`` to ``float_model`` on ``samples`` (every graph output)."""
+    result = compare_models(float_model, quantized, samples, layers=False)
+    shapes = _output_shapes(float_model, samples)
+    outputs = [
+        OutputFidelity.from_comparison(
+            c, is_score_vector(shapes.get(c.name, ())), min_sqnr_db, min_agreement
+        )
+        for c in result.outputs
+    ]
+    return FidelityResult(result.samples, outputs, min_sqnr_db, min_agreement)
+
+
+def compare_runs(
+    before: Sequence[Mapping[str, np.ndarray]],
+    after: Sequence[Mapping[str, np.ndarray]],
+    *,
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
+    min_agreement: float = DEFAULT_MIN_AGREEMENT,
+) -> list[OutputFidelity]:
+    """Per-output fidelity of ``after`` to ``before`` (outputs of the same feeds, run by run)."""
+    accumulators: dict[str, _Accumulator] = {}
+    score: dict[str, bool] = {}
+    for ref, got in zip(before, after, strict=True):
+        for name, f in ref.items():
+            if name not in got or np.shape(got[name]) != np.shape(f):
+                continue
+            accumulators.setdefault(name, _Accumulator()).update(f, got[name], top1=True)
+            score[name] = is_score_vector(np.shape(f))
+    return [
+        OutputFidelity.from_comparison(
+            acc.result(name, name), score[name], min_sqnr_db, min_agreement
+        )
+        for name, acc in accumulators.items()
+    ]
+
+
+def _output_shapes(
+    model: str | onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]]
+) -> dict[str, tuple[int, ...]]:
+    """Output shapes as declared (symbolic dims as 0), enough to tell score vectors apart."""
+    if isinstance(model, onnx.ModelProto):
+        graph = model.graph
+    else:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    shapes: dict[str, tuple[int, ...]] = {}
+    for out in graph.output:
+        dims = out.type.tensor_type.shape.dim
+        shapes[out.name] = tuple(d.dim_value if d.HasField("dim_value") else 0 for d in dims)
+    return shapes
+
+
+def _db(value: float) -> str:
+    return f"{value:.1f} dB" if math.isfinite(value) else f"{value} dB"
