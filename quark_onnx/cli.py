@@ -35,7 +35,8 @@ Subcommands:
 ``presets`` / ``options``
     The presets and their settings; every extra option with its type, default and meaning.
 
-Exit codes: 0 success; 1 a model failed, is not ready (``check``), or a comparison failed;
+Exit codes: 0 success; 1 a model failed (with ``--require-fidelity`` also a model whose outputs do
+not follow the float model's: it is not written), is not ready (``check``), or a comparison failed;
 2 a usage or configuration error (unknown preset or option, bad flag value), reported as one line
 naming the closest valid name.
 
@@ -173,6 +174,7 @@ class QuantizeSettings:
     load_calibration: str | None = None
     overwrite: bool = False
     log_level: int = logging.WARNING
+    require_fidelity: bool = False
 
     def build_config(self) -> Any:
         """The QuantizationConfig: the preset, then ``--set``, then the dedicated flags."""
@@ -187,6 +189,8 @@ class QuantizeSettings:
             qconfig.extra_options["RandomDataSamples"] = self.random_samples
         if self.calib_limit is not None:
             qconfig.extra_options["CalibDataSize"] = self.calib_limit
+        if self.require_fidelity:
+            qconfig.extra_options["RequireFidelity"] = True
         qconfig.validate()
         return qconfig
 
@@ -320,6 +324,7 @@ class Outcome:
     output: str | None = None
     quantized_nodes: int | None = None
     ready: bool | None = None
+    faithful: bool | None = None
     top1_agreement: float | None = None
     output_sqnr_db: float | None = None
     compared_samples: int = 0
@@ -425,6 +430,7 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     outcome.output = str(output)
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
+    outcome.faithful = report.faithful
 
     report_json = out_dir / f"{job.name}.report.json"
     report.save(report_json)
@@ -717,6 +723,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         load_calibration=args.load_calibration,
         overwrite=args.overwrite,
         log_level=_log_level(args),
+        require_fidelity=args.require_fidelity,
     )
     settings.preprocess_spec()  # a bad spec is a usage error, before any model
     qconfig = settings.build_config()  # so is an unknown preset or option
@@ -1216,6 +1223,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--require-ready",
         action="store_true",
         help="exit with code 1 also when a quantized model is not Vitis AI-ready",
+    )
+    q.add_argument(
+        "--require-fidelity",
+        action="store_true",
+        help="fail a model (no output written, exit code 1) whose outputs do not follow the "
+        "float model's (extra option RequireFidelity; thresholds FidelityMinSQNR, "
+        "FidelityMinAgreement)",
     )
     q.set_defaults(func=_cmd_quantize)
 

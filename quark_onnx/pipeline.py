@@ -400,6 +400,8 @@ def run_passes(
         if measure and outputs is None:
             outputs = _try_run(model, sample_feeds, f"before {name}", saturation)
             measure = outputs is not None
+            if not measure:
+                sample_feeds = None  # the samples do not run: one warning, not one per pass
         snapshot = model.clone() if measure and revert_costly else None
         start = time.perf_counter()
         try:
