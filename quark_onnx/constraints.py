@@ -126,10 +126,12 @@ class _Solver:
         positions: dict[str, int],
         options: ExtraOptions,
         errors: dict[str, Callable[[int], float]] | None,
+        ceilings: dict[str, int] | None = None,
     ) -> None:
         self.plan = plan
         self.opts = options
         self.errors = errors or {}
+        self.ceilings = ceilings or {}
         self.adjustments: list[Adjustment] = []
         self.visits = 0
         self.uf = UnionFind()
@@ -213,6 +215,12 @@ class _Solver:
             if len(members) > 1 and any(m in self.errors for m in members):
                 candidates = range(min(known), max(known) + 1)
                 start = min(candidates, key=lambda p: (self.group_cost(v, p), -p))
+            ceiling = min((self.ceilings[m] for m in members if m in self.ceilings), default=None)
+            if ceiling is not None and start > ceiling:
+                # a member that must not be clipped far below its range (a graph output)
+                for m in members:
+                    self.adjustments.append(Adjustment(m, start, ceiling, "range_ceiling", "group"))
+                start = ceiling
             self.value[v] = start
             self.floor[v] = POSITION_MIN
             for m in members:
@@ -518,6 +526,7 @@ def solve_positions(
     positions: dict[str, int],
     options: ExtraOptions | None = None,
     errors: dict[str, Callable[[int], float]] | None = None,
+    ceilings: dict[str, int] | None = None,
 ) -> SolveResult:
     """Adjust ``positions`` so that every NPU rule enabled in ``options`` holds (see module doc).
 
@@ -528,12 +537,15 @@ def solve_positions(
         options: the ``Align*``/``Adjust*``/``Int32Bias`` switches (default: the plan's).
         errors: optional tensor -> (position -> quantization MSE); moves then minimise the summed
             error instead of the distance moved.
+        ceilings: optional tensor -> highest position its group may start at (a graph output's
+            range must not be clipped far: the quantizer passes its NonOverflow position + 1).
+            Later moves only lower shared positions, so only a hard floor can exceed a ceiling.
 
     Raises:
         QuantizationError: an activation or weight of the plan has no position.
     """
     opts = options if options is not None else plan.options
-    solver = _Solver(plan, positions, opts, errors)
+    solver = _Solver(plan, positions, opts, errors, ceilings)
     solver.initialise()
     solver.run()
     result = solver.finish()

@@ -23,6 +23,7 @@ quantization logic of its own.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -240,15 +241,24 @@ class ModelQuantizer:
         options = self.options
         with _stage(report, "positions"):
             positions, errors = self._initial_positions(model, plan, result)
+            ranges = _calibrated_ranges(plan, result)
         with _stage(report, "constraints"):
             from quark_onnx.constraints import solve_positions
 
-            solved = solve_positions(plan, positions, options, errors)
+            ceilings = {
+                name: p + CLIP_CEILING
+                for name, (_, p) in ranges.items()
+                if plan.tensors[name].is_graph_output
+            }
+            solved = solve_positions(plan, positions, options, errors, ceilings)
             report.adjustments = [a.__dict__ for a in solved.adjustments]
             report.unfixable = [v.message for v in solved.unfixable]
             for violation in solved.unfixable:
                 logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
             report.positions = dict(solved.positions)
+            report.range_clips = _range_clips(plan, ranges, positions, solved.positions)
+            for clip in report.range_clips:
+                logger.warning("%s: %s", source, clip["message"])
             # the weight error curves read the (memory-mapped) float weights: let them go
             del errors
 
@@ -462,6 +472,69 @@ class ModelQuantizer:
                 positions[pre] = positions[post]
                 errors.pop(pre, None)
         return positions, errors
+
+
+#: A graph output (and the shared-scale group it is in) starts no higher than its NonOverflow
+#: position + 1: at most the top half of its calibrated range is clipped. Outputs are what the
+#: user reads (box offsets, scores); MinMSE alone may trade their extremes for resolution.
+CLIP_CEILING = 1
+
+
+def _calibrated_ranges(plan: Any, result: Any) -> dict[str, tuple[float, int]]:
+    """Activation -> (calibrated max |x|, its int8 NonOverflow position)."""
+    from quark_onnx import pof2
+    from quark_onnx.plan import TensorKind
+
+    ranges: dict[str, tuple[float, int]] = {}
+    if result is None:
+        return ranges
+    for name, spec in plan.tensors.items():
+        if spec.kind is not TensorKind.ACTIVATION:
+            continue
+        observer = result.observer(name)
+        peak = max(abs(observer.min), abs(observer.max))
+        if spec.range_max is not None:  # a ReLU6 made Relu saturates at its cap on purpose
+            peak = min(peak, spec.range_max)
+        if math.isfinite(peak) and peak > 0:
+            ranges[name] = (peak, pof2.position_for_abs_max(peak, spec.qtype))
+    return ranges
+
+
+def _range_clips(
+    plan: Any,
+    ranges: dict[str, tuple[float, int]],
+    chosen: dict[str, int],
+    solved: dict[str, int],
+) -> list[dict[str, Any]]:
+    """Activations the NPU rules moved to a position that clips more than half their range.
+
+    That happens where a rule forces one position on tensors whose ranges differ by more than
+    int8 holds (a Concat of box offsets and sigmoid scores, a HardSigmoid output floor). A
+    position the tensor's own statistics chose (MinMSE clips long tails on purpose) or a range
+    cap is not reported. Each entry names the tensor, the range kept and the range seen."""
+    from quark_onnx import pof2
+
+    clips = []
+    for name, (peak, nonoverflow) in ranges.items():
+        p = solved.get(name)
+        if p is None or p <= max(chosen.get(name, p), nonoverflow + CLIP_CEILING):
+            continue
+        kept = pof2.code_range(plan.tensors[name].qtype)[1] * 2.0**-p
+        clips.append(
+            {
+                "tensor": name,
+                "position": p,
+                "nonoverflow_position": nonoverflow,
+                "range_kept": kept,
+                "max_abs": peak,
+                "message": (
+                    f"tensor {name!r} is quantized at position {p} (range +-{kept:.4g}) but its "
+                    f"calibrated values reach {peak:.4g} (position {nonoverflow}): the NPU rules "
+                    "that tie it to other tensors clip it"
+                ),
+            }
+        )
+    return clips
 
 
 def _materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:

@@ -25,6 +25,8 @@ class QuantizationReport:
     positions: dict[str, int] = field(default_factory=dict)
     adjustments: list[dict[str, Any]] = field(default_factory=list)
     unfixable: list[str] = field(default_factory=list)
+    #: Activations an NPU rule clips to less than half their calibrated range (XINT8).
+    range_clips: list[dict[str, Any]] = field(default_factory=list)
     layer_errors: list[dict[str, Any]] = field(default_factory=list)
     bias_correction: dict[str, Any] = field(default_factory=dict)
     adaround: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +76,7 @@ class QuantizationReport:
             f"calibration: {self.calibration.get('samples', 0)} sample(s), "
             f"{self.calibration.get('method', '-')}",
             f"NPU position adjustments: {len(self.adjustments)}, unfixable: {len(self.unfixable)}",
+            *(f"  range clipped: {c['message']}" for c in self.range_clips),
             f"Vitis AI ready: {self.ready}",
             *(
                 f"  {f['severity']} {f['rule']}: {f['message']}"

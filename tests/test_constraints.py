@@ -264,6 +264,19 @@ def test_group_start_uses_errors():
     assert set(result.positions.values()) == {6}
 
 
+def test_group_start_never_above_a_ceiling():
+    """A graph output's ceiling (its NonOverflow position + 1) caps the error-chosen start."""
+    nodes = [helper.make_node("Concat", ["a", "b"], ["c"], name="cat", axis=0)]
+    _proto, plan, _qc = build(nodes, [vi("a", [2]), vi("b", [2])], [vi("c", [4])])
+    errors = {t: (lambda q, t=t: abs(q - {"a": 3, "b": 6, "c": 6}[t])) for t in "abc"}
+    result = solve_positions(plan, {"a": 3, "b": 6, "c": 6}, errors=errors, ceilings={"c": 4})
+    assert set(result.positions.values()) == {4}
+    assert any(a.rule == "range_ceiling" for a in result.adjustments)
+    # a ceiling above the start changes nothing
+    free = solve_positions(plan, {"a": 3, "b": 6, "c": 6}, errors=errors, ceilings={"c": 9})
+    assert set(free.positions.values()) == {6}
+
+
 # --- propagation and unfixable ----------------------------------------------------------------
 def test_lowering_propagates_to_the_next_layer():
     w1 = np.ones((2, 2, 1, 1), np.float32)
