@@ -11,19 +11,20 @@ elements)::
         vectors, i.e. outputs whose rows are flat vectors of at least two scores ([N, C] or
         [N, C, 1, 1]): an argmax over a box list or a feature map is not a decision.
 
-An output is **faithful** when its SQNR is at least ``min_sqnr_db`` and, for a score vector, its
-top-1 agreement is at least ``min_agreement``. The defaults catch an output that no longer carries
-the float model's signal, not an ordinary quantization loss: 10 dB is a noise of a third of the
-signal's RMS (an int8 model that keeps its float accuracy measures well above that on its logits),
-and a top-1 agreement under 0.75 on a classifier is a model that changed its mind on every fourth
-input. Both are options (``FidelityMinSQNR``, ``FidelityMinAgreement``).
+An output is **faithful** when, for a score vector, its top-1 agreement is at least
+``min_agreement``, and, for any other output, its SQNR is at least ``min_sqnr_db``. A score vector
+is judged by its decision: the logits of per-tensor int8 classifiers that keep their float top-1
+within a point measure 10-15 dB, close to any SQNR bound that would catch a broken box or feature
+output. The defaults catch an output that no longer carries the float model's signal, not an
+ordinary quantization loss: 10 dB is a noise of a third of the signal's RMS, and a top-1
+agreement under 0.75 is a classifier that changed its mind on every fourth input. Both are
+options (``FidelityMinSQNR``, ``FidelityMinAgreement``).
 
-Two users of these measurements:
+:func:`compare_runs` compares two runs of the same feeds; it serves two measurements:
 
-* :func:`compare_runs` — outputs of one model before and after a numerics-changing graph pass
-  (:func:`quark_onnx.pipeline.run_passes` reports what each such pass cost);
-* :func:`measure` — the original float model against the quantized one on kept calibration
-  samples, after quantization (the fidelity guard of :class:`quark_onnx.ModelQuantizer`).
+* what each numerics-changing graph pass cost (:func:`quark_onnx.pipeline.run_passes`);
+* the fidelity guard of :class:`quark_onnx.ModelQuantizer`: the original float model against the
+  quantized one on the first calibration samples (:class:`FidelityResult`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import onnx
 
-from quark_onnx.compare import TensorComparison, _Accumulator, _json_float, compare_models
+from quark_onnx.compare import TensorComparison, _Accumulator, _json_float
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ class OutputFidelity:
         cls, comparison: TensorComparison, score_vector: bool, min_sqnr: float, min_agree: float
     ) -> OutputFidelity:
         agreement = comparison.top1_agreement if score_vector else None
-        faithful = not (comparison.sqnr_db < min_sqnr) and not (
-            agreement is not None and agreement < min_agree
-        )
+        if agreement is not None:
+            faithful = agreement >= min_agree
+        else:
+            faithful = not comparison.sqnr_db < min_sqnr  # NaN is not faithful
         return cls(
             name=comparison.name,
             sqnr_db=comparison.sqnr_db,
@@ -139,8 +140,8 @@ class FidelityResult:
         bad = "; ".join(f"output {o.name!r}: {o.describe()}" for o in self.unfaithful)
         text = (
             f"{model}: the quantized model does not follow the float model on {self.samples} "
-            f"calibration sample(s): {bad} (thresholds: SQNR >= {self.min_sqnr_db:g} dB, "
-            f"top-1 agreement >= {self.min_agreement:g})"
+            f"calibration sample(s): {bad} (thresholds: SQNR >= {self.min_sqnr_db:g} dB, score "
+            f"vectors top-1 agreement >= {self.min_agreement:g})"
         )
         if self.worst_layers:
             layers = ", ".join(
@@ -153,26 +154,6 @@ class FidelityResult:
             "them float with nodes_to_exclude, or turn off the numerics-changing passes the "
             "report names"
         )
-
-
-def measure(
-    float_model: str | onnx.ModelProto,
-    quantized: onnx.ModelProto,
-    samples: Sequence[Mapping[str, np.ndarray]],
-    *,
-    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
-    min_agreement: float = DEFAULT_MIN_AGREEMENT,
-) -> FidelityResult:
-    """Fidelity of ``quantized`` to ``float_model`` on ``samples`` (every graph output)."""
-    result = compare_models(float_model, quantized, samples, layers=False)
-    shapes = _output_shapes(float_model, samples)
-    outputs = [
-        OutputFidelity.from_comparison(
-            c, is_score_vector(shapes.get(c.name, ())), min_sqnr_db, min_agreement
-        )
-        for c in result.outputs
-    ]
-    return FidelityResult(result.samples, outputs, min_sqnr_db, min_agreement)
 
 
 def compare_runs(
@@ -197,21 +178,6 @@ def compare_runs(
         )
         for name, acc in accumulators.items()
     ]
-
-
-def _output_shapes(
-    model: str | onnx.ModelProto, samples: Sequence[Mapping[str, np.ndarray]]
-) -> dict[str, tuple[int, ...]]:
-    """Output shapes as declared (symbolic dims as 0), enough to tell score vectors apart."""
-    if isinstance(model, onnx.ModelProto):
-        graph = model.graph
-    else:
-        graph = onnx.load(str(model), load_external_data=False).graph
-    shapes: dict[str, tuple[int, ...]] = {}
-    for out in graph.output:
-        dims = out.type.tensor_type.shape.dim
-        shapes[out.name] = tuple(d.dim_value if d.HasField("dim_value") else 0 for d in dims)
-    return shapes
 
 
 def _db(value: float) -> str:

@@ -214,7 +214,9 @@ class ExtraOptions:
     )
     FidelitySamples: int = _opt(16, "Calibration samples the fidelity guard runs (first ones).")
     FidelityMinSQNR: float = _opt(
-        10.0, "Fidelity guard: an output below this SQNR (dB) against float is not faithful."
+        10.0,
+        "Fidelity guard: an output that is not a score vector is not faithful below this SQNR "
+        "(dB) against float.",
     )
     FidelityMinAgreement: float = _opt(
         0.75,

@@ -362,13 +362,16 @@ def run_passes(
     sample_feeds: Feeds | Sequence[Feeds] | None = None,
     saturation: Callable[[float], float] | None = None,
     revert_costly: bool = False,
+    reference_outputs: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> PipelineReport:
     """Run ``passes`` on ``model`` in place, in order; report what each did.
 
     ``sample_feeds``: one feed or several, on which numerics-changing passes are measured;
     ``saturation``: see :func:`run_model` (how a range cap saturates in the quantized model);
     ``revert_costly``: undo a measured pass whose outputs fall below the pass thresholds
-    (the graph before the pass is kept: a clone sharing the weights' tensors, so cheap).
+    (the graph before the pass is kept: a clone sharing the weights' tensors, so cheap);
+    ``reference_outputs``: the model's outputs on ``sample_feeds`` as it is now, when the caller
+    has them (saves a run).
 
     Raises:
         PassError: a pass raised; the message names the pass and the model.
@@ -376,7 +379,10 @@ def run_passes(
     from quark_onnx.fidelity import compare_runs
 
     report = PipelineReport()
-    outputs: list[dict[str, np.ndarray]] | None = None  # outputs of the current model, if known
+    # outputs of the current model on the samples, when known
+    outputs: list[dict[str, np.ndarray]] | None = (
+        list(reference_outputs) if reference_outputs else None
+    )
     if isinstance(sample_feeds, dict):
         sample_feeds = [sample_feeds]
     if not sample_feeds:

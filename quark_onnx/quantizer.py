@@ -133,7 +133,9 @@ class ModelQuantizer:
         # guard; the reader hands them to calibration as well.
         fidelity_samples = reader.peek(self._fidelity_samples()) if reader is not None else []
         with _stage(report, "prepare"):
-            report.passes = self._prepare(model, fidelity_samples)
+            # the original model's outputs: the reference of the pass costs and of the guard
+            reference = self._reference_outputs(source, model, fidelity_samples)
+            report.passes = self._prepare(model, fidelity_samples, reference)
 
         with _stage(report, "plan"):
             from quark_onnx.plan import build_plan
@@ -190,6 +192,18 @@ class ModelQuantizer:
                 from quark_onnx.accuracy.error_analysis import layer_errors
 
                 report.layer_errors = layer_errors(prepared, model, samples, plan)
+        if reference:
+            # before finalize: fixing the batch dimension changes no value, and the samples'
+            # own batch sizes still fit
+            with _stage(report, "fidelity"):
+                self._guard_fidelity(
+                    report,
+                    source,
+                    model,
+                    fidelity_samples,
+                    reference,
+                    (prepared, plan, external_dir),
+                )
         with _stage(report, "finalize"):
             from quark_onnx.pipeline import finalize_passes, run_passes
 
@@ -203,17 +217,6 @@ class ModelQuantizer:
 
             verdict = check(quantized)
             report.check = verdict.to_dict()
-
-        if options.FidelityCheck and fidelity_samples:
-            with _stage(report, "fidelity"):
-                self._guard_fidelity(
-                    report,
-                    source,
-                    model_input,
-                    quantized,
-                    fidelity_samples,
-                    (prepared, model, plan, external_dir),
-                )
 
         if model_output is not None:
             with _stage(report, "save"):
@@ -307,7 +310,28 @@ class ModelQuantizer:
             )
         return self.options.FidelitySamples
 
-    def _prepare(self, model: Any, samples: list[dict[str, np.ndarray]]) -> list[dict]:
+    def _reference_outputs(
+        self, source: str, model: Any, samples: list[dict[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]] | None:
+        """The loaded model's outputs on ``samples`` (None: no samples, guard off, or onnxruntime
+        cannot run them; calibration then reports a bad feed by name)."""
+        if not samples or not self.options.FidelityCheck:
+            return None
+        from quark_onnx.pipeline import run_model
+
+        try:
+            return run_model(model, samples)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning("%s: fidelity not measured: the model does not run: %s", source, first)
+            return None
+
+    def _prepare(
+        self,
+        model: Any,
+        samples: list[dict[str, np.ndarray]],
+        reference: list[dict[str, np.ndarray]] | None,
+    ) -> list[dict]:
         from quark_onnx.pipeline import quantize_passes, run_passes
 
         saturation = None
@@ -328,6 +352,7 @@ class ModelQuantizer:
             sample_feeds=samples,
             saturation=saturation,
             revert_costly=self.options.RevertCostlyPasses,
+            reference_outputs=reference,
         )
         return pipeline.as_dict()["passes"]
 
@@ -335,36 +360,41 @@ class ModelQuantizer:
         self,
         report: QuantizationReport,
         source: str,
-        model_input: Any,
-        quantized: onnx.ModelProto,
+        model: Any,
         samples: list[dict[str, np.ndarray]],
-        stages: tuple[onnx.ModelProto, Any, Any, Path | None],
+        reference: list[dict[str, np.ndarray]],
+        stages: tuple[onnx.ModelProto, Any, Path | None],
     ) -> None:
         """Measure every output against the original float model; warn (or raise) if unfaithful.
 
-        The reference is the model the user gave, not the prepared one: the cost of the
+        The reference is the model the user gave, before any pass: the cost of the
         numerics-changing passes counts. When an output is not faithful, the per-layer error
         analysis (the tensors whose SQNR drops the most) names where it is lost.
         """
         from quark_onnx import fidelity
-        from quark_onnx.errors import QuarkOnnxError
+        from quark_onnx.pipeline import run_model
 
         options = self.options
-        reference = model_input if isinstance(model_input, onnx.ModelProto) else str(model_input)
         try:
-            result = fidelity.measure(
+            quantized = run_model(model, samples)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning("%s: fidelity not measured: %s", source, first)
+            report.fidelity = {"faithful": None, "error": first}
+            return
+        result = fidelity.FidelityResult(
+            samples=len(samples),
+            outputs=fidelity.compare_runs(
                 reference,
                 quantized,
-                samples,
                 min_sqnr_db=options.FidelityMinSQNR,
                 min_agreement=options.FidelityMinAgreement,
-            )
-        except QuarkOnnxError as exc:
-            logger.warning("%s: fidelity not measured: %s", source, exc)
-            report.fidelity = {"faithful": None, "error": str(exc)}
-            return
+            ),
+            min_sqnr_db=options.FidelityMinSQNR,
+            min_agreement=options.FidelityMinAgreement,
+        )
         if not result.faithful:
-            result.worst_layers = self._worst_layers(report, samples, *stages)
+            result.worst_layers = self._worst_layers(report, samples, model, *stages)
         report.fidelity = result.to_dict()
         if result.faithful:
             logger.info(
@@ -383,8 +413,8 @@ class ModelQuantizer:
         self,
         report: QuantizationReport,
         samples: list[dict[str, np.ndarray]],
-        prepared: onnx.ModelProto,
         model: Any,
+        prepared: onnx.ModelProto,
         plan: Any,
         external_dir: Path | None,
         count: int = 3,
