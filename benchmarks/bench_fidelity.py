@@ -36,7 +36,10 @@ in ``benchmarks/.work/fidelity/`` (never in the repository).
 Option sets (``--configs``): ``preset`` is ``get_default_config("XINT8")`` as shipped; ``seed`` is
 the Vitis AI documentation's snippet as written (``shared/seeds/004``): the preset with
 ``activation_type = QInt8``, ``optimize_model = False`` and its extra options (``UseRandomData``
-included), with the real calibration reader passed as well.
+included), with the real calibration reader passed as well. ``UseRandomData`` means "random data
+instead of a data reader" (README), so ``seed`` calibrates on random inputs; ``seed_real`` is the
+same snippet with ``UseRandomData = False``, calibrating on the real images (how
+``bench_peers.py`` runs Quark with the snippet, ``common.XINT8_EXTRA_OPTIONS``).
 
 Measured per model and option set: top-1 of the quantized model and its drop in points from the
 original float model (labelled models), per graph output the SQNR ``10 log10(sum f^2 / sum (f -
@@ -94,7 +97,9 @@ ALL_MODELS = (
     "person",
     "ppocr",
 )
-CONFIGS = ("preset", "seed")
+CONFIGS = ("preset", "seed", "seed_real")
+# --techniques: the preset row measured in the same run (its key differs from the main rows').
+REFERENCE = "none"
 
 # shared/seeds/004: the options the Vitis AI documentation calls mandatory for XINT8.
 SEED_EXTRA_OPTIONS: dict[str, bool] = {**common.XINT8_EXTRA_OPTIONS, "UseRandomData": True}
@@ -331,7 +336,10 @@ def output_fidelity(f: np.ndarray, q: np.ndarray) -> dict[str, float]:
     sqnr = common.sqnr_db(f64, q64) if finite else float("nan")
     num = np.sum(f64 * q64, axis=1)
     den = np.linalg.norm(f64, axis=1) * np.linalg.norm(q64, axis=1)
-    cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num == 0, 1.0, 0.0))
+    # A zero vector against a non-zero one has cosine 0 (an all-zero output is not faithful);
+    # two zero vectors agree.
+    both_zero = (np.linalg.norm(f64, axis=1) == 0) & (np.linalg.norm(q64, axis=1) == 0)
+    cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(both_zero, 1.0, 0.0))
     return {
         "sqnr_db": round(sqnr, 2),
         "cosine": round(float(np.mean(cos)), 5) if finite else float("nan"),
@@ -405,10 +413,12 @@ def make_config(config: str, tweak: Callable[[Any], None] | None = None) -> Any:
     from quark_onnx.enums import QuantType
 
     qc = get_default_config("XINT8")
-    if config == "seed":
+    if config in ("seed", "seed_real"):
         qc.activation_type = QuantType.QInt8
         qc.optimize_model = False
         qc.extra_options.update(SEED_EXTRA_OPTIONS)
+        if config == "seed_real":
+            qc.extra_options["UseRandomData"] = False
     elif config != "preset":
         raise SystemExit(f"unknown option set {config!r}; known: {', '.join(CONFIGS)}")
     if tweak is not None:
@@ -502,8 +512,11 @@ def write_results(name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
     jpath = common.RESULTS_DIR / f"{name}.json"
     tpath = common.RESULTS_DIR / f"{name}.txt"
     old: list[dict] = []
+    runs: list[dict] = []
     if jpath.exists():
-        old = json.loads(jpath.read_text()).get("rows", [])
+        previous = json.loads(jpath.read_text())
+        old, runs = previous.get("rows", []), previous.get("runs", [])
+    runs = [*runs, meta]
     merged = {_key(r): r for r in old}
     merged.update({_key(r): r for r in rows})
     order = {m: i for i, m in enumerate(ALL_MODELS)}
@@ -512,9 +525,9 @@ def write_results(name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
         key=lambda r: (r.get("technique_off", "") != "", order.get(r["model"], 99), r["config"],
                        r.get("technique_off", "")),
     )  # fmt: skip
-    payload = {"meta": meta, "rows": all_rows}
+    payload = {"runs": runs, "rows": all_rows}
     _atomic_text(jpath, json.dumps(payload, indent=1, default=float) + "\n")
-    _atomic_text(tpath, table(all_rows, meta))
+    _atomic_text(tpath, table(all_rows, runs))
     return tpath, jpath
 
 
@@ -533,31 +546,34 @@ def _fmt(value: Any, spec: str, width: int) -> str:
     return format(value, spec).rjust(width)
 
 
-def table(rows: list[dict], meta: dict) -> str:
+def table(rows: list[dict], runs: list[dict]) -> str:
     lines = [
-        f"bench_fidelity.py  {meta.get('date', '')}  {meta.get('cpu', '')}, "
-        f"{meta.get('cores', '')} cores  quark_onnx {meta.get('commit', '')}",
+        f"bench_fidelity.py {' '.join(m.get('argv', []))}: {m.get('date', '')}, "
+        f"{m.get('cpu', '')}, {m.get('cores', '')} cores, quark_onnx {m.get('commit', '')}"
+        for m in runs
+    ]
+    lines += [
         "top-1 and drop (points) against the ORIGINAL float model; SQNR = min over graph outputs "
         "(dB); cos = mean per-image cosine of the first output; agree = argmax agreement; "
         "det = share of float detections matched (IoU >= 0.5); check = quark_onnx.check ready; "
         "rerun = identical bytes on a second run",
         "",
-        f"{'model':<22} {'config':<7} {'float':>6} {'top-1':>6} {'drop':>6} {'SQNR':>7} "
+        f"{'model':<22} {'config':<9} {'float':>6} {'top-1':>6} {'drop':>6} {'SQNR':>7} "
         f"{'cos':>7} {'agree':>6} {'det':>6} {'NaN':>4} {'quant s':>8} {'check':>6} {'rerun':>6}",
     ]
-    tech_rows = [r for r in rows if r.get("technique_off")]
+    tech_rows = [r for r in rows if r.get("technique_off") not in (None, "", REFERENCE)]
     for r in rows:
         if r.get("technique_off"):
             continue
         if "error" in r:
             lines.append(
-                f"{r['model']:<22} {r['config']:<7} ERROR {r['error'].splitlines()[-1][:110]}"
+                f"{r['model']:<22} {r['config']:<9} ERROR {r['error'].splitlines()[-1][:110]}"
             )
             continue
         first = next(iter(r["outputs"].values()))
         det = (r.get("detection") or {}).get("match_rate")
         lines.append(
-            f"{r['model']:<22} {r['config']:<7} {_fmt(r.get('float_top1'), '.4f', 6)} "
+            f"{r['model']:<22} {r['config']:<9} {_fmt(r.get('float_top1'), '.4f', 6)} "
             f"{_fmt(r.get('top1'), '.4f', 6)} {_fmt(r.get('drop_points'), '.2f', 6)} "
             f"{_fmt(r['min_sqnr_db'], '.2f', 7)} {_fmt(first['cosine'], '.4f', 7)} "
             f"{_fmt(r.get('agreement'), '.3f', 6)} {_fmt(det, '.3f', 6)} "
@@ -573,7 +589,7 @@ def table(rows: list[dict], meta: dict) -> str:
         for r in dets:
             d = r["detection"]
             lines.append(
-                f"  {r['config']:<7} {d['float_boxes']} / {d['float_images_with_boxes']} / "
+                f"  {r['config']:<9} {d['float_boxes']} / {d['float_images_with_boxes']} / "
                 f"{d['quant_boxes']} / {d['matched']}"
             )
     if tech_rows:
@@ -584,9 +600,7 @@ def table(rows: list[dict], meta: dict) -> str:
             f"{'model':<22} {'technique off':<36} {'preset':>8} {'off':>8} {'delta':>7} "
             f"{'top-1 off':>9} {'det off':>7}",
         ]
-        base = {
-            r["model"]: r for r in rows if r["config"] == "preset" and not r.get("technique_off")
-        }
+        base = {r["model"]: r for r in rows if r.get("technique_off") == REFERENCE}
         for r in tech_rows:
             ref = base.get(r["model"])
             if "error" in r:
@@ -636,12 +650,13 @@ def measure(
         row["technique_off"] = technique
     if float_top1 is not None:
         row["float_top1"] = round(float_top1, 4)
-    tag = f"{entry.name}.{config}" + (f".no-{technique}" if technique else "")
+    suffix = {"": "", REFERENCE: ".reference"}.get(technique, f".no-{technique}")
+    tag = f"{entry.name}.{config}{suffix}"
     out = WORK / "out" / f"{tag}.onnx"
     try:
         row.update(quantize(entry, make_config(config, tweak), out))
         row.update(evaluate(entry, f_out, out, float_top1))
-        if not technique:
+        if technique in ("", REFERENCE):
             row["check_ready"] = check_ready(out)
         if rerun:
             again = WORK / "out" / f"{tag}.rerun.onnx"
@@ -712,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         jobs: list[tuple[str, str, Callable[[Any], None] | None]] = []
         if args.techniques:
-            jobs.append(("preset", "", None))
+            jobs.append(("preset", REFERENCE, None))
             jobs += [("preset", t, fn) for t, fn in offs.items()]
         else:
             jobs += [(c, "", None) for c in configs]
@@ -727,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 err = row.get("error", "")[-200:]
                 print(f"  no-{technique}: SQNR {row.get('min_sqnr_db')} {err}", flush=True)
             else:
-                print(table([row], {}).splitlines()[-1], flush=True)
+                print(table([row], []).splitlines()[-1], flush=True)
     tpath, jpath = write_results(args.name, rows, meta)
     print()
     print(tpath.read_text())

@@ -102,6 +102,9 @@ def test_output_fidelity_sqnr_and_cosine():
     assert r["sqnr_db"] == round(10 * np.log10(26.0 / 2.0), 2)
     assert r["cosine"] == 0.5 and r["nan_inf"] is False
     assert bf.output_fidelity(f, np.array([[np.nan, 0], [0, 0]]))["nan_inf"] is True
+    zero = bf.output_fidelity(f, np.zeros_like(f))  # an all-zero output is not faithful
+    assert zero["cosine"] == 0.0 and zero["sqnr_db"] == 0.0
+    assert bf.output_fidelity(np.zeros((1, 2)), np.zeros((1, 2)))["cosine"] == 1.0
 
 
 def test_configs_and_technique_discovery():
@@ -112,6 +115,11 @@ def test_configs_and_technique_discovery():
     for key, value in bf.SEED_EXTRA_OPTIONS.items():
         assert seed.extra_options[key] == value
     assert seed.extra_options["UseRandomData"] is True  # the snippet as written
+    real = bf.make_config("seed_real")
+    assert real.extra_options["UseRandomData"] is False
+    assert {k: v for k, v in real.extra_options.items() if k != "UseRandomData"} == {
+        k: v for k, v in seed.extra_options.items() if k != "UseRandomData"
+    }
     offs = bf.preset_techniques()
     preset = bf.make_config("preset")
     assert preset.include_bias_correction and "include_bias_correction" in offs
