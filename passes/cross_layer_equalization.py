@@ -192,6 +192,41 @@ def channel_range_spread(weight: np.ndarray) -> float:
     return float(ranges.max() / ranges.min())
 
 
+def store_constant_input(
+    graph: ir.Graph,
+    node: ir.Node,
+    index: int,
+    array: np.ndarray,
+    names: NameGenerator,
+    suffix: str,
+) -> str:
+    """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor.
+
+    An initializer read only by this input is rewritten in place; one shared with other readers
+    (or a graph input/output, or a Constant node's output) is left as it is for them and a fresh
+    initializer ``<name>_<suffix>`` is made for ``node``; the old one is dropped once unread.
+    """
+    value = node.inputs[index]
+    exclusive = (
+        value.is_initializer()
+        and not value.is_graph_input()
+        and not value.is_graph_output()
+        and len(value.uses()) == 1
+    )
+    if exclusive:
+        value.const_value = ir.tensor(array, name=value.name)
+        return value.name
+    new = add_initializer(graph, names(f"{value.name or node.name}_{suffix}"), array)
+    node.replace_input_with(index, new)
+    if not value.uses() and not value.is_graph_output():
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant":
+            producer.graph.remove(producer, safe=True)
+        elif value.is_initializer() and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+    return new.name
+
+
 def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
     """``W`` viewed as ``(g, C_out/g, cpg, K)``, ``cpg = C_in/g``.
 
@@ -485,30 +520,6 @@ class CrossLayerEqualization(QuarkPass):
 
     # ------------------------------------------------------------------------------ write back
 
-    def _store(
-        self, graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
-    ) -> str:
-        """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor."""
-        value = node.inputs[index]
-        exclusive = (
-            value.is_initializer()
-            and not value.is_graph_input()
-            and not value.is_graph_output()
-            and len(value.uses()) == 1
-        )
-        if exclusive:
-            value.const_value = ir.tensor(array, name=value.name)
-            return value.name
-        new = add_initializer(graph, names(f"{value.name or node.name}_cle"), array)
-        node.replace_input_with(index, new)
-        if not value.uses() and not value.is_graph_output():
-            producer = value.producer()
-            if producer is not None and producer.op_type == "Constant":
-                producer.graph.remove(producer, safe=True)
-            elif value.is_initializer() and not value.is_graph_input():
-                graph.initializers.pop(value.name)
-        return new.name
-
     def _write_back(self, graph: ir.Graph, layers: Iterable[_Layer], report: CLEReport) -> None:
         names: NameGenerator | None = None
         for layer in layers:
@@ -519,9 +530,9 @@ class CrossLayerEqualization(QuarkPass):
             dtype = layer.original.dtype
             weight = layer.weight.astype(dtype)
             before = channel_range_spread(layer.original)
-            w_name = self._store(graph, layer.node, 1, weight, names)
+            w_name = store_constant_input(graph, layer.node, 1, weight, names, "cle")
             if layer.bias is not None:
-                self._store(graph, layer.node, 2, layer.bias.astype(dtype), names)
+                store_constant_input(graph, layer.node, 2, layer.bias.astype(dtype), names, "cle")
             report.spreads.append(
                 RangeSpread(_label(layer.node), w_name, before, channel_range_spread(weight))
             )
