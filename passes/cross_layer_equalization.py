@@ -22,8 +22,10 @@ reads input channel ``i``, the choice::
     s_i = sqrt(r1_i * r2_i) / r2_i = sqrt(r1_i / r2_i)
 
 makes both new ranges equal to ``sqrt(r1_i * r2_i)``, which maximises the product of the two
-layers' relative channel precisions (Nagel et al., section 4.1). Channels with ``r1_i = 0`` or
-``r2_i = 0`` keep ``s_i = 1``. Grouped second convolutions are handled through their channel
+layers' relative channel precisions (Nagel et al., section 4.1). A channel that is ~0 on either
+side keeps ``s_i = 1``: ``max |W1[i, ...]|`` or ``r2_i`` at most :data:`NEGLIGIBLE_RANGE` times
+the widest channel of that layer (a dead or constant channel; equalizing with it would carry its
+~0 range over to the partner). Grouped second convolutions are handled through their channel
 layout: input channel ``i`` of a conv with ``group = g`` and ``C_in / g`` channels per group is
 column ``i mod (C_in / g)`` of the output channels of group ``i div (C_in / g)``; a depthwise conv
 (``group = C_in``, weight ``C_out x 1 x k x k``) thus scales its per-channel filters by ``s_i``.
@@ -42,10 +44,12 @@ that rounding (about 1e-7 relative for float32).
 Gate (on by default). Equalizing ranges is not the same as lowering the error of one
 power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
 power-of-two grid, and a second conv's channels that were fine become coarse. Each proposed
-scaling of a pair is therefore applied only if it lowers
-``pof2_noise_ratio(W1) + pof2_noise_ratio(W2)`` (relative int8 rounding noise at each weight's
-MinMSE position); otherwise the pair is left as it is for that step. This needs no data, so it
-runs in the float prepare stage.
+scaling of a pair is therefore applied only if it raises neither ``pof2_noise_ratio(W1)`` nor
+``pof2_noise_ratio(W2)`` (relative int8 rounding noise at each weight's MinMSE position) and
+lowers their sum; if the full step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
+(the grid makes the noise jagged in ``s``), and if all fail the pair is left as it is for that
+step. The test is per layer: a lower sum alone could buy one layer's precision with the
+other's. This needs no data, so it runs in the float prepare stage.
 
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
@@ -106,6 +110,14 @@ MAX_ADAPTIVE_STEPS = 2000
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
+#: A channel whose weight range is at most this times its layer's widest is ~0 (dead or
+#: constant; :class:`~quark_onnx.passes.FoldConstantChannels` removes such channels exactly) and
+#: is never equalized: it keeps ``s = 1``. Even a 14-bit per-tensor grid rounds it to zero.
+NEGLIGIBLE_RANGE = 1e-4
+
+#: Powers of a pair's proposed scaling the gate tries, in order (full step, then damped steps).
+GATE_DAMPING = (1.0, 0.5, 0.25)
+
 # Per-channel, positively homogeneous ops that may sit between the two convs (op -> data input 0).
 _ALWAYS_HOMOGENEOUS = frozenset(
     {"Relu", "LeakyRelu", "PRelu", "Identity", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"}
@@ -157,6 +169,12 @@ class CLEReport:
     rejected: list[str] = dataclasses.field(default_factory=list)
 
 
+def _negligible(ranges: np.ndarray) -> np.ndarray:
+    """Channels whose range is at most :data:`NEGLIGIBLE_RANGE` times the layer's widest."""
+    top = float(np.max(ranges)) if ranges.size else 0.0
+    return ranges <= NEGLIGIBLE_RANGE * top
+
+
 def output_channel_ranges(weight: np.ndarray) -> np.ndarray:
     """``r_c = max |W[c, ...]|`` for each output channel ``c`` (axis 0) of a conv weight."""
     return np.abs(weight.reshape(weight.shape[0], -1)).max(axis=1)
@@ -173,7 +191,7 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     MinMSE position (what the XINT8 weights get); 0.0 for an all-zero weight.
 
     A layer's output noise from weight rounding is about this ratio times its output power, so
-    the sum over the two layers of a pair measures what equalization should lower.
+    the gate lowers it for a pair without raising it for either layer.
     """
     from quark_onnx import pof2
 
@@ -225,6 +243,16 @@ def store_constant_input(
         elif value.is_initializer() and not value.is_graph_input():
             graph.initializers.pop(value.name)
     return new.name
+
+
+def _rescaled(first: _Layer, second: _Layer, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``W1[i] / s_i`` and ``W2[:, i] * s_i`` (grouped layout), as new arrays."""
+    shape = (-1,) + (1,) * (first.weight.ndim - 1)
+    new_first = first.weight / scale.reshape(shape)
+    view = _grouped_view(second.weight, second.group)
+    cpg = view.shape[2]
+    new_second = (view * scale.reshape(second.group, 1, cpg, 1)).reshape(second.weight.shape)
+    return new_first, new_second
 
 
 def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
@@ -350,9 +378,9 @@ class CrossLayerEqualization(QuarkPass):
         pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
             nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
             eligible are logged and listed as skipped.
-        gate: apply a pair's scaling only when it lowers the pair's power-of-two weight
-            quantization noise, :func:`pof2_noise_ratio` of the first plus that of the second
-            weight (the NPU's per-tensor int8 grid); refused pairs are listed in
+        gate: apply a pair's scaling only when it raises neither layer's power-of-two weight
+            quantization noise (:func:`pof2_noise_ratio`, the NPU's per-tensor int8 grid) and
+            lowers their sum; refused pairs are listed in
             :attr:`CLEReport.rejected`.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
@@ -492,24 +520,24 @@ class CrossLayerEqualization(QuarkPass):
         r2 = input_channel_ranges(second.weight, second.group)
         scale = np.ones_like(r1)
         ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
+        # a ~0 channel on either side is dead or constant, not narrow: equalizing with it would
+        # only carry its ~0 range over to the partner (the weight range alone decides, a large
+        # bias does not make a constant channel a partner)
+        ok &= ~_negligible(output_channel_ranges(first.weight)) & ~_negligible(r2)
         scale[ok] = np.sqrt(r1[ok] / r2[ok])
         if self.max_scale is not None:
             total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        shape = (-1,) + (1,) * (first.weight.ndim - 1)
-        new_first = first.weight / scale.reshape(shape)
-        view = _grouped_view(second.weight, second.group)
-        cpg = view.shape[2]
-        new_second = (view * scale.reshape(second.group, 1, cpg, 1)).reshape(second.weight.shape)
+        proposal = self._gated(first, second, scale) if self.gate else None
         if self.gate:
-            before = pof2_noise_ratio(first.weight) + pof2_noise_ratio(second.weight)
-            after = pof2_noise_ratio(new_first) + pof2_noise_ratio(new_second)
-            if not after < before:
-                pair.rejected = True
+            pair.rejected = proposal is None
+            if proposal is None:
                 return 0.0
-            pair.rejected = False
+            scale, new_first, new_second = proposal
+        else:
+            new_first, new_second = _rescaled(first, second, scale)
         pair.cumulative = pair.cumulative * scale
         first.weight = new_first
         if first.bias is not None:
@@ -517,6 +545,26 @@ class CrossLayerEqualization(QuarkPass):
         second.weight = new_second
         first.changed = second.changed = True
         return float(np.mean(np.abs(scale - 1.0)))
+
+    @staticmethod
+    def _gated(
+        first: _Layer, second: _Layer, scale: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that raises neither layer's
+        power-of-two weight noise and lowers their sum, with the rescaled weights; or None.
+
+        Per layer, because a lower sum could still buy one layer's precision with the other's;
+        the damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
+        step can put one layer just past a grid point where half a step does not.
+        """
+        before = (pof2_noise_ratio(first.weight), pof2_noise_ratio(second.weight))
+        for power in GATE_DAMPING:
+            trial = scale**power
+            new_first, new_second = _rescaled(first, second, trial)
+            after = (pof2_noise_ratio(new_first), pof2_noise_ratio(new_second))
+            if after[0] <= before[0] and after[1] <= before[1] and sum(after) < sum(before):
+                return trial, new_first, new_second
+        return None
 
     # ------------------------------------------------------------------------------ write back
 

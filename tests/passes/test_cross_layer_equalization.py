@@ -184,12 +184,17 @@ def test_conv_leaky_relu_conv():
             [helper.make_node("PRelu", ["a", "slope"], ["h"])],
             id="prelu",
         ),
+        pytest.param(
+            [helper.make_node("PRelu", ["a", "negslope"], ["h"])],
+            id="prelu-negative-slopes",
+        ),
     ],
 )
 def test_other_homogeneous_paths(act):
     extra = {
         "zero": np.array(0.0, np.float32),
         "slope": np.linspace(0.05, 0.3, 6, dtype=np.float32).reshape(6, 1, 1),
+        "negslope": np.linspace(-1.5, 0.5, 6, dtype=np.float32).reshape(6, 1, 1),
     }
     model = _conv_act_conv(act, extra=extra)
     out, cle, modified = _apply(model, steps=2)
@@ -525,3 +530,49 @@ def test_gate_refuses_a_scaling_that_raises_pof2_weight_noise():
     assert not modified and cle.report.rejected == ["c1 -> c2"]
     _, _, changed = _apply(model, gate=False)
     assert changed  # without the gate the pair is rescaled
+
+
+def test_gate_refuses_a_scaling_that_trades_one_layers_precision_for_the_others():
+    """Conv 2 holds exact int8 codes (no rounding noise); conv 1's channels are 64x apart, so
+    equalizing lowers the pair's summed noise but puts conv 2 off its grid: refused."""
+    from passes.cross_layer_equalization import pof2_noise_ratio
+
+    rng = _rng(0)
+    w1 = rng.normal(0, 1, (8, 8, 1, 1)).astype(np.float32)
+    w1[0] *= 16
+    w2 = (rng.integers(-127, 128, (8, 8, 1, 1)) / 16).astype(np.float32)
+    model = _gate_pair(w1, w2)
+    # the proposal: s = sqrt(r1 / r2) per channel (no bias to read here), and its damped steps
+    s = np.sqrt(output_channel_ranges(w1) / input_channel_ranges(w2, 1))
+    new1, new2 = w1 / s.reshape(-1, 1, 1, 1), w2 * s.reshape(1, -1, 1, 1)
+    assert pof2_noise_ratio(new1) + pof2_noise_ratio(new2) < pof2_noise_ratio(w1)  # sum lower
+    for power in (1.0, 0.5, 0.25):  # but conv 2 gets worse at every step
+        assert pof2_noise_ratio(w2 * s.reshape(1, -1, 1, 1) ** power) > pof2_noise_ratio(w2)
+    assert pof2_noise_ratio(w2) == 0.0
+    _, cle, modified = _apply(model, gate=True)
+    assert not modified and cle.report.rejected == ["c1 -> c2"]
+
+
+@pytest.mark.parametrize("side", ["first", "second"])
+def test_negligible_channel_is_never_a_partner(side):
+    """A ~0 channel (weights 1e-7 of the widest, a large bias) keeps s = 1 on both sides; the
+    other channels are equalized as usual."""
+    model = _conv_act_conv(_relu())
+    w = _weights(model)
+    wa, wb, ba = w["wa"].copy(), w["wb"].copy(), w["ba"].copy()
+    if side == "first":
+        wa[0] = wa[0] / np.abs(wa[0]).max() * np.abs(wa).max() * 1e-7
+        ba[0] = 5.0  # a constant channel: scale_append_bias must not make it a partner
+        wb[:, 0] *= 100
+    else:
+        wb[:, 0] = wb[:, 0] / np.abs(wb[:, 0]).max() * np.abs(wb).max() * 1e-7
+    for t in model.graph.initializer:
+        if t.name in ("wa", "wb", "ba"):
+            t.CopyFrom(onnx.numpy_helper.from_array({"wa": wa, "wb": wb, "ba": ba}[t.name], t.name))
+    out, _, modified = _apply(model, steps=1)
+    assert modified
+    _assert_same_outputs(model, out)
+    np.testing.assert_array_equal(_node_weight(out, "A")[0], wa[0])
+    np.testing.assert_array_equal(_node_weight(out, "B")[:, 0], wb[:, 0])
+    np.testing.assert_array_equal(_node_weight(out, "A", 2)[0], ba[0])
+    assert np.any(_node_weight(out, "A")[1:] != wa[1:])  # the rest is equalized
