@@ -13,6 +13,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  1b   RemoveInferenceDropout              always (inference Dropout is an identity)
  2    ConvertSplitToSlice                 ``ExtraOptions.ConvertSplitToSlice``
  3    ConvertBNToConv                     ``ExtraOptions.ConvertBNToConv``
+ 3b   FoldConstantChannels                ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization              ``qconfig.include_cle``
  5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
@@ -22,7 +23,9 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  9    GraphCleanup                        always: drop unused nodes/initializers, sort
 ====  ==================================  ===============================================
 
-Simplification comes first so the rewrites see folded constants; ReplaceClip6Relu precedes
+Simplification comes first so the rewrites see folded constants; constant channels are folded
+once BatchNorms are in the Convs' weights and before CLE, which must not pair a ~0 channel;
+ReplaceClip6Relu precedes
 ConvertClipToRelu so a ReLU6 becomes a plain Relu (no range cap) when both are on; ReduceMean is
 turned into GlobalAveragePool before large pools are split.
 
@@ -59,6 +62,7 @@ from quark_onnx.passes import (
     ConvertSplitToSlice,
     CrossLayerEqualization,
     FixInputShapes,
+    FoldConstantChannels,
     MakeConvAttributesExplicit,
     RemoveInferenceDropout,
     ReplaceClip6Relu,
@@ -104,6 +108,10 @@ def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[Q
         (True, RemoveInferenceDropout),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
         (options.ConvertBNToConv, ConvertBNToConv),
+        (
+            options.FoldConstantChannels,
+            FoldConstantChannels(tolerance=options.FoldConstantChannelsTolerance),
+        ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
         (options.ConvertClipToRelu, ConvertClipToRelu),
