@@ -40,19 +40,31 @@ cannot matter, judged scale-free at every consumer it reaches. With ``x`` the pr
 the channel's pre-activation varies by at most ``||W1[c]||_1 * max|x|`` around ``b1[c]``; each op
 on the way multiplies that by its Lipschitz constant ``lambda_c`` (1 for Relu, Clip, pools and
 Concat; ``max(1, |alpha_c|)`` for LeakyRelu/PRelu; ``|m_c|`` for BatchNormalization;
-``||w_c||_1`` for a depthwise Conv); the consumer multiplies it by at most ``g_c = max_o
-||W2[o, i]||_1``. So freezing the channel changes any consumer output by at most ``m_c *
-max|x|`` with::
+``||w_c||_1`` for a depthwise Conv); consumer output ``o`` multiplies it by ``||W2[o, i]||_1``.
+So freezing the channel changes consumer output ``o`` by at most ``m[c, o] * max|x|`` with::
 
-    m_c = ||W1[c]||_1 * lambda_c * g_c
+    m[c, o] = ||W1[c]||_1 * lambda_c * ||W2[o, i_c]||_1
 
-and the largest single-channel contribution is bounded by ``max_j m_j * max|x|``. Channel ``c``
-is negligible when ``m_c <= tolerance * max_j m_j`` at every consumer (default ``tolerance =
-1e-4``): the change of each consumer output is below ``tolerance`` times the largest channel's
-bound, whatever the input's magnitude. ``m_c`` does not change when a channel is rescaled through
-a positively homogeneous op (``W1[c] / s`` and ``W2[:, c] * s``), nor when the input is scaled,
-so a channel that is merely small in one layer and large in the next is never taken for
-negligible. A negligible channel is folded only when every reader is foldable (all paths end in
+while the largest single-channel contribution to ``o`` is bounded by ``max_j m[j, o] * max|x|``.
+Channel ``c`` of an ungrouped Conv is *negligible* when ``m[c, o] <= tolerance * max_j m[j, o]``
+for every output ``o`` of every consumer (default ``tolerance = 1e-4``): the change of each
+consumer output is below ``tolerance`` times its largest channel's bound, whatever the input's
+magnitude. The ratio does not change when a channel is rescaled through a positively
+homogeneous op (``W1[c] / s`` and ``W2[:, c] * s``), when a consumer's output channel is
+rescaled, or when the input is scaled, so a channel that is merely small in one layer and large
+in the next is never taken for negligible. (A grouped or depthwise producer's channels read
+different input channels, whose magnitudes cannot be compared this way.)
+
+Clamped channels (with samples). A dead channel (tiny weights, a negative bias, then Relu) is
+exactly 0 for every input with ``||W1[c]||_1 * max|x| < -b1[c]``, however large its readers'
+weights; the same holds for a channel a Clip saturates. Given sample inputs, the pass measures
+``X = max|x|`` at each ungrouped Conv's input and propagates the interval ``b1[c] +- ||W1[c]||_1
+* margin * X`` (default ``margin = 100``) through the ops above (interval arithmetic; a depthwise
+Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a single point at every
+consumer is *clamped*: constant for every input up to ``margin`` times the largest the samples
+showed, so folding it changes nothing there.
+
+A negligible or clamped channel is folded only when every reader is foldable (all paths end in
 Conv/Gemm consumers where the fold is exact and no value on the way is a graph output); its
 weights are then set to exactly 0. A channel whose weights are exactly 0 is folded into every
 consumer where that is exact, and left alone elsewhere (its value does not change).
@@ -83,6 +95,31 @@ _STANDARD = ("", "ai.onnx")
 
 #: Default of :attr:`FoldConstantChannels.tolerance` (see the module docstring).
 DEFAULT_TOLERANCE = 1e-4
+#: Default of :attr:`FoldConstantChannels.margin` (see the module docstring).
+DEFAULT_MARGIN = 100.0
+FOLD_KINDS = ("zero", "clamped", "negligible")
+
+
+def _max_abs(model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, float]:
+    """``max |v|`` of the named values of ``model`` on ``feeds`` (onnxruntime, CPU)."""
+    import onnx
+    import onnxruntime as ort
+
+    from quark_onnx.model_io import to_proto
+
+    proto = to_proto(model)
+    known = {o.name for o in proto.graph.output}
+    for name in names:
+        if name not in known:
+            proto.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    arrays = session.run(names, feeds)
+    return {n: float(np.max(np.abs(a))) for n, a in zip(names, arrays, strict=True) if a.size}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +130,10 @@ class FoldedChannel:
     channel: int
     constant: float  # the channel's value (its bias) before the ops that follow it
     consumers: tuple[str, ...]
-    negligible: bool  # the weights were negligible (set to 0 here), not already 0
+    #: ``"zero"``: the weights were 0; ``"clamped"``: the activation clamps the channel to one
+    #: value for every input up to ``margin`` times the samples' range; ``"negligible"``: its
+    #: variation bound is negligible (both: the weights are set to 0 here)
+    kind: str
 
 
 @dataclasses.dataclass
@@ -144,13 +184,19 @@ class _Layer:
         g = channel // cpg
         return slice(g * per_group, (g + 1) * per_group), channel % cpg
 
-    def read_gain(self, channels: np.ndarray) -> np.ndarray:
-        """``max_o ||W[o, i, ...]||_1`` for each input channel ``i`` (times ``|alpha|``, Gemm)."""
+    def read_gains(self, channels: np.ndarray) -> np.ndarray:
+        """``G[k, o] = ||W[o, i_k, ...]||_1`` for input channels ``i_k = channels[k]`` and every
+        output channel ``o`` (0 where ``o`` does not read ``i_k``, grouped convs)."""
         cpg = self.weight.shape[1]
         per_group = self.weight.shape[0] // self.group
-        flat = np.abs(self.weight.reshape(self.group, per_group, cpg, -1)).sum(axis=3)
-        gain = flat.max(axis=1).reshape(-1)  # length C_in
-        return gain[channels] * abs(self.alpha)
+        l1 = np.abs(self.weight.reshape(self.weight.shape[0], cpg, -1)).sum(axis=2)  # [O, cpg]
+        if self.group == 1:
+            return l1[:, channels].T * abs(self.alpha)
+        gains = np.zeros((channels.size, self.weight.shape[0]))
+        for k, i in enumerate(channels):
+            rows = slice((i // cpg) * per_group, (i // cpg + 1) * per_group)
+            gains[k, rows] = l1[rows, i % cpg]
+        return gains
 
     def effective_bias(self) -> np.ndarray:
         """A Conv's bias including what folding added (zeros when it has none)."""
@@ -210,13 +256,17 @@ def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
 class _Path:
     """Where the producer's channels are on a value: per producer channel (vectors of length C).
 
-    ``idx``: channel index in the value; ``const``: the constant value there (NaN where the
-    channel would not be constant); ``lam``: Lipschitz factor accumulated so far; ``dws``:
-    depthwise convs passed, each with the channel index at its input and its output constant.
+    ``idx``: channel index in the value; ``const``: the value there if the producer's weights
+    were zero (NaN where it would not be constant); ``lo``/``hi``: an interval holding the
+    channel's values for the inputs considered (a point where the ops clamp it flat);
+    ``lam``: Lipschitz factor accumulated so far; ``dws``: depthwise convs passed, each with the
+    channel index at its input and its output constant.
     """
 
     idx: np.ndarray
     const: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
     lam: np.ndarray
     dws: tuple[tuple[ir.Node, np.ndarray, np.ndarray], ...] = ()
     spatial_one: bool = False  # H = W = 1 is known (after a global pool)
@@ -244,6 +294,31 @@ def _per_channel(array: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None
     if np.max(idx, initial=-1) >= squeezed.size:
         return None
     return squeezed[idx]
+
+
+def _map(path: _Path, f, lam: np.ndarray | float = 1.0) -> _Path:
+    """``path`` through the per-channel continuous piecewise-linear ``f`` (kinks at most at 0 and
+    at monotone clamps): the interval's image is spanned by ``f(lo)``, ``f(hi)`` and, when the
+    interval straddles 0, ``f(0)``."""
+    with np.errstate(invalid="ignore"):
+        a, b = f(path.lo), f(path.hi)
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        straddle = (path.lo < 0) & (path.hi > 0)
+        zero = f(np.zeros_like(path.lo))
+        lo = np.where(straddle, np.minimum(lo, zero), lo)
+        hi = np.where(straddle, np.maximum(hi, zero), hi)
+        const = f(path.const)
+    return dataclasses.replace(path, const=const, lo=lo, hi=hi, lam=path.lam * lam)
+
+
+def _zero_padded(path: _Path) -> _Path:
+    """``path`` through an op that also reads zero padding: only a 0 constant stays constant."""
+    return dataclasses.replace(
+        path,
+        const=np.where(path.const == 0, 0.0, np.nan),
+        lo=np.minimum(path.lo, 0.0),
+        hi=np.maximum(path.hi, 0.0),
+    )
 
 
 def _clip_bounds(node: ir.Node) -> tuple[float, float] | None:
@@ -277,20 +352,35 @@ class FoldConstantChannels(QuarkPass):
 
     Args:
         tolerance: a channel with non-zero weights is negligible when ``m_c <= tolerance *
-            max_j m_j`` at every consumer (module docstring); ``0`` folds only channels whose
-            weights are exactly zero.
+            max_j m_j`` at every consumer (module docstring); ``0`` turns this test off.
+        sample_feeds: model inputs (e.g. a calibration batch); with them, a channel that the
+            activation clamps to one value for every input up to ``margin`` times the largest
+            ``|x|`` the samples give its layer is folded too (``"clamped"``).
+        margin: how far beyond the samples' input range the clamp must hold.
 
     After a run, :attr:`report` (:class:`FoldReport`) lists the folded channels.
     """
 
-    def __init__(self, tolerance: float = DEFAULT_TOLERANCE) -> None:
+    def __init__(
+        self,
+        tolerance: float = DEFAULT_TOLERANCE,
+        sample_feeds: dict[str, np.ndarray] | None = None,
+        margin: float = DEFAULT_MARGIN,
+    ) -> None:
         super().__init__()
         if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
             raise ConfigError(
                 f"FoldConstantChannels tolerance={tolerance!r}: use a number in [0, 1) "
                 f"(default {DEFAULT_TOLERANCE})"
             )
+        if not (isinstance(margin, (int, float)) and margin >= 1):
+            raise ConfigError(
+                f"FoldConstantChannels margin={margin!r}: use a number >= 1 "
+                f"(default {DEFAULT_MARGIN})"
+            )
         self.tolerance = float(tolerance)
+        self.sample_feeds = sample_feeds
+        self.margin = float(margin)
         self.report = FoldReport()
 
     # ----------------------------------------------------------------------------- exploration
@@ -328,7 +418,6 @@ class FoldConstantChannels(QuarkPass):
             return f"{where} is not a per-channel op"
         if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
             return f"{where} has a second output in use"
-        const, lam = path.const, path.lam
         if op == "Concat":
             if node.attributes.get_int("axis", 0) not in (1,):
                 return f"{where} does not concatenate channels (axis 1)"
@@ -351,22 +440,22 @@ class FoldConstantChannels(QuarkPass):
         if op == "Identity" or op == "Dropout":
             return path
         if op == "Relu":
-            return dataclasses.replace(path, const=np.maximum(const, 0.0))
+            return _map(path, lambda v: np.maximum(v, 0.0))
         if op == "Clip":
             bounds = _clip_bounds(node)
             if bounds is None:
                 return f"{where} has non-constant bounds"
-            return dataclasses.replace(path, const=np.clip(const, *bounds))
+            return _map(path, lambda v: np.clip(v, *bounds))
         if op == "LeakyRelu":
             alpha = node.attributes.get_float("alpha", 0.01)
-            new = np.where(const >= 0, const, alpha * const)
-            return dataclasses.replace(path, const=new, lam=lam * max(1.0, abs(alpha)))
+            return _map(path, lambda v: np.where(v >= 0, v, alpha * v), max(1.0, abs(alpha)))
         if op == "PRelu":
             slope = _per_channel(_const(node.inputs[1]), path.idx)
             if slope is None:
                 return f"{where} slope is not a constant scalar or per-channel vector"
-            new = np.where(const >= 0, const, slope * const)
-            return dataclasses.replace(path, const=new, lam=lam * np.maximum(1.0, np.abs(slope)))
+            return _map(
+                path, lambda v: np.where(v >= 0, v, slope * v), np.maximum(1.0, np.abs(slope))
+            )
         if op == "BatchNormalization":
             if node.attributes.get_int("training_mode", 0):
                 return f"{where} is in training mode"
@@ -375,7 +464,7 @@ class FoldConstantChannels(QuarkPass):
                 return f"{where} parameters are not constant per-channel vectors"
             gamma, beta, mean, var = params
             m = gamma / np.sqrt(var + node.attributes.get_float("epsilon", 1e-5))
-            return dataclasses.replace(path, const=m * (const - mean) + beta, lam=lam * np.abs(m))
+            return _map(path, lambda v: m * (v - mean) + beta, np.abs(m))
         if op in ("MaxPool", "GlobalMaxPool", "GlobalAveragePool"):
             return dataclasses.replace(path, spatial_one=op.startswith("Global"))
         if op == "AveragePool":
@@ -383,7 +472,7 @@ class FoldConstantChannels(QuarkPass):
             pads = node.attributes.get_ints("pads", ()) or ()
             auto = node.attributes.get_string("auto_pad", "NOTSET")
             if counts_pad and (any(pads) or auto.startswith("SAME")):
-                return dataclasses.replace(path, const=np.where(const == 0, 0.0, np.nan))
+                return _zero_padded(path)
             return path
         if op == "Pad":
             mode = node.attributes.get_string("mode", "constant")
@@ -391,7 +480,7 @@ class FoldConstantChannels(QuarkPass):
                 value = _const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
                 if value is not None and np.any(value != 0):
                     return f"{where} pads with a non-zero value"
-                return dataclasses.replace(path, const=np.where(const == 0, 0.0, np.nan))
+                return _zero_padded(path)
             return path
         if op in ("Flatten", "Reshape"):
             return self._through_flatten(node, path, where)
@@ -405,15 +494,21 @@ class FoldConstantChannels(QuarkPass):
     def _through_depthwise(self, layer: _Layer, path: _Path) -> _Path:
         rows = layer.weight.reshape(layer.weight.shape[0], -1)[path.idx]
         bias = layer.effective_bias()[path.idx]
-        if layer.padded:
-            # zero padding: only a 0 input stays constant (the border windows read zeros)
-            const = np.where(path.const == 0, bias, np.nan)
-        else:
+        if layer.padded:  # the border windows read zeros too
+            path = _zero_padded(path)
+        l1 = np.abs(rows).sum(axis=1)
+        with np.errstate(invalid="ignore"):
             const = path.const * rows.sum(axis=1) + bias
+            center = (path.lo + path.hi) / 2 * rows.sum(axis=1) + bias
+            radius = np.where(path.hi > path.lo, (path.hi - path.lo) / 2 * l1, 0.0)
+            lo, hi = center - radius, center + radius
+        unbounded = ~(np.isfinite(lo) & np.isfinite(hi))
         return _Path(
             idx=path.idx,
             const=const,
-            lam=path.lam * np.abs(rows).sum(axis=1),
+            lo=np.where(unbounded, -np.inf, lo),
+            hi=np.where(unbounded, np.inf, hi),
+            lam=path.lam * l1,
             dws=(*path.dws, (layer.node, path.idx, const)),
         )
 
@@ -449,20 +544,38 @@ class FoldConstantChannels(QuarkPass):
         layer = self._layer(producer)
         if layer is None or layer.gemm:
             return False
-        channels = layer.weight.shape[0]
-        rows = layer.weight.reshape(channels, -1)
-        l1 = np.abs(rows).sum(axis=1)
-        exact = l1 == 0
+        channels, cpg = layer.weight.shape[:2]
+        per_input = np.abs(layer.weight.reshape(channels, cpg, -1)).sum(axis=2)  # [C, cpg]
+        exact = ~np.any(per_input, axis=1)
         bias = layer.effective_bias()
-        if self.tolerance == 0 and not exact.any():
-            return False
+        # ||W[c]||_1 * max|x| bounds the channel's variation around its bias. The samples'
+        # max|x| is used only for ungrouped producers, whose channels all read every input
+        # channel: a depthwise channel reads one, which a few samples may show near 0 although
+        # other inputs drive it
+        variation = per_input.sum(axis=1)
+        x_max = self._input_max.get(producer.inputs[0].name) if layer.group == 1 else None
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = np.inf if x_max is None else x_max * self.margin
+            radius = np.where(exact, 0.0, variation * scale)
         leaves: list[_Leaf] = []
-        start = _Path(idx=np.arange(channels), const=bias.copy(), lam=np.ones(channels))
+        start = _Path(
+            idx=np.arange(channels),
+            const=bias.copy(),
+            lo=bias - radius,
+            hi=bias + radius,
+            lam=np.ones(channels),
+        )
         self._explore(producer.outputs[0], start, leaves)
+        if not any(leaf.node is not None for leaf in leaves):
+            return False
 
-        # per channel: can it be folded everywhere, and is it negligible at every consumer?
+        # per channel: can it be folded everywhere; is it negligible at every consumer; is it
+        # clamped to one value (the interval a point) at every consumer
         foldable_everywhere = np.ones(channels, dtype=bool)
-        negligible = np.ones(channels, dtype=bool)
+        # a grouped producer's channels read different input channels, whose magnitudes the
+        # bound cannot compare: only ungrouped producers qualify
+        negligible = np.full(channels, layer.group == 1 and self.tolerance > 0)
+        flat = np.ones(channels, dtype=bool)
         for leaf in leaves:
             if leaf.node is None:
                 foldable_everywhere[:] = False
@@ -472,17 +585,17 @@ class FoldConstantChannels(QuarkPass):
             if target.padded:
                 ok &= leaf.path.const == 0
             foldable_everywhere &= ok
-            m = l1 * leaf.path.lam * target.read_gain(leaf.path.idx)
-            ref = float(np.max(m)) if m.size else 0.0
-            negligible &= m <= self.tolerance * ref
+            flat &= leaf.path.lo == leaf.path.hi
+            # per consumer output o: m[c, o] against the largest channel's m[j, o]
+            m = (variation * leaf.path.lam)[:, None] * target.read_gains(leaf.path.idx)
+            ref = m.max(axis=0, initial=0.0)
+            negligible &= np.all(m <= self.tolerance * ref, axis=1)
         for leaf in leaves:  # a depthwise conv on the way must be foldable too
             for _dw, _idx, const in leaf.path.dws:
                 foldable_everywhere &= np.isfinite(const)
-        fire_negligible = ~exact & negligible & foldable_everywhere & (l1 > 0)
-        if not leaves:
-            return False
+        fire = ~exact & (negligible | flat) & foldable_everywhere
         modified = False
-        for c in np.flatnonzero(exact | fire_negligible):
+        for c in np.flatnonzero(exact | fire):
             c = int(c)
             consumers: list[str] = []
             done_dw: set[int] = set()
@@ -516,17 +629,47 @@ class FoldConstantChannels(QuarkPass):
                 consumers.append(_label(leaf.node))
             if not consumers:
                 continue
-            if fire_negligible[c]:
+            if fire[c]:
                 layer.weight[c] = 0.0
                 layer.weight_changed = True
             modified = True
+            kind = "zero" if exact[c] else ("negligible" if negligible[c] else "clamped")
             self.report.folded.append(
-                FoldedChannel(_label(producer), c, float(bias[c]), tuple(consumers), not exact[c])
+                FoldedChannel(_label(producer), c, float(bias[c]), tuple(consumers), kind)
             )
-        kept = (exact & ~foldable_everywhere) | (~exact & negligible & ~foldable_everywhere)
+        kept = (exact | negligible | flat) & ~foldable_everywhere
         for c in np.flatnonzero(kept):
             self.report.kept.append(f"{_label(producer)}[{int(c)}]")
         return modified
+
+    def _measure_inputs(self, model: ir.Model) -> dict[str, float]:
+        """``max |x|`` over the samples of every ungrouped Conv's input (empty without samples,
+        or when onnxruntime cannot run the model: then the pass works data-free)."""
+        if not self.sample_feeds:
+            return {}
+        names = sorted(
+            {
+                node.inputs[0].name
+                for node in model.graph
+                if node.op_type == "Conv"
+                and node.domain in _STANDARD
+                and node.attributes.get_int("group", 1) == 1
+                and node.inputs
+                and node.inputs[0] is not None
+                and node.inputs[0].name
+            }
+        )
+        if not names:
+            return {}
+        try:
+            return _max_abs(model, self.sample_feeds, names)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            logger.warning(
+                "FoldConstantChannels: cannot run the model on the samples (%s); only the "
+                "data-free criteria are used",
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+            return {}
 
     # ------------------------------------------------------------------------------ write back
 
@@ -565,6 +708,7 @@ class FoldConstantChannels(QuarkPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.report = FoldReport()
         self._layers: dict[int, _Layer | None] = {}
+        self._input_max = self._measure_inputs(model)
         modified = False
         for node in list(model.graph):
             if node.op_type == "Conv" and node.domain in _STANDARD:
@@ -572,9 +716,9 @@ class FoldConstantChannels(QuarkPass):
         if modified:
             self._write_back(model.graph)
             logger.info(
-                "FoldConstantChannels: %d channels folded (%d negligible, %d already zero)",
+                "FoldConstantChannels: %d channels folded (%d already zero, %d clamped, "
+                "%d negligible)",
                 len(self.report.folded),
-                sum(f.negligible for f in self.report.folded),
-                sum(not f.negligible for f in self.report.folded),
+                *(sum(f.kind == k for f in self.report.folded) for k in FOLD_KINDS),
             )
         return ir.passes.PassResult(model, modified=modified)

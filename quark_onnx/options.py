@@ -42,8 +42,10 @@ class ExtraOptions:
     )
     FoldConstantChannels: bool = _opt(
         False,
-        "Fold Conv output channels that are constant (weights zero, or negligible by "
-        "FoldConstantChannelsTolerance) into the Conv/Gemm layers reading them, through "
+        "Fold Conv output channels that are constant (weights zero, negligible by "
+        "FoldConstantChannelsTolerance, or clamped to one value by the activation for every input "
+        "up to 100x the first calibration batch's range) into the Conv/Gemm layers reading them, "
+        "through "
         "Relu/Clip/LeakyRelu/PRelu/BatchNormalization/pools/depthwise Conv: the constant times "
         "the reader's weights goes into its bias and those weights are zeroed, only where exact "
         "(never a non-zero constant into a zero-padded Conv). Removes the outlier weights such "

@@ -92,8 +92,15 @@ class GraphCleanup(QuarkPass):
         return ir.passes.PassResult(model, modified=removed or resorted)
 
 
-def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
+def prepare_passes(
+    qconfig: QuantizationConfig,
+    options: ExtraOptions,
+    sample_feeds: dict[str, np.ndarray] | None = None,
+) -> list[QuarkPass]:
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
+
+    ``sample_feeds`` (model inputs, e.g. the first calibration batch) lets FoldConstantChannels
+    also fold channels the samples show clamped to one value with a wide margin.
 
     Cross-layer equalization (``include_cle``) runs right after ReplaceClip6Relu — ReLU6 blocks it,
     plain Relu does not — and before ConvertClipToRelu, whose range cap it must not rescale.
@@ -110,7 +117,9 @@ def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[Q
         (options.ConvertBNToConv, ConvertBNToConv),
         (
             options.FoldConstantChannels,
-            FoldConstantChannels(tolerance=options.FoldConstantChannelsTolerance),
+            FoldConstantChannels(
+                tolerance=options.FoldConstantChannelsTolerance, sample_feeds=sample_feeds
+            ),
         ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
@@ -140,15 +149,20 @@ def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[
     return []
 
 
-def quantize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
-    """Every float pass that runs before calibration, in run order.
+def quantize_passes(
+    qconfig: QuantizationConfig,
+    options: ExtraOptions,
+    sample_feeds: dict[str, np.ndarray] | None = None,
+) -> list[QuarkPass]:
+    """Every float pass that runs before calibration, in run order (``sample_feeds``: as for
+    :func:`prepare_passes`).
 
     The prepare passes (cross-layer equalization among them), then for NPU configs
     (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU`` and the individual
     ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """
-    passes = prepare_passes(qconfig, options)
+    passes = prepare_passes(qconfig, options, sample_feeds)
     if qconfig.enable_npu_cnn:
         if options.SimulateDPU:
             if options.ConvertLeakyReluToDPUVersion:

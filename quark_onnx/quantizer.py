@@ -276,7 +276,7 @@ class ModelQuantizer:
     def _prepare(self, model: Any, sample: dict[str, np.ndarray] | None) -> list[dict]:
         from quark_onnx.pipeline import quantize_passes, run_passes
 
-        passes = quantize_passes(self.qconfig, self.options)
+        passes = quantize_passes(self.qconfig, self.options, sample)
         pipeline = run_passes(model, passes, sample_feeds=sample)
         return pipeline.as_dict()["passes"]
 

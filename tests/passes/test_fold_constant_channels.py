@@ -60,11 +60,11 @@ def _out(name: str) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", "c", "h", "w"])
 
 
-def _chain(act_nodes, scale=0.0, k=1, extra=None, hw=8, seed=0):
+def _chain(act_nodes, scale=0.0, k=1, extra=None, hw=8, seed=0, boost=100.0):
     """x -> Conv A -> act_nodes ('a' -> 'h') -> Conv B (k x k) -> y."""
     rng = _rng(seed)
     wa, ba = _producer(rng, scale)
-    inits = {**(extra or {}), "wa": wa, "ba": ba, "wb": _consumer(rng, k=k)}
+    inits = {**(extra or {}), "wa": wa, "ba": ba, "wb": _consumer(rng, k=k, boost=boost)}
     inits["bb"] = rng.standard_normal(5).astype(np.float32)
     nodes = [_conv("A", "x", "wa", "ba", "a"), *act_nodes]
     nodes.append(_conv("B", "h" if act_nodes else "a", "wb", "bb", "y", k=k))
@@ -163,7 +163,7 @@ def test_constant_channel_folded_through(act, scale):
     _assert_same_outputs(model, out)
     _assert_folded(model, out)
     assert sorted(f.channel for f in fold.report.folded) == list(CONST)
-    assert all(f.negligible == (scale > 0) for f in fold.report.folded)
+    assert all(f.kind == ("negligible" if scale else "zero") for f in fold.report.folded)
 
 
 def test_fold_arithmetic_is_the_constant_times_the_column_sum():
@@ -398,7 +398,7 @@ def test_second_run_changes_nothing():
 @pytest.mark.real_model
 @pytest.mark.parametrize(
     "name,input_name,scale,folded",
-    [("mobilenetv2_rebuilt.onnx", "input", 1.0, 28), ("squeezenet1.1.onnx", "data_0", 50.0, 1)],
+    [("mobilenetv2_rebuilt.onnx", "input", 1.0, 20), ("squeezenet1.1.onnx", "data_0", 50.0, 1)],
 )
 def test_real_model_float_outputs_unchanged(name, input_name, scale, folded):
     """Inputs at the models' pre-processed scale (normalised RGB; BGR 0-255 minus the mean)."""
@@ -407,3 +407,43 @@ def test_real_model_float_outputs_unchanged(name, input_name, scale, folded):
     out, fold, _ = _apply(model)
     assert len(fold.report.folded) == folded
     _assert_same_outputs(model, out, feeds)
+
+
+# --------------------------------------------------------------------------- clamped (samples)
+
+
+def _dead_by_bias(bias: float) -> onnx.ModelProto:
+    """Channel 1 of A: weights 1e-3 of the others (not negligible: B reads it 1000x harder) and
+    ``bias``, then Relu; dead for every input with ||W_1||_1 * max|x| < -bias."""
+    nodes, _ = ACTS["relu"]()
+    model = _chain(nodes, scale=1e-3, boost=1000.0)
+    ba = _weight(model, "A", 2).copy()
+    ba[1] = bias
+    init = next(t for t in model.graph.initializer if t.name == "ba")
+    init.CopyFrom(onnx.numpy_helper.from_array(ba, "ba"))
+    return model
+
+
+def test_channel_clamped_dead_on_samples_is_folded():
+    model = _dead_by_bias(-20.0)  # ||W_1||_1 * 100 * max|x| is about 7
+    samples = _feeds(model, seed=4)
+    _, fold, modified = _apply(model)  # data-free: not negligible, nothing to fold
+    assert not modified
+    out, fold, modified = _apply(model, sample_feeds=samples)
+    assert modified
+    assert [(f.channel, f.kind) for f in fold.report.folded] == [(1, "clamped")]
+    assert not np.any(_weight(out, "A")[1]) and not np.any(_weight(out, "B")[:, 1])
+    _assert_same_outputs(model, out, _feeds(model, seed=5))  # other inputs: still exact
+    _assert_same_outputs(model, out, {"x": samples["x"] * 50})  # far beyond the samples too
+
+
+def test_channel_that_samples_cannot_prove_dead_is_kept():
+    """Bias -0.05: the 1e-3 weights could lift it above 0 within 100x the samples' range."""
+    model = _dead_by_bias(-0.05)
+    _, fold, _ = _apply(model, sample_feeds=_feeds(model, seed=4))
+    assert 1 not in [f.channel for f in fold.report.folded]
+
+
+def test_bad_margin_rejected():
+    with pytest.raises(ConfigError, match="margin"):
+        FoldConstantChannels(margin=0.5)
