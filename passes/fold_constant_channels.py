@@ -59,7 +59,7 @@ Clamped channels (with samples). A dead channel (tiny weights, a negative bias, 
 exactly 0 for every input with ``||W1[c]||_1 * max|x| < -b1[c]``, however large its readers'
 weights; the same holds for a channel a Clip saturates. Given sample inputs, the pass measures
 ``X = max|x|`` at each ungrouped Conv's input and propagates the interval ``b1[c] +- ||W1[c]||_1
-* margin * X`` (default ``margin = 100``) through the ops above (interval arithmetic; a depthwise
+* margin * X`` (default ``margin = 10``) through the ops above (interval arithmetic; a depthwise
 Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a single point at every
 consumer is *clamped*: constant for every input up to ``margin`` times the largest the samples
 showed, so folding it changes nothing there.
@@ -96,7 +96,7 @@ _STANDARD = ("", "ai.onnx")
 #: Default of :attr:`FoldConstantChannels.tolerance` (see the module docstring).
 DEFAULT_TOLERANCE = 1e-4
 #: Default of :attr:`FoldConstantChannels.margin` (see the module docstring).
-DEFAULT_MARGIN = 100.0
+DEFAULT_MARGIN = 10.0
 FOLD_KINDS = ("zero", "clamped", "negligible")
 
 

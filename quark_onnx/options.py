@@ -44,7 +44,7 @@ class ExtraOptions:
         False,
         "Fold Conv output channels that are constant (weights zero, negligible by "
         "FoldConstantChannelsTolerance, or clamped to one value by the activation for every input "
-        "up to 100x the first calibration batch's range) into the Conv/Gemm layers reading them, "
+        "up to 10x the first calibration batch's range) into the Conv/Gemm layers reading them, "
         "through "
         "Relu/Clip/LeakyRelu/PRelu/BatchNormalization/pools/depthwise Conv: the constant times "
         "the reader's weights goes into its bias and those weights are zeroed, only where exact "
