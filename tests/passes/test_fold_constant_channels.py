@@ -447,3 +447,36 @@ def test_channel_that_samples_cannot_prove_dead_is_kept():
 def test_bad_margin_rejected():
     with pytest.raises(ConfigError, match="margin"):
         FoldConstantChannels(margin=0.5)
+
+
+@pytest.mark.real_model
+def test_stress_dead_channels_of_squeezenet_are_folded_away():
+    """The benchmark's dead/constant-channel stress variant of SqueezeNet (17 dead channels whose
+    readers' weights are 100x the median): folding restores every layer's weight range."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import make_stress_variants as msv
+
+    original = onnx.load(shared_path("models", "squeezenet1.1.onnx"))
+    variant, changed = msv.make_variant(original, "deadconst", 0)
+    assert changed["dead_channels"] == 17
+    samples = {"data_0": _rng(3).standard_normal((1, 3, 224, 224)).astype(np.float32) * 50}
+    out, _, modified = _apply(variant, sample_feeds=samples)
+    assert modified
+    feeds = {"data_0": _rng(4).standard_normal((1, 3, 224, 224)).astype(np.float32) * 50}
+    _assert_same_outputs(variant, out, feeds)
+
+    def ranges(model):
+        inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+        return {
+            n.output[0]: float(np.abs(inits[n.input[1]]).max())
+            for n in model.graph.node
+            if n.op_type == "Conv"
+        }
+
+    before, stressed, after = ranges(original), ranges(variant), ranges(out)
+    assert any(stressed[k] > 10 * before[k] for k in before)  # the stress did blow ranges up
+    for name, r in before.items():
+        assert after[name] <= r * (1 + 1e-6), name
