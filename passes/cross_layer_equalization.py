@@ -245,14 +245,22 @@ def store_constant_input(
     return new.name
 
 
-def _rescaled(first: _Layer, second: _Layer, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``W1[i] / s_i`` and ``W2[:, i] * s_i`` (grouped layout), as new arrays."""
+def _rescaled(
+    first: _Layer, readers: Sequence[tuple[_Layer, np.ndarray]], scale: np.ndarray
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """``W1[i] / s_i`` and, for each reader reading channel ``i`` as its input channel
+    ``idx[i]``, ``W2[:, idx[i]] * s_i`` (grouped layout); new arrays (readers by ``id``)."""
     shape = (-1,) + (1,) * (first.weight.ndim - 1)
     new_first = first.weight / scale.reshape(shape)
-    view = _grouped_view(second.weight, second.group)
-    cpg = view.shape[2]
-    new_second = (view * scale.reshape(second.group, 1, cpg, 1)).reshape(second.weight.shape)
-    return new_first, new_second
+    new: dict[int, np.ndarray] = {}
+    for layer, idx in readers:
+        weight = new.get(id(layer), layer.weight)
+        factors = np.ones(weight.shape[1] * layer.group)
+        factors[idx] = scale
+        view = _grouped_view(weight, layer.group)
+        cpg = view.shape[2]
+        new[id(layer)] = (view * factors.reshape(layer.group, 1, cpg, 1)).reshape(weight.shape)
+    return new_first, new
 
 
 def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
@@ -322,6 +330,21 @@ def _homogeneity_problem(node: ir.Node) -> str | None:
     return f"{op} {_label(node)!r} is not a known positively homogeneous op"
 
 
+def _concat_offset(node: ir.Node, index: int) -> tuple[int, int] | str:
+    """``(first channel of input index, total channels)`` of a channel (axis 1) Concat."""
+    rank = node.outputs[0].shape.rank() if node.outputs[0].shape is not None else None
+    axis = node.attributes.get_int("axis", 0)
+    if not (axis == 1 or (rank is not None and axis == 1 - rank)):
+        return f"Concat {_label(node)!r} does not concatenate channels (axis 1)"
+    counts = []
+    for value in node.inputs:
+        dims = value.shape if value is not None else None
+        if dims is None or len(dims) < 2 or not isinstance(dims[1], int):
+            return f"Concat {_label(node)!r}: the channel count of an input is unknown"
+        counts.append(dims[1])
+    return sum(counts[:index]), sum(counts)
+
+
 def _conv_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | str:
     """The constant float weight and bias of a Conv, or the reason they cannot be rewritten."""
     if len(node.inputs) < 2 or node.inputs[1] is None:
@@ -355,11 +378,28 @@ class _Layer:
 
 @dataclasses.dataclass
 class _Pair:
+    """A conv and every conv reading its channels: ``readers`` holds each reader's layer and,
+    per channel ``i`` of the first conv, the reader's input channel (``i`` plus a Concat
+    offset)."""
+
     first: _Layer
-    second: _Layer
+    readers: list[tuple[_Layer, np.ndarray]]
     through: tuple[str, ...]
     cumulative: np.ndarray  # product of all s applied at this channel boundary
     rejected: bool = False  # the gate refused this pair's last proposed scaling
+
+    @property
+    def reader_layers(self) -> list[_Layer]:
+        """The distinct reader layers, in discovery order."""
+        seen: dict[int, _Layer] = {}
+        for layer, _ in self.readers:
+            seen.setdefault(id(layer), layer)
+        return list(seen.values())
+
+    @property
+    def second(self) -> str:
+        """The readers' labels, comma-separated."""
+        return ", ".join(_label(layer.node) for layer in self.reader_layers)
 
 
 class CrossLayerEqualization(QuarkPass):
@@ -444,80 +484,102 @@ class CrossLayerEqualization(QuarkPass):
                 report.skipped.append(SkippedPair(_label(node), result))
                 logger.debug("CLE: no pair from %s: %s", _label(node), result)
                 continue
-            second, through, first_arrays, second_arrays = result
-            if self.pairs is not None and (node.name, second.name) not in self.pairs:
+            readers, through, first_arrays = result
+            names = [reader.name for reader, _, _ in readers]
+            if self.pairs is not None and not any((node.name, n) in self.pairs for n in names):
                 report.skipped.append(
-                    SkippedPair(_label(node), f"pair with {_label(second)!r} not selected")
+                    SkippedPair(_label(node), f"pair with {', '.join(names)!r} not selected")
                 )
                 continue
             first_layer = layer(node, first_arrays)
-            second_layer = layer(second, second_arrays)
             found.append(
                 _Pair(
                     first_layer,
-                    second_layer,
+                    [(layer(reader, arrays), idx) for reader, idx, arrays in readers],
                     through,
                     np.ones(first_layer.weight.shape[0]),
                 )
             )
         if self.pairs is not None:
-            chosen = {(p.first.node.name, p.second.node.name) for p in found}
+            chosen = {(p.first.node.name, r.node.name) for p in found for r in p.reader_layers}
             for a, b in sorted(self.pairs - chosen):
                 logger.warning("CLE: requested pair (%r, %r) is not an eligible pair", a, b)
                 report.skipped.append(SkippedPair(a, f"requested pair with {b!r} not eligible"))
         return found
 
-    def _follow(self, first: ir.Node) -> tuple[ir.Node, tuple[str, ...], tuple, tuple] | str:
-        """The second conv reached from ``first`` through homogeneous ops, or why there is none."""
+    def _follow(self, first: ir.Node) -> tuple[list, tuple[str, ...], tuple] | str:
+        """Every conv reading ``first``'s channels through homogeneous ops and channel Concats,
+        with the input channel each reads, or why the channels cannot be rescaled."""
         first_arrays = _conv_weights(first)
         if isinstance(first_arrays, str):
             return first_arrays
-        value = first.outputs[0]
+        channels = first_arrays[0].shape[0]
+        readers: list[tuple[ir.Node, np.ndarray, tuple]] = []
         through: list[str] = []
-        while True:
-            uses = list(value.uses())
+        # (value, channel index of first's channels in it, channel count of the value)
+        stack = [(first.outputs[0], np.arange(channels), channels)]
+        while stack:
+            value, idx, width = stack.pop()
             if value.is_graph_output():
                 return f"{value.name!r} is a graph output"
-            if len(uses) != 1:
-                return f"{value.name!r} has {len(uses)} readers (needs exactly one)"
-            consumer, index = uses[0].node, uses[0].idx
-            if index != 0:
-                return f"{value.name!r} is input {index} of {consumer.op_type} {_label(consumer)!r}"
-            if consumer.op_type == "Conv" and consumer.domain in ("", "ai.onnx"):
-                break
-            problem = _homogeneity_problem(consumer)
-            if problem is not None:
-                return problem
-            through.append(consumer.op_type)
-            value = consumer.outputs[0]
-            if RANGE_MAX_KEY in value.metadata_props:
+            if value is not first.outputs[0] and RANGE_MAX_KEY in value.metadata_props:
                 return (
                     f"{value.name!r} carries a range cap ({RANGE_MAX_KEY}) that rescaling its "
                     "channels would invalidate; run CLE before ConvertClipToRelu"
                 )
-        second = consumer
-        second_arrays = _conv_weights(second)
-        if isinstance(second_arrays, str):
-            return second_arrays
-        channels = first_arrays[0].shape[0]
-        group = second.attributes.get_int("group", 1)
-        w2 = second_arrays[0]
-        if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
-            return (
-                f"Conv {_label(second)!r} (group {group}, weight {w2.shape}) does not read "
-                f"{channels} channels"
-            )
-        return second, tuple(through), first_arrays, second_arrays
+            uses = list(value.uses())
+            if not uses:
+                return f"{value.name!r} has no reader"
+            for use in uses:
+                consumer, index = use.node, use.idx
+                standard = consumer.domain in ("", "ai.onnx")
+                if standard and consumer.op_type == "Concat":
+                    offset = _concat_offset(consumer, index)
+                    if isinstance(offset, str):
+                        return offset
+                    start, total = offset
+                    if "Concat" not in through:
+                        through.append("Concat")
+                    stack.append((consumer.outputs[0], idx + start, total))
+                    continue
+                if index != 0:
+                    return (
+                        f"{value.name!r} is input {index} of {consumer.op_type} "
+                        f"{_label(consumer)!r}"
+                    )
+                if standard and consumer.op_type == "Conv":
+                    arrays = _conv_weights(consumer)
+                    if isinstance(arrays, str):
+                        return arrays
+                    group = consumer.attributes.get_int("group", 1)
+                    w2 = arrays[0]
+                    if group < 1 or w2.shape[1] * group != width or w2.shape[0] % group:
+                        return (
+                            f"Conv {_label(consumer)!r} (group {group}, weight {w2.shape}) does "
+                            f"not read {width} channels"
+                        )
+                    readers.append((consumer, idx, arrays))
+                    continue
+                problem = _homogeneity_problem(consumer)
+                if problem is not None:
+                    return problem
+                if consumer.op_type not in through:
+                    through.append(consumer.op_type)
+                stack.append((consumer.outputs[0], idx, width))
+        return readers, tuple(through), first_arrays
 
     # ------------------------------------------------------------------------------ equalization
 
     def _equalize(self, pair: _Pair) -> float:
         """One equalization of ``pair`` in place; returns ``mean_i |s_i - 1|``."""
-        first, second = pair.first, pair.second
+        first = pair.first
         r1 = output_channel_ranges(first.weight)
         if self.scale_append_bias and first.bias is not None:
             r1 = np.maximum(r1, np.abs(first.bias))
-        r2 = input_channel_ranges(second.weight, second.group)
+        r2 = np.max(
+            [input_channel_ranges(layer.weight, layer.group)[idx] for layer, idx in pair.readers],
+            axis=0,
+        )
         scale = np.ones_like(r1)
         ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
         # a ~0 channel on either side is dead or constant, not narrow: equalizing with it would
@@ -530,40 +592,45 @@ class CrossLayerEqualization(QuarkPass):
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        proposal = self._gated(first, second, scale) if self.gate else None
+        proposal = self._gated(pair, scale) if self.gate else None
         if self.gate:
             pair.rejected = proposal is None
             if proposal is None:
                 return 0.0
-            scale, new_first, new_second = proposal
+            scale, new_first, new_readers = proposal
         else:
-            new_first, new_second = _rescaled(first, second, scale)
+            new_first, new_readers = _rescaled(first, pair.readers, scale)
         pair.cumulative = pair.cumulative * scale
         first.weight = new_first
         if first.bias is not None:
             first.bias = first.bias / scale
-        second.weight = new_second
-        first.changed = second.changed = True
+        first.changed = True
+        for layer in pair.reader_layers:
+            layer.weight = new_readers[id(layer)]
+            layer.changed = True
         return float(np.mean(np.abs(scale - 1.0)))
 
     @staticmethod
     def _gated(
-        first: _Layer, second: _Layer, scale: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that raises neither layer's
+        pair: _Pair, scale: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]] | None:
+        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that raises no layer's
         power-of-two weight noise and lowers their sum, with the rescaled weights; or None.
 
         Per layer, because a lower sum could still buy one layer's precision with the other's;
         the damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
         step can put one layer just past a grid point where half a step does not.
         """
-        before = (pof2_noise_ratio(first.weight), pof2_noise_ratio(second.weight))
+        layers = pair.reader_layers
+        before = [pof2_noise_ratio(pair.first.weight)]
+        before += [pof2_noise_ratio(layer.weight) for layer in layers]
         for power in GATE_DAMPING:
             trial = scale**power
-            new_first, new_second = _rescaled(first, second, trial)
-            after = (pof2_noise_ratio(new_first), pof2_noise_ratio(new_second))
-            if after[0] <= before[0] and after[1] <= before[1] and sum(after) < sum(before):
-                return trial, new_first, new_second
+            new_first, new_readers = _rescaled(pair.first, pair.readers, trial)
+            after = [pof2_noise_ratio(new_first)]
+            after += [pof2_noise_ratio(new_readers[id(layer)]) for layer in layers]
+            if all(a <= b for a, b in zip(after, before, strict=True)) and sum(after) < sum(before):
+                return trial, new_first, new_readers
         return None
 
     # ------------------------------------------------------------------------------ write back
@@ -591,9 +658,7 @@ class CrossLayerEqualization(QuarkPass):
         report = CLEReport()
         self.report = report
         pairs = self._find_pairs(model.graph, report)
-        report.pairs = [
-            EqualizedPair(_label(p.first.node), _label(p.second.node), p.through) for p in pairs
-        ]
+        report.pairs = [EqualizedPair(_label(p.first.node), p.second, p.through) for p in pairs]
         if not pairs or self.steps == 0:
             report.converged = not pairs
             report.last_change = 0.0 if not pairs else math.inf
@@ -615,13 +680,12 @@ class CrossLayerEqualization(QuarkPass):
                 self.threshold,
             )
 
-        report.rejected = [
-            f"{_label(p.first.node)} -> {_label(p.second.node)}" for p in pairs if p.rejected
-        ]
+        report.rejected = [f"{_label(p.first.node)} -> {p.second}" for p in pairs if p.rejected]
         layers: dict[int, _Layer] = {}
         for pair in pairs:
             layers.setdefault(id(pair.first), pair.first)
-            layers.setdefault(id(pair.second), pair.second)
+            for layer in pair.reader_layers:
+                layers.setdefault(id(layer), layer)
         self._write_back(model.graph, layers.values(), report)
         modified = bool(report.spreads)
         logger.info(

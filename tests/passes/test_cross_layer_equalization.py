@@ -335,14 +335,71 @@ def test_relu6_blocks_the_pair():
     assert any("ReplaceClip6Relu" in s.reason for s in report.skipped if s.first == "A")
 
 
-def test_second_consumer_blocks_the_pair():
+def test_second_reader_that_is_not_a_conv_blocks_the_pair():
     model = _conv_act_conv(_relu())
     model.graph.node.append(helper.make_node("Identity", ["h"], ["h_copy"]))
     model.graph.output.append(
         helper.make_tensor_value_info("h_copy", TensorProto.FLOAT, [2, 6, 8, 8])
     )
     report = _unchanged(model, steps=-1)
-    assert any("2 readers" in s.reason for s in report.skipped if s.first == "A")
+    assert any("graph output" in s.reason for s in report.skipped if s.first == "A")
+    model = _conv_act_conv(_relu())
+    model.graph.node.append(helper.make_node("Sigmoid", ["h"], ["h_sig"]))
+    model.graph.output.append(
+        helper.make_tensor_value_info("h_sig", TensorProto.FLOAT, [2, 6, 8, 8])
+    )
+    report = _unchanged(model, steps=-1)
+    assert any("Sigmoid" in s.reason for s in report.skipped if s.first == "A")
+
+
+def _fire_module(seed: int = 0) -> onnx.ModelProto:
+    """SqueezeNet's shape: squeeze S -> Relu -> {expand E1 (1x1), expand E3 (3x3)} -> Relu each
+    -> Concat -> MaxPool -> conv N; channels rescaled by 1/100..100 through every boundary."""
+    rng = _rng(seed)
+    inits = {
+        "ws": _spread_weight(rng, (6, 3, 1, 1)),
+        "bs": (rng.standard_normal(6) * 0.1).astype(np.float32),
+        "w1": _spread_weight(rng, (4, 6, 1, 1)),
+        "w3": _spread_weight(rng, (5, 6, 3, 3)),
+        "b3": (rng.standard_normal(5) * 0.1).astype(np.float32),
+        "wn": rng.standard_normal((3, 9, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        _conv("S", "x", "ws", "bs", "s", k=1),
+        helper.make_node("Relu", ["s"], ["sr"]),
+        _conv("E1", "sr", "w1", None, "e1", k=1),
+        _conv("E3", "sr", "w3", "b3", "e3", k=3),
+        helper.make_node("Relu", ["e1"], ["e1r"]),
+        helper.make_node("Relu", ["e3"], ["e3r"]),
+        helper.make_node("Concat", ["e1r", "e3r"], ["cat"], axis=1),
+        helper.make_node("MaxPool", ["cat"], ["mp"], kernel_shape=[2, 2], strides=[2, 2]),
+        _conv("N", "mp", "wn", None, "y", k=1),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])
+    return onnx.shape_inference.infer_shapes(make_model(nodes, [x], [y], inits))
+
+
+def test_several_conv_readers_and_concat_are_equalized_jointly():
+    model = _fire_module()
+    out, cle, modified = _apply(model, steps=-1)
+    assert modified and cle.report.converged
+    _assert_same_outputs(model, out)
+    pairs = {(p.first, p.second, p.through) for p in cle.report.pairs}
+    assert pairs == {
+        ("S", "E3, E1", ("Relu",)),
+        ("E1", "N", ("Relu", "Concat", "MaxPool")),
+        ("E3", "N", ("Relu", "Concat", "MaxPool")),
+    } or pairs == {
+        ("S", "E1, E3", ("Relu",)),
+        ("E1", "N", ("Relu", "Concat", "MaxPool")),
+        ("E3", "N", ("Relu", "Concat", "MaxPool")),
+    }
+    # one sweep of S's boundary: S's ranges against the larger of E1's and E3's reads
+    for name in ("S", "E1", "E3"):
+        assert channel_range_spread(_node_weight(out, name)) < channel_range_spread(
+            _node_weight(model, name)
+        )
 
 
 def test_intermediate_graph_output_blocks_the_pair():
