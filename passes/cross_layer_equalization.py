@@ -44,9 +44,10 @@ that rounding (about 1e-7 relative for float32).
 Gate (on by default). Equalizing ranges is not the same as lowering the error of one
 power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
 power-of-two grid, and a second conv's channels that were fine become coarse. Each proposed
-scaling of a pair is therefore applied only if it raises neither ``pof2_noise_ratio(W1)`` nor
-``pof2_noise_ratio(W2)`` (relative int8 rounding noise at each weight's MinMSE position) and
-lowers their sum; if the full step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
+scaling of a pair is therefore applied only if it raises no layer's rounding noise as the
+readers' outputs see it (:func:`propagated_noise`: int8 rounding error at each weight's MinMSE
+position, each channel weighted by the signal it carries to the readers, so a channel the grid
+rounds away counts however small its weights) and lowers their sum; if the full step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
 (the grid makes the noise jagged in ``s``), and if all fail the pair is left as it is for that
 step. The test is per layer: a lower sum alone could buy one layer's precision with the
 other's. This needs no data, so it runs in the float prepare stage.
@@ -54,15 +55,20 @@ other's. This needs no data, so it runs in the float prepare stage.
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
 
-Pairs handled: ``Conv -> [ops] -> Conv`` where
+Pairs handled: ``Conv -> [ops] -> Conv(s)`` where
 
 * ``[ops]`` is zero or more of Relu, LeakyRelu, PRelu, Identity, Clip whose bounds are each absent,
   0 or infinite (``Clip(0, inf)`` is a Relu), MaxPool (no Indices output used), AveragePool,
-  GlobalAveragePool, GlobalMaxPool, and Pad in reflect/edge/wrap mode or constant mode with value 0;
-* the first conv's output and every intermediate output has exactly one reader (a graph output
-  or a second reader such as a residual Add blocks the pair), reached through input 0;
-* both convs have constant float weights (initializers that are not graph inputs, or Constant
-  nodes) and a constant bias or none; the second conv's ``C_in`` equals the first's ``C_out``.
+  GlobalAveragePool, GlobalMaxPool, Pad in reflect/edge/wrap mode or constant mode with value 0,
+  and Concat on the channel axis (channel ``i`` becomes channel ``offset + i``; the inputs'
+  channel counts must be known);
+* every reader of the first conv's output and of every value on the way is one of those ops
+  (through input 0, any input of a Concat) or a Conv reading it as input 0: the first conv is
+  equalized against all those convs at once, ``r2_i`` the largest read of channel ``i`` over
+  them (SqueezeNet's squeeze conv against both expand convs; each expand conv against the conv
+  after the Concat). A graph output, or any other reader (a residual Add), blocks it;
+* all convs have constant float weights (initializers that are not graph inputs, or Constant
+  nodes) and a constant bias or none; each reader's ``C_in`` equals the channels it reads.
 
 Not equalized (logged at debug level and listed in :attr:`CrossLayerEqualization.report`):
 
@@ -190,8 +196,8 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     """``||Q(W) - W||^2 / ||W||^2`` with ``Q`` the per-tensor power-of-two int8 quantizer at the
     MinMSE position (what the XINT8 weights get); 0.0 for an all-zero weight.
 
-    A layer's output noise from weight rounding is about this ratio times its output power, so
-    the gate lowers it for a pair without raising it for either layer.
+    Energy-weighted: a narrow channel the grid rounds to zero barely moves it, which is why the
+    gate uses :func:`propagated_noise` instead.
     """
     from quark_onnx import pof2
 
@@ -199,6 +205,68 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     if energy == 0.0:
         return 0.0
     return pof2.sse(weight, pof2.minmse_position(weight)) / energy
+
+
+def _quant_error(weight: np.ndarray) -> np.ndarray:
+    """``Q(W) - W`` in float64, ``Q`` the per-tensor power-of-two int8 quantizer at the MinMSE
+    position."""
+    from quark_onnx import pof2
+
+    w64 = weight.astype(np.float64)
+    if not np.any(w64):
+        return np.zeros_like(w64)
+    p = pof2.minmse_position(weight)
+    return pof2.fake_quant(w64, p).astype(np.float64) - w64
+
+
+def propagated_noise(
+    first: np.ndarray, readers: Sequence[tuple[np.ndarray, int, np.ndarray]]
+) -> list[float]:
+    """Each layer's power-of-two rounding noise as the readers' outputs see it, relative.
+
+    ``first``: the producer's weight (channel ``i`` = row ``i``); ``readers``: ``(weight, group,
+    idx)`` per reader, reading channel ``i`` as its input channel ``idx[i]``. With ``E`` the
+    rounding error of a whole tensor at its MinMSE position, ``a_i^2 = ||W1[i]||^2`` and
+    ``g_i^2 = sum_k ||W_k[:, idx_k[i]]||^2``::
+
+        N1   = sum_i ||E1[i]||^2 g_i^2 / sum_i ||W1[i]||^2 g_i^2
+        N2_k = sum_i ||E_k[:, idx_k[i]]||^2 a_i^2 / sum_i ||W_k[:, idx_k[i]]||^2 a_i^2
+
+    A channel's error counts as much as the signal it carries to the readers' outputs, so a
+    channel the per-tensor grid rounds to nothing counts even if its weights are tiny (a plain
+    ``||E||^2 / ||W||^2`` would ignore it). Rescaling a channel (``W1[i] / s``, ``W_k[:, i] *
+    s``) leaves every weight ``||W1[i]||^2 g_i^2`` unchanged: only what the grid does to the
+    rescaled weights moves these numbers. Returns ``[N1, N2_1, ...]`` (one per distinct reader
+    weight, in order of first appearance).
+    """
+
+    def columns(weight: np.ndarray, group: int, idx: np.ndarray) -> np.ndarray:
+        # squared norm of every input-channel column (grouped layout), picked at idx
+        view = _grouped_view(np.square(weight), group)
+        return view.sum(axis=(1, 3)).reshape(-1)[idx]
+
+    e1 = _quant_error(first)
+    row_w = np.square(first.astype(np.float64)).reshape(first.shape[0], -1).sum(axis=1)
+    row_e = np.square(e1).reshape(first.shape[0], -1).sum(axis=1)
+    reads = np.zeros(first.shape[0])
+    per_reader: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for weight, group, idx in readers:
+        w64 = weight.astype(np.float64)
+        col_w = columns(w64, group, idx)
+        reads += col_w
+        if id(weight) not in per_reader:
+            per_reader[id(weight)] = (np.zeros_like(row_w), np.zeros_like(row_w))
+        total_w, total_e = per_reader[id(weight)]
+        total_w += col_w
+        total_e += columns(_quant_error(weight), group, idx)
+
+    def ratio(err: np.ndarray, sig: np.ndarray, weights: np.ndarray) -> float:
+        den = float(np.sum(sig * weights))
+        return float(np.sum(err * weights)) / den if den > 0 else 0.0
+
+    noise = [ratio(row_e, row_w, reads)]
+    noise += [ratio(e, w, row_w) for w, e in per_reader.values()]
+    return noise
 
 
 def channel_range_spread(weight: np.ndarray) -> float:
@@ -418,9 +486,9 @@ class CrossLayerEqualization(QuarkPass):
         pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
             nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
             eligible are logged and listed as skipped.
-        gate: apply a pair's scaling only when it raises neither layer's power-of-two weight
-            quantization noise (:func:`pof2_noise_ratio`, the NPU's per-tensor int8 grid) and
-            lowers their sum; refused pairs are listed in
+        gate: apply a pair's scaling only when it raises no layer's power-of-two weight
+            quantization noise as the readers see it (:func:`propagated_noise`, the NPU's
+            per-tensor int8 grid) and lowers their sum; refused pairs are listed in
             :attr:`CLEReport.rejected`.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
@@ -621,14 +689,15 @@ class CrossLayerEqualization(QuarkPass):
         the damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
         step can put one layer just past a grid point where half a step does not.
         """
-        layers = pair.reader_layers
-        before = [pof2_noise_ratio(pair.first.weight)]
-        before += [pof2_noise_ratio(layer.weight) for layer in layers]
+        before = propagated_noise(
+            pair.first.weight, [(lay.weight, lay.group, idx) for lay, idx in pair.readers]
+        )
         for power in GATE_DAMPING:
             trial = scale**power
             new_first, new_readers = _rescaled(pair.first, pair.readers, trial)
-            after = [pof2_noise_ratio(new_first)]
-            after += [pof2_noise_ratio(new_readers[id(layer)]) for layer in layers]
+            after = propagated_noise(
+                new_first, [(new_readers[id(lay)], lay.group, idx) for lay, idx in pair.readers]
+            )
             if all(a <= b for a, b in zip(after, before, strict=True)) and sum(after) < sum(before):
                 return trial, new_first, new_readers
         return None

@@ -633,3 +633,48 @@ def test_negligible_channel_is_never_a_partner(side):
     np.testing.assert_array_equal(_node_weight(out, "B")[:, 0], wb[:, 0])
     np.testing.assert_array_equal(_node_weight(out, "A", 2)[0], ba[0])
     assert np.any(_node_weight(out, "A")[1:] != wa[1:])  # the rest is equalized
+
+
+def test_propagated_noise_counts_channels_the_grid_rounds_away():
+    """Channel 0 of conv 1 is 1000x narrower than the rest and conv 2 reads it 1000x harder:
+    the per-tensor grid zeroes it. Its energy share is ~1e-7, so ||E||^2 / ||W||^2 hardly
+    sees it; weighted by what conv 2 makes of it, it dominates."""
+    from passes.cross_layer_equalization import pof2_noise_ratio, propagated_noise
+
+    rng = _rng(14)
+    w1 = rng.normal(0, 1, (8, 8, 1, 1))
+    w1[0] *= 1e-3
+    w2 = rng.normal(0, 1, (8, 8, 1, 1))
+    w2[:, 0] *= 1e3
+    n1, _ = propagated_noise(w1, [(w2, 1, np.arange(8))])
+    # channel 0 carries ~1/8 of what conv 2 sees and is lost: N1 >= 1/8, the energy ratio ~1e-4
+    assert n1 > 0.125 and pof2_noise_ratio(w1) < n1 / 1000
+    # the rescaling that undoes it leaves the weighting unchanged and removes the noise
+    s = np.ones(8)
+    s[0] = 1e-3
+    m1, m2 = propagated_noise(
+        w1 / s.reshape(-1, 1, 1, 1), [(w2 * s.reshape(1, -1, 1, 1), 1, np.arange(8))]
+    )
+    assert m1 < n1 / 100 and m2 < 1e-3
+
+
+def test_randomly_rescaled_pair_is_equalized_back_through_the_gate():
+    """Per-channel factors log-uniform in 1/100..100 through a Relu (the stress benchmark's
+    transform): CLE until converged, gate on, brings conv 1's channel range spread back."""
+    model = _conv_act_conv(_relu(), c=8)
+    w = _weights(model)
+    spread0 = channel_range_spread(w["wa"])
+    s = np.exp(_rng(15).uniform(np.log(1e-2), np.log(1e2), 8)).astype(np.float32)
+    stressed = {
+        "wa": w["wa"] * s.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * s,
+        "wb": w["wb"] / s.reshape(1, -1, 1, 1),
+    }
+    for t in model.graph.initializer:
+        if t.name in stressed:
+            t.CopyFrom(onnx.numpy_helper.from_array(stressed[t.name].astype(np.float32), t.name))
+    assert channel_range_spread(stressed["wa"]) > 100 * spread0
+    out, _, modified = _apply(model, steps=-1, gate=True)
+    assert modified
+    _assert_same_outputs(model, out)
+    assert channel_range_spread(_node_weight(out, "A")) < 4 * spread0
