@@ -47,7 +47,8 @@ power-of-two grid, and a second conv's channels that were fine become coarse. Ea
 scaling of a pair is therefore applied only if it raises no layer's rounding noise as the
 readers' outputs see it (:func:`propagated_noise`: int8 rounding error at each weight's MinMSE
 position, each channel weighted by the signal it carries to the readers, so a channel the grid
-rounds away counts however small its weights) and lowers their sum; if the full step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
+rounds away counts however small its weights) and lowers their sum; if the full step fails,
+the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
 (the grid makes the noise jagged in ``s``), and if all fail the pair is left as it is for that
 step. The test is per layer: a lower sum alone could buy one layer's precision with the
 other's. This needs no data, so it runs in the float prepare stage.
