@@ -44,14 +44,17 @@ that rounding (about 1e-7 relative for float32).
 Gate (on by default). Equalizing ranges is not the same as lowering the error of one
 power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
 power-of-two grid, and a second conv's channels that were fine become coarse. Each proposed
-scaling of a pair is therefore applied only if it raises no layer's rounding noise as the
+scaling of a pair is therefore applied only if it lowers the layers' rounding noise as the
 readers' outputs see it (:func:`propagated_noise`: int8 rounding error at each weight's MinMSE
 position, each channel weighted by the signal it carries to the readers, so a channel the grid
-rounds away counts however small its weights) and lowers their sum; if the full step fails,
-the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried
-(the grid makes the noise jagged in ``s``), and if all fail the pair is left as it is for that
-step. The test is per layer: a lower sum alone could buy one layer's precision with the
-other's. This needs no data, so it runs in the float prepare stage.
+rounds away counts however small its weights), summed over the pair's layers (``gate = 'sum'``,
+the default) or, with ``gate = 'per_layer'``, also without raising any one layer's. If the full
+step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried (the grid makes the noise
+jagged in ``s``); if all fail the pair is left as it is for that step. Both terms are noise at
+the same readers' outputs, so their sum is what the pair's precision is; the per-layer rule
+refuses real trade-offs (equalizing usually coarsens one side a little to save the other a
+lot) and, measured, leaves a randomly rescaled SqueezeNet unrepaired. This needs no data, so it
+runs in the float prepare stage.
 
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
@@ -124,6 +127,9 @@ NEGLIGIBLE_RANGE = 1e-4
 
 #: Powers of a pair's proposed scaling the gate tries, in order (full step, then damped steps).
 GATE_DAMPING = (1.0, 0.5, 0.25)
+
+#: Gate modes (see the module docstring).
+GATES = ("sum", "per_layer")
 
 # Per-channel, positively homogeneous ops that may sit between the two convs (op -> data input 0).
 _ALWAYS_HOMOGENEOUS = frozenset(
@@ -487,9 +493,10 @@ class CrossLayerEqualization(QuarkPass):
         pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
             nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
             eligible are logged and listed as skipped.
-        gate: apply a pair's scaling only when it raises no layer's power-of-two weight
-            quantization noise as the readers see it (:func:`propagated_noise`, the NPU's
-            per-tensor int8 grid) and lowers their sum; refused pairs are listed in
+        gate: apply a pair's scaling only when it lowers the power-of-two weight quantization
+            noise the readers see (:func:`propagated_noise`, the NPU's per-tensor int8 grid),
+            summed over the layers (``True`` or ``'sum'``) or also for each layer
+            (``'per_layer'``); ``False``: no gate. Refused pairs are listed in
             :attr:`CLEReport.rejected`.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
@@ -503,10 +510,14 @@ class CrossLayerEqualization(QuarkPass):
         scale_append_bias: bool = True,
         max_scale: float | None = 1e4,
         pairs: Sequence[tuple[str, str]] | None = None,
-        gate: bool = True,
+        gate: bool | str = True,
     ) -> None:
         super().__init__()
-        self.gate = bool(gate)
+        if gate not in GATES and gate not in (True, False):
+            raise ConfigError(
+                f"CrossLayerEqualization gate={gate!r}: use True (= 'sum'), 'per_layer' or False"
+            )
+        self.gate: str | None = None if gate is False else ("sum" if gate is True else str(gate))
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < -1:
             raise ConfigError(
                 f"CrossLayerEqualization steps={steps!r}: use a positive integer, 0 (no-op) "
@@ -661,7 +672,7 @@ class CrossLayerEqualization(QuarkPass):
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        proposal = self._gated(pair, scale) if self.gate else None
+        proposal = self._gated(pair, scale, self.gate == "per_layer") if self.gate else None
         if self.gate:
             pair.rejected = proposal is None
             if proposal is None:
@@ -681,13 +692,13 @@ class CrossLayerEqualization(QuarkPass):
 
     @staticmethod
     def _gated(
-        pair: _Pair, scale: np.ndarray
+        pair: _Pair, scale: np.ndarray, per_layer: bool
     ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]] | None:
-        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that raises no layer's
-        power-of-two weight noise and lowers their sum, with the rescaled weights; or None.
+        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that lowers the pair's
+        power-of-two weight noise at the readers (and, ``per_layer``, raises no layer's), with
+        the rescaled weights; or None.
 
-        Per layer, because a lower sum could still buy one layer's precision with the other's;
-        the damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
+        The damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
         step can put one layer just past a grid point where half a step does not.
         """
         before = propagated_noise(
@@ -699,7 +710,8 @@ class CrossLayerEqualization(QuarkPass):
             after = propagated_noise(
                 new_first, [(new_readers[id(lay)], lay.group, idx) for lay, idx in pair.readers]
             )
-            if all(a <= b for a, b in zip(after, before, strict=True)) and sum(after) < sum(before):
+            no_layer_worse = all(a <= b for a, b in zip(after, before, strict=True))
+            if sum(after) < sum(before) and (no_layer_worse or not per_layer):
                 return trial, new_first, new_readers
         return None
 

@@ -575,13 +575,12 @@ def test_gate_applies_a_scaling_that_lowers_pof2_weight_noise():
 
 
 def test_gate_refuses_a_scaling_that_raises_pof2_weight_noise():
-    """Conv 1 holds exact int8 codes at one power-of-two scale (no rounding noise at all);
-    equalizing would move them off the grid, so the pair must stay as it is."""
+    """Both convs hold exact int8 codes at one power-of-two scale (no rounding noise at all);
+    equalizing would move them off their grids, so the pair must stay as it is."""
     rng = _rng(12)
     w1 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 128).astype(np.float32)
-    w1[0] *= 0.25  # ranges differ, so equalization proposes a change
+    w1[0] = rng.integers(-15, 16, (4, 1, 1)) / 128  # ranges differ: a change is proposed
     w2 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 16).astype(np.float32)
-    w2[:, 1] *= 0.125
     model = _gate_pair(w1, w2)
     _, cle, modified = _apply(model, gate=True)
     assert not modified and cle.report.rejected == ["c1 -> c2"]
@@ -606,8 +605,29 @@ def test_gate_refuses_a_scaling_that_trades_one_layers_precision_for_the_others(
     for power in (1.0, 0.5, 0.25):  # but conv 2 gets worse at every step
         assert pof2_noise_ratio(w2 * s.reshape(1, -1, 1, 1) ** power) > pof2_noise_ratio(w2)
     assert pof2_noise_ratio(w2) == 0.0
-    _, cle, modified = _apply(model, gate=True)
+    _, cle, modified = _apply(model, gate="per_layer")
     assert not modified and cle.report.rejected == ["c1 -> c2"]
+    # the default gate judges the pair's total noise at conv 2's output instead
+    from passes.cross_layer_equalization import propagated_noise
+
+    before = sum(propagated_noise(w1, [(w2, 1, np.arange(8))]))
+    lowers = any(
+        sum(
+            propagated_noise(
+                w1 / (s**p).reshape(-1, 1, 1, 1),
+                [(w2 * (s**p).reshape(1, -1, 1, 1), 1, np.arange(8))],
+            )
+        )
+        < before
+        for p in (1.0, 0.5, 0.25)
+    )
+    _, _, modified = _apply(model, gate=True)
+    assert modified == lowers
+
+
+def test_bad_gate_is_rejected():
+    with pytest.raises(ConfigError, match="gate"):
+        CrossLayerEqualization(gate="both")
 
 
 @pytest.mark.parametrize("side", ["first", "second"])
