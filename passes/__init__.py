@@ -24,6 +24,7 @@ _PASSES = {
     "ConvertSplitToSlice": "convert_split_to_slice",
     "RemoveInferenceDropout": "remove_inference_dropout",
     "CrossLayerEqualization": "cross_layer_equalization",
+    "FoldConstantChannels": "fold_constant_channels",
     # hardware simulation and legalization
     "ConvertLeakyReluToDPUVersion": "convert_leaky_relu_to_dpu_version",
     "ConvertHardSigmoidToDPUVersion": "convert_hard_sigmoid_to_dpu_version",

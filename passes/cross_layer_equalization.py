@@ -22,8 +22,10 @@ reads input channel ``i``, the choice::
     s_i = sqrt(r1_i * r2_i) / r2_i = sqrt(r1_i / r2_i)
 
 makes both new ranges equal to ``sqrt(r1_i * r2_i)``, which maximises the product of the two
-layers' relative channel precisions (Nagel et al., section 4.1). Channels with ``r1_i = 0`` or
-``r2_i = 0`` keep ``s_i = 1``. Grouped second convolutions are handled through their channel
+layers' relative channel precisions (Nagel et al., section 4.1). A channel that is ~0 on either
+side keeps ``s_i = 1``: ``max |W1[i, ...]|`` or ``r2_i`` at most :data:`NEGLIGIBLE_RANGE` times
+the widest channel of that layer (a dead or constant channel; equalizing with it would carry its
+~0 range over to the partner). Grouped second convolutions are handled through their channel
 layout: input channel ``i`` of a conv with ``group = g`` and ``C_in / g`` channels per group is
 column ``i mod (C_in / g)`` of the output channels of group ``i div (C_in / g)``; a depthwise conv
 (``group = C_in``, weight ``C_out x 1 x k x k``) thus scales its per-channel filters by ``s_i``.
@@ -42,30 +44,42 @@ that rounding (about 1e-7 relative for float32).
 Gate (on by default). Equalizing ranges is not the same as lowering the error of one
 power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
 power-of-two grid, and a second conv's channels that were fine become coarse. Each proposed
-scaling of a pair is therefore applied only if it lowers
-``pof2_noise_ratio(W1) + pof2_noise_ratio(W2)`` (relative int8 rounding noise at each weight's
-MinMSE position); otherwise the pair is left as it is for that step. This needs no data, so it
+scaling of a pair is therefore applied only if it lowers the layers' rounding noise as the
+readers' outputs see it (:func:`propagated_noise`: int8 rounding error at each weight's MinMSE
+position, each channel weighted by the signal it carries to the readers, so a channel the grid
+rounds away counts however small its weights), summed over the pair's layers (``gate = 'sum'``,
+the default) or, with ``gate = 'per_layer'``, also without raising any one layer's. If the full
+step fails, the damped steps ``s^(1/2)`` and ``s^(1/4)`` are tried (the grid makes the noise
+jagged in ``s``); if all fail the pair is left as it is for that step. Both terms are noise at
+the same readers' outputs, so their sum is what the pair's precision is; the per-layer rule
+refuses real trade-offs (equalizing usually coarsens one side a little to save the other a
+lot) and, measured, leaves a randomly rescaled SqueezeNet unrepaired. This needs no data, so it
 runs in the float prepare stage.
 
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
 
-Pairs handled: ``Conv -> [ops] -> Conv`` where
+Pairs handled: ``Conv -> [ops] -> Conv(s)`` where
 
 * ``[ops]`` is zero or more of Relu, LeakyRelu, PRelu, Identity, Clip whose bounds are each absent,
   0 or infinite (``Clip(0, inf)`` is a Relu), MaxPool (no Indices output used), AveragePool,
-  GlobalAveragePool, GlobalMaxPool, and Pad in reflect/edge/wrap mode or constant mode with value 0;
-* the first conv's output and every intermediate output has exactly one reader (a graph output
-  or a second reader such as a residual Add blocks the pair), reached through input 0;
-* both convs have constant float weights (initializers that are not graph inputs, or Constant
-  nodes) and a constant bias or none; the second conv's ``C_in`` equals the first's ``C_out``.
+  GlobalAveragePool, GlobalMaxPool, Pad in reflect/edge/wrap mode or constant mode with value 0,
+  and Concat on the channel axis (channel ``i`` becomes channel ``offset + i``; the inputs'
+  channel counts must be known);
+* every reader of the first conv's output and of every value on the way is one of those ops
+  (through input 0, any input of a Concat) or a Conv reading it as input 0: the first conv is
+  equalized against all those convs at once, ``r2_i`` the largest read of channel ``i`` over
+  them (SqueezeNet's squeeze conv against both expand convs; each expand conv against the conv
+  after the Concat). A graph output, or any other reader (a residual Add), blocks it;
+* all convs have constant float weights (initializers that are not graph inputs, or Constant
+  nodes) and a constant bias or none; each reader's ``C_in`` equals the channels it reads.
 
 Not equalized (logged at debug level and listed in :attr:`CrossLayerEqualization.report`):
 
 * ``Clip(0, 6)`` (ReLU6) and any Clip with a finite non-zero bound: not positively homogeneous
-  (``min(s x, 6) != s min(x, 6)``). Run :class:`~quark_onnx.passes.ReplaceClip6Relu` first
-  (option ``ReplaceClip6Relu``) to turn ReLU6 into Relu and open these pairs; that replacement,
-  not CLE, is what changes the float outputs (wherever the ReLU6 saturated).
+  (``min(s x, 6) != s min(x, 6)``). :class:`~quark_onnx.passes.ReplaceClip6Relu` keeps the
+  bound as the Relu's range cap, which blocks the pair as well: a per-tensor cap does not
+  survive per-channel scaling.
 * Gemm/MatMul pairs (not implemented) and anything else between the two convs (Add, Mul,
   Sigmoid, HardSigmoid, Concat, Reshape, ...).
 
@@ -105,6 +119,17 @@ RANGE_MAX_KEY = "quark_onnx.range_max"
 MAX_ADAPTIVE_STEPS = 2000
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+#: A channel whose weight range is at most this times its layer's widest is ~0 (dead or
+#: constant; :class:`~quark_onnx.passes.FoldConstantChannels` removes such channels exactly) and
+#: is never equalized: it keeps ``s = 1``. Even a 14-bit per-tensor grid rounds it to zero.
+NEGLIGIBLE_RANGE = 1e-4
+
+#: Powers of a pair's proposed scaling the gate tries, in order (full step, then damped steps).
+GATE_DAMPING = (1.0, 0.5, 0.25)
+
+#: Gate modes (see the module docstring).
+GATES = ("sum", "per_layer")
 
 # Per-channel, positively homogeneous ops that may sit between the two convs (op -> data input 0).
 _ALWAYS_HOMOGENEOUS = frozenset(
@@ -157,6 +182,12 @@ class CLEReport:
     rejected: list[str] = dataclasses.field(default_factory=list)
 
 
+def _negligible(ranges: np.ndarray) -> np.ndarray:
+    """Channels whose range is at most :data:`NEGLIGIBLE_RANGE` times the layer's widest."""
+    top = float(np.max(ranges)) if ranges.size else 0.0
+    return ranges <= NEGLIGIBLE_RANGE * top
+
+
 def output_channel_ranges(weight: np.ndarray) -> np.ndarray:
     """``r_c = max |W[c, ...]|`` for each output channel ``c`` (axis 0) of a conv weight."""
     return np.abs(weight.reshape(weight.shape[0], -1)).max(axis=1)
@@ -172,8 +203,8 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     """``||Q(W) - W||^2 / ||W||^2`` with ``Q`` the per-tensor power-of-two int8 quantizer at the
     MinMSE position (what the XINT8 weights get); 0.0 for an all-zero weight.
 
-    A layer's output noise from weight rounding is about this ratio times its output power, so
-    the sum over the two layers of a pair measures what equalization should lower.
+    Energy-weighted: a narrow channel the grid rounds to zero barely moves it, which is why the
+    gate uses :func:`propagated_noise` instead.
     """
     from quark_onnx import pof2
 
@@ -183,6 +214,68 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     return pof2.sse(weight, pof2.minmse_position(weight)) / energy
 
 
+def _quant_error(weight: np.ndarray) -> np.ndarray:
+    """``Q(W) - W`` in float64, ``Q`` the per-tensor power-of-two int8 quantizer at the MinMSE
+    position."""
+    from quark_onnx import pof2
+
+    w64 = weight.astype(np.float64)
+    if not np.any(w64):
+        return np.zeros_like(w64)
+    p = pof2.minmse_position(weight)
+    return pof2.fake_quant(w64, p).astype(np.float64) - w64
+
+
+def propagated_noise(
+    first: np.ndarray, readers: Sequence[tuple[np.ndarray, int, np.ndarray]]
+) -> list[float]:
+    """Each layer's power-of-two rounding noise as the readers' outputs see it, relative.
+
+    ``first``: the producer's weight (channel ``i`` = row ``i``); ``readers``: ``(weight, group,
+    idx)`` per reader, reading channel ``i`` as its input channel ``idx[i]``. With ``E`` the
+    rounding error of a whole tensor at its MinMSE position, ``a_i^2 = ||W1[i]||^2`` and
+    ``g_i^2 = sum_k ||W_k[:, idx_k[i]]||^2``::
+
+        N1   = sum_i ||E1[i]||^2 g_i^2 / sum_i ||W1[i]||^2 g_i^2
+        N2_k = sum_i ||E_k[:, idx_k[i]]||^2 a_i^2 / sum_i ||W_k[:, idx_k[i]]||^2 a_i^2
+
+    A channel's error counts as much as the signal it carries to the readers' outputs, so a
+    channel the per-tensor grid rounds to nothing counts even if its weights are tiny (a plain
+    ``||E||^2 / ||W||^2`` would ignore it). Rescaling a channel (``W1[i] / s``, ``W_k[:, i] *
+    s``) leaves every weight ``||W1[i]||^2 g_i^2`` unchanged: only what the grid does to the
+    rescaled weights moves these numbers. Returns ``[N1, N2_1, ...]`` (one per distinct reader
+    weight, in order of first appearance).
+    """
+
+    def columns(weight: np.ndarray, group: int, idx: np.ndarray) -> np.ndarray:
+        # squared norm of every input-channel column (grouped layout), picked at idx
+        view = _grouped_view(np.square(weight), group)
+        return view.sum(axis=(1, 3)).reshape(-1)[idx]
+
+    e1 = _quant_error(first)
+    row_w = np.square(first.astype(np.float64)).reshape(first.shape[0], -1).sum(axis=1)
+    row_e = np.square(e1).reshape(first.shape[0], -1).sum(axis=1)
+    reads = np.zeros(first.shape[0])
+    per_reader: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for weight, group, idx in readers:
+        w64 = weight.astype(np.float64)
+        col_w = columns(w64, group, idx)
+        reads += col_w
+        if id(weight) not in per_reader:
+            per_reader[id(weight)] = (np.zeros_like(row_w), np.zeros_like(row_w))
+        total_w, total_e = per_reader[id(weight)]
+        total_w += col_w
+        total_e += columns(_quant_error(weight), group, idx)
+
+    def ratio(err: np.ndarray, sig: np.ndarray, weights: np.ndarray) -> float:
+        den = float(np.sum(sig * weights))
+        return float(np.sum(err * weights)) / den if den > 0 else 0.0
+
+    noise = [ratio(row_e, row_w, reads)]
+    noise += [ratio(e, w, row_w) for w, e in per_reader.values()]
+    return noise
+
+
 def channel_range_spread(weight: np.ndarray) -> float:
     """``max_c r_c / min_c r_c`` over the non-zero output-channel ranges (1.0 if none)."""
     ranges = output_channel_ranges(weight)
@@ -190,6 +283,59 @@ def channel_range_spread(weight: np.ndarray) -> float:
     if ranges.size == 0:
         return 1.0
     return float(ranges.max() / ranges.min())
+
+
+def store_constant_input(
+    graph: ir.Graph,
+    node: ir.Node,
+    index: int,
+    array: np.ndarray,
+    names: NameGenerator,
+    suffix: str,
+) -> str:
+    """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor.
+
+    An initializer read only by this input is rewritten in place; one shared with other readers
+    (or a graph input/output, or a Constant node's output) is left as it is for them and a fresh
+    initializer ``<name>_<suffix>`` is made for ``node``; the old one is dropped once unread.
+    """
+    value = node.inputs[index]
+    exclusive = (
+        value.is_initializer()
+        and not value.is_graph_input()
+        and not value.is_graph_output()
+        and len(value.uses()) == 1
+    )
+    if exclusive:
+        value.const_value = ir.tensor(array, name=value.name)
+        return value.name
+    new = add_initializer(graph, names(f"{value.name or node.name}_{suffix}"), array)
+    node.replace_input_with(index, new)
+    if not value.uses() and not value.is_graph_output():
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant":
+            producer.graph.remove(producer, safe=True)
+        elif value.is_initializer() and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+    return new.name
+
+
+def _rescaled(
+    first: _Layer, readers: Sequence[tuple[_Layer, np.ndarray]], scale: np.ndarray
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """``W1[i] / s_i`` and, for each reader reading channel ``i`` as its input channel
+    ``idx[i]``, ``W2[:, idx[i]] * s_i`` (grouped layout); new arrays (readers by ``id``)."""
+    shape = (-1,) + (1,) * (first.weight.ndim - 1)
+    new_first = first.weight / scale.reshape(shape)
+    new: dict[int, np.ndarray] = {}
+    for layer, idx in readers:
+        weight = new.get(id(layer), layer.weight)
+        factors = np.ones(weight.shape[1] * layer.group)
+        factors[idx] = scale
+        view = _grouped_view(weight, layer.group)
+        cpg = view.shape[2]
+        new[id(layer)] = (view * factors.reshape(layer.group, 1, cpg, 1)).reshape(weight.shape)
+    return new_first, new
 
 
 def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
@@ -243,7 +389,8 @@ def _homogeneity_problem(node: ir.Node) -> str | None:
             return f"Clip {_label(node)!r} has a bound that is not a constant scalar"
         return (
             f"Clip {_label(node)!r} has a finite non-zero bound (ReLU6?) and is not positively "
-            "homogeneous; enable ReplaceClip6Relu to equalize through ReLU6"
+            "homogeneous (ReplaceClip6Relu keeps the bound as a range cap, which blocks the pair "
+            "too)"
         )
     if op == "Pad":
         mode = node.attributes.get_string("mode", "constant")
@@ -257,6 +404,21 @@ def _homogeneity_problem(node: ir.Node) -> str | None:
                 return f"Pad {_label(node)!r} pads with a non-zero or non-constant value"
         return None
     return f"{op} {_label(node)!r} is not a known positively homogeneous op"
+
+
+def _concat_offset(node: ir.Node, index: int) -> tuple[int, int] | str:
+    """``(first channel of input index, total channels)`` of a channel (axis 1) Concat."""
+    rank = node.outputs[0].shape.rank() if node.outputs[0].shape is not None else None
+    axis = node.attributes.get_int("axis", 0)
+    if not (axis == 1 or (rank is not None and axis == 1 - rank)):
+        return f"Concat {_label(node)!r} does not concatenate channels (axis 1)"
+    counts = []
+    for value in node.inputs:
+        dims = value.shape if value is not None else None
+        if dims is None or len(dims) < 2 or not isinstance(dims[1], int):
+            return f"Concat {_label(node)!r}: the channel count of an input is unknown"
+        counts.append(dims[1])
+    return sum(counts[:index]), sum(counts)
 
 
 def _conv_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | str:
@@ -292,11 +454,28 @@ class _Layer:
 
 @dataclasses.dataclass
 class _Pair:
+    """A conv and every conv reading its channels: ``readers`` holds each reader's layer and,
+    per channel ``i`` of the first conv, the reader's input channel (``i`` plus a Concat
+    offset)."""
+
     first: _Layer
-    second: _Layer
+    readers: list[tuple[_Layer, np.ndarray]]
     through: tuple[str, ...]
     cumulative: np.ndarray  # product of all s applied at this channel boundary
     rejected: bool = False  # the gate refused this pair's last proposed scaling
+
+    @property
+    def reader_layers(self) -> list[_Layer]:
+        """The distinct reader layers, in discovery order."""
+        seen: dict[int, _Layer] = {}
+        for layer, _ in self.readers:
+            seen.setdefault(id(layer), layer)
+        return list(seen.values())
+
+    @property
+    def second(self) -> str:
+        """The readers' labels, comma-separated."""
+        return ", ".join(_label(layer.node) for layer in self.reader_layers)
 
 
 class CrossLayerEqualization(QuarkPass):
@@ -315,9 +494,10 @@ class CrossLayerEqualization(QuarkPass):
         pairs: ``(first conv name, second conv name)`` pairs to equalize (node names; unnamed
             nodes cannot be selected); ``None`` for all eligible pairs. Named pairs that are not
             eligible are logged and listed as skipped.
-        gate: apply a pair's scaling only when it lowers the pair's power-of-two weight
-            quantization noise, :func:`pof2_noise_ratio` of the first plus that of the second
-            weight (the NPU's per-tensor int8 grid); refused pairs are listed in
+        gate: apply a pair's scaling only when it lowers the power-of-two weight quantization
+            noise the readers see (:func:`propagated_noise`, the NPU's per-tensor int8 grid),
+            summed over the layers (``True`` or ``'sum'``) or also for each layer
+            (``'per_layer'``); ``False``: no gate. Refused pairs are listed in
             :attr:`CLEReport.rejected`.
 
     After a run, :attr:`report` (:class:`CLEReport`) lists the pairs, the steps taken and the
@@ -331,10 +511,14 @@ class CrossLayerEqualization(QuarkPass):
         scale_append_bias: bool = True,
         max_scale: float | None = 1e4,
         pairs: Sequence[tuple[str, str]] | None = None,
-        gate: bool = True,
+        gate: bool | str = True,
     ) -> None:
         super().__init__()
-        self.gate = bool(gate)
+        if gate not in GATES and gate not in (True, False):
+            raise ConfigError(
+                f"CrossLayerEqualization gate={gate!r}: use True (= 'sum'), 'per_layer' or False"
+            )
+        self.gate: str | None = None if gate is False else ("sum" if gate is True else str(gate))
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < -1:
             raise ConfigError(
                 f"CrossLayerEqualization steps={steps!r}: use a positive integer, 0 (no-op) "
@@ -381,133 +565,158 @@ class CrossLayerEqualization(QuarkPass):
                 report.skipped.append(SkippedPair(_label(node), result))
                 logger.debug("CLE: no pair from %s: %s", _label(node), result)
                 continue
-            second, through, first_arrays, second_arrays = result
-            if self.pairs is not None and (node.name, second.name) not in self.pairs:
+            readers, through, first_arrays = result
+            names = [reader.name for reader, _, _ in readers]
+            if self.pairs is not None and not any((node.name, n) in self.pairs for n in names):
                 report.skipped.append(
-                    SkippedPair(_label(node), f"pair with {_label(second)!r} not selected")
+                    SkippedPair(_label(node), f"pair with {', '.join(names)!r} not selected")
                 )
                 continue
             first_layer = layer(node, first_arrays)
-            second_layer = layer(second, second_arrays)
             found.append(
                 _Pair(
                     first_layer,
-                    second_layer,
+                    [(layer(reader, arrays), idx) for reader, idx, arrays in readers],
                     through,
                     np.ones(first_layer.weight.shape[0]),
                 )
             )
         if self.pairs is not None:
-            chosen = {(p.first.node.name, p.second.node.name) for p in found}
+            chosen = {(p.first.node.name, r.node.name) for p in found for r in p.reader_layers}
             for a, b in sorted(self.pairs - chosen):
                 logger.warning("CLE: requested pair (%r, %r) is not an eligible pair", a, b)
                 report.skipped.append(SkippedPair(a, f"requested pair with {b!r} not eligible"))
         return found
 
-    def _follow(self, first: ir.Node) -> tuple[ir.Node, tuple[str, ...], tuple, tuple] | str:
-        """The second conv reached from ``first`` through homogeneous ops, or why there is none."""
+    def _follow(self, first: ir.Node) -> tuple[list, tuple[str, ...], tuple] | str:
+        """Every conv reading ``first``'s channels through homogeneous ops and channel Concats,
+        with the input channel each reads, or why the channels cannot be rescaled."""
         first_arrays = _conv_weights(first)
         if isinstance(first_arrays, str):
             return first_arrays
-        value = first.outputs[0]
+        channels = first_arrays[0].shape[0]
+        readers: list[tuple[ir.Node, np.ndarray, tuple]] = []
         through: list[str] = []
-        while True:
-            uses = list(value.uses())
+        # (value, channel index of first's channels in it, channel count of the value)
+        stack = [(first.outputs[0], np.arange(channels), channels)]
+        while stack:
+            value, idx, width = stack.pop()
             if value.is_graph_output():
                 return f"{value.name!r} is a graph output"
-            if len(uses) != 1:
-                return f"{value.name!r} has {len(uses)} readers (needs exactly one)"
-            consumer, index = uses[0].node, uses[0].idx
-            if index != 0:
-                return f"{value.name!r} is input {index} of {consumer.op_type} {_label(consumer)!r}"
-            if consumer.op_type == "Conv" and consumer.domain in ("", "ai.onnx"):
-                break
-            problem = _homogeneity_problem(consumer)
-            if problem is not None:
-                return problem
-            through.append(consumer.op_type)
-            value = consumer.outputs[0]
-            if RANGE_MAX_KEY in value.metadata_props:
+            if value is not first.outputs[0] and RANGE_MAX_KEY in value.metadata_props:
                 return (
                     f"{value.name!r} carries a range cap ({RANGE_MAX_KEY}) that rescaling its "
                     "channels would invalidate; run CLE before ConvertClipToRelu"
                 )
-        second = consumer
-        second_arrays = _conv_weights(second)
-        if isinstance(second_arrays, str):
-            return second_arrays
-        channels = first_arrays[0].shape[0]
-        group = second.attributes.get_int("group", 1)
-        w2 = second_arrays[0]
-        if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
-            return (
-                f"Conv {_label(second)!r} (group {group}, weight {w2.shape}) does not read "
-                f"{channels} channels"
-            )
-        return second, tuple(through), first_arrays, second_arrays
+            uses = list(value.uses())
+            if not uses:
+                return f"{value.name!r} has no reader"
+            for use in uses:
+                consumer, index = use.node, use.idx
+                standard = consumer.domain in ("", "ai.onnx")
+                if standard and consumer.op_type == "Concat":
+                    offset = _concat_offset(consumer, index)
+                    if isinstance(offset, str):
+                        return offset
+                    start, total = offset
+                    if "Concat" not in through:
+                        through.append("Concat")
+                    stack.append((consumer.outputs[0], idx + start, total))
+                    continue
+                if index != 0:
+                    return (
+                        f"{value.name!r} is input {index} of {consumer.op_type} "
+                        f"{_label(consumer)!r}"
+                    )
+                if standard and consumer.op_type == "Conv":
+                    arrays = _conv_weights(consumer)
+                    if isinstance(arrays, str):
+                        return arrays
+                    group = consumer.attributes.get_int("group", 1)
+                    w2 = arrays[0]
+                    if group < 1 or w2.shape[1] * group != width or w2.shape[0] % group:
+                        return (
+                            f"Conv {_label(consumer)!r} (group {group}, weight {w2.shape}) does "
+                            f"not read {width} channels"
+                        )
+                    readers.append((consumer, idx, arrays))
+                    continue
+                problem = _homogeneity_problem(consumer)
+                if problem is not None:
+                    return problem
+                if consumer.op_type not in through:
+                    through.append(consumer.op_type)
+                stack.append((consumer.outputs[0], idx, width))
+        return readers, tuple(through), first_arrays
 
     # ------------------------------------------------------------------------------ equalization
 
     def _equalize(self, pair: _Pair) -> float:
         """One equalization of ``pair`` in place; returns ``mean_i |s_i - 1|``."""
-        first, second = pair.first, pair.second
+        first = pair.first
         r1 = output_channel_ranges(first.weight)
         if self.scale_append_bias and first.bias is not None:
             r1 = np.maximum(r1, np.abs(first.bias))
-        r2 = input_channel_ranges(second.weight, second.group)
+        r2 = np.max(
+            [input_channel_ranges(layer.weight, layer.group)[idx] for layer, idx in pair.readers],
+            axis=0,
+        )
         scale = np.ones_like(r1)
         ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
+        # a ~0 channel on either side is dead or constant, not narrow: equalizing with it would
+        # only carry its ~0 range over to the partner (the weight range alone decides, a large
+        # bias does not make a constant channel a partner)
+        ok &= ~_negligible(output_channel_ranges(first.weight)) & ~_negligible(r2)
         scale[ok] = np.sqrt(r1[ok] / r2[ok])
         if self.max_scale is not None:
             total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        shape = (-1,) + (1,) * (first.weight.ndim - 1)
-        new_first = first.weight / scale.reshape(shape)
-        view = _grouped_view(second.weight, second.group)
-        cpg = view.shape[2]
-        new_second = (view * scale.reshape(second.group, 1, cpg, 1)).reshape(second.weight.shape)
+        proposal = self._gated(pair, scale, self.gate == "per_layer") if self.gate else None
         if self.gate:
-            before = pof2_noise_ratio(first.weight) + pof2_noise_ratio(second.weight)
-            after = pof2_noise_ratio(new_first) + pof2_noise_ratio(new_second)
-            if not after < before:
-                pair.rejected = True
+            pair.rejected = proposal is None
+            if proposal is None:
                 return 0.0
-            pair.rejected = False
+            scale, new_first, new_readers = proposal
+        else:
+            new_first, new_readers = _rescaled(first, pair.readers, scale)
         pair.cumulative = pair.cumulative * scale
         first.weight = new_first
         if first.bias is not None:
             first.bias = first.bias / scale
-        second.weight = new_second
-        first.changed = second.changed = True
+        first.changed = True
+        for layer in pair.reader_layers:
+            layer.weight = new_readers[id(layer)]
+            layer.changed = True
         return float(np.mean(np.abs(scale - 1.0)))
 
-    # ------------------------------------------------------------------------------ write back
+    @staticmethod
+    def _gated(
+        pair: _Pair, scale: np.ndarray, per_layer: bool
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]] | None:
+        """The first of ``scale``, ``scale^(1/2)``, ``scale^(1/4)`` that lowers the pair's
+        power-of-two weight noise at the readers (and, ``per_layer``, raises no layer's), with
+        the rescaled weights; or None.
 
-    def _store(
-        self, graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
-    ) -> str:
-        """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor."""
-        value = node.inputs[index]
-        exclusive = (
-            value.is_initializer()
-            and not value.is_graph_input()
-            and not value.is_graph_output()
-            and len(value.uses()) == 1
+        The damped steps because the power-of-two grid makes the noise jagged in ``s``: a full
+        step can put one layer just past a grid point where half a step does not.
+        """
+        before = propagated_noise(
+            pair.first.weight, [(lay.weight, lay.group, idx) for lay, idx in pair.readers]
         )
-        if exclusive:
-            value.const_value = ir.tensor(array, name=value.name)
-            return value.name
-        new = add_initializer(graph, names(f"{value.name or node.name}_cle"), array)
-        node.replace_input_with(index, new)
-        if not value.uses() and not value.is_graph_output():
-            producer = value.producer()
-            if producer is not None and producer.op_type == "Constant":
-                producer.graph.remove(producer, safe=True)
-            elif value.is_initializer() and not value.is_graph_input():
-                graph.initializers.pop(value.name)
-        return new.name
+        for power in GATE_DAMPING:
+            trial = scale**power
+            new_first, new_readers = _rescaled(pair.first, pair.readers, trial)
+            after = propagated_noise(
+                new_first, [(new_readers[id(lay)], lay.group, idx) for lay, idx in pair.readers]
+            )
+            no_layer_worse = all(a <= b for a, b in zip(after, before, strict=True))
+            if sum(after) < sum(before) and (no_layer_worse or not per_layer):
+                return trial, new_first, new_readers
+        return None
+
+    # ------------------------------------------------------------------------------ write back
 
     def _write_back(self, graph: ir.Graph, layers: Iterable[_Layer], report: CLEReport) -> None:
         names: NameGenerator | None = None
@@ -519,9 +728,9 @@ class CrossLayerEqualization(QuarkPass):
             dtype = layer.original.dtype
             weight = layer.weight.astype(dtype)
             before = channel_range_spread(layer.original)
-            w_name = self._store(graph, layer.node, 1, weight, names)
+            w_name = store_constant_input(graph, layer.node, 1, weight, names, "cle")
             if layer.bias is not None:
-                self._store(graph, layer.node, 2, layer.bias.astype(dtype), names)
+                store_constant_input(graph, layer.node, 2, layer.bias.astype(dtype), names, "cle")
             report.spreads.append(
                 RangeSpread(_label(layer.node), w_name, before, channel_range_spread(weight))
             )
@@ -532,9 +741,7 @@ class CrossLayerEqualization(QuarkPass):
         report = CLEReport()
         self.report = report
         pairs = self._find_pairs(model.graph, report)
-        report.pairs = [
-            EqualizedPair(_label(p.first.node), _label(p.second.node), p.through) for p in pairs
-        ]
+        report.pairs = [EqualizedPair(_label(p.first.node), p.second, p.through) for p in pairs]
         if not pairs or self.steps == 0:
             report.converged = not pairs
             report.last_change = 0.0 if not pairs else math.inf
@@ -556,13 +763,12 @@ class CrossLayerEqualization(QuarkPass):
                 self.threshold,
             )
 
-        report.rejected = [
-            f"{_label(p.first.node)} -> {_label(p.second.node)}" for p in pairs if p.rejected
-        ]
+        report.rejected = [f"{_label(p.first.node)} -> {p.second}" for p in pairs if p.rejected]
         layers: dict[int, _Layer] = {}
         for pair in pairs:
             layers.setdefault(id(pair.first), pair.first)
-            layers.setdefault(id(pair.second), pair.second)
+            for layer in pair.reader_layers:
+                layers.setdefault(id(layer), layer)
         self._write_back(model.graph, layers.values(), report)
         modified = bool(report.spreads)
         logger.info(

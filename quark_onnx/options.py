@@ -40,6 +40,24 @@ class ExtraOptions:
         "Fold BatchNormalization into the preceding Conv/ConvTranspose/Gemm; a BatchNormalization "
         "with no foldable producer becomes a depthwise 1x1 Conv. Float-preserving.",
     )
+    FoldConstantChannels: bool = _opt(
+        False,
+        "Fold Conv output channels that are constant (weights zero, negligible by "
+        "FoldConstantChannelsTolerance, or clamped to one value by the activation for every input "
+        "up to 10x the first calibration batch's range) into the Conv/Gemm layers reading them, "
+        "through "
+        "Relu/Clip/LeakyRelu/PRelu/BatchNormalization/pools/depthwise Conv: the constant times "
+        "the reader's weights goes into its bias and those weights are zeroed, only where exact "
+        "(never a non-zero constant into a zero-padded Conv). Removes the outlier weights such "
+        "channels leave in their readers. Float-preserving.",
+    )
+    FoldConstantChannelsTolerance: float = _opt(
+        1e-4,
+        "FoldConstantChannels: a channel with non-zero weights is negligible when its output "
+        "variation bound ||W1[c]||_1 * (Lipschitz constants on the way) * max_o ||W2[o, c]||_1 "
+        "is at most this times the largest channel's, at every reader (scale-free; 0: fold "
+        "only channels whose weights are exactly zero).",
+    )
     ReplaceClip6Relu: bool = _opt(
         False,
         "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "

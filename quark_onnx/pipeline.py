@@ -13,6 +13,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  1b   RemoveInferenceDropout              always (inference Dropout is an identity)
  2    ConvertSplitToSlice                 ``ExtraOptions.ConvertSplitToSlice``
  3    ConvertBNToConv                     ``ExtraOptions.ConvertBNToConv``
+ 3b   FoldConstantChannels                ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization              ``qconfig.include_cle``
  5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
@@ -22,9 +23,11 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  9    GraphCleanup                        always: drop unused nodes/initializers, sort
 ====  ==================================  ===============================================
 
-Simplification comes first so the rewrites see folded constants; ReplaceClip6Relu precedes
-ConvertClipToRelu so a ReLU6 becomes a plain Relu (no range cap) when both are on; ReduceMean is
-turned into GlobalAveragePool before large pools are split.
+Simplification comes first so the rewrites see folded constants; constant channels are folded
+once BatchNorms are in the Convs' weights and before CLE, which must not pair a ~0 channel;
+ReplaceClip6Relu precedes
+ConvertClipToRelu (both keep the bound as the Relu's range cap); ReduceMean is turned into
+GlobalAveragePool before large pools are split.
 
 :func:`run_passes` times each pass and, for passes with ``changes_numerics = True`` when sample
 inputs are given, runs the model before and after that pass in onnxruntime (CPU, graph
@@ -68,6 +71,7 @@ from quark_onnx.passes import (
     ConvertSplitToSlice,
     CrossLayerEqualization,
     FixInputShapes,
+    FoldConstantChannels,
     MakeConvAttributesExplicit,
     RemoveInferenceDropout,
     ReplaceClip6Relu,
@@ -107,11 +111,19 @@ class GraphCleanup(QuarkPass):
         return ir.passes.PassResult(model, modified=removed or resorted)
 
 
-def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
+def prepare_passes(
+    qconfig: QuantizationConfig,
+    options: ExtraOptions,
+    sample_feeds: dict[str, np.ndarray] | None = None,
+) -> list[QuarkPass]:
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
 
-    Cross-layer equalization (``include_cle``) runs right after ReplaceClip6Relu — ReLU6 blocks it,
-    plain Relu does not — and before ConvertClipToRelu, whose range cap it must not rescale.
+    ``sample_feeds`` (model inputs, e.g. the first calibration batch) lets FoldConstantChannels
+    also fold channels the samples show clamped to one value with a wide margin.
+
+    Cross-layer equalization (``include_cle``) runs after ReplaceClip6Relu and before
+    ConvertClipToRelu: a ReLU6, or the range cap either pass leaves, blocks a pair (the cap holds
+    for the unscaled channels only), a plain Relu does not.
     """
     cle = CrossLayerEqualization(
         steps=options.CLESteps,
@@ -123,6 +135,12 @@ def prepare_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[Q
         (True, RemoveInferenceDropout),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
         (options.ConvertBNToConv, ConvertBNToConv),
+        (
+            options.FoldConstantChannels,
+            FoldConstantChannels(
+                tolerance=options.FoldConstantChannelsTolerance, sample_feeds=sample_feeds
+            ),
+        ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
         (options.ConvertClipToRelu, ConvertClipToRelu),
@@ -151,15 +169,20 @@ def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[
     return []
 
 
-def quantize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
-    """Every float pass that runs before calibration, in run order.
+def quantize_passes(
+    qconfig: QuantizationConfig,
+    options: ExtraOptions,
+    sample_feeds: dict[str, np.ndarray] | None = None,
+) -> list[QuarkPass]:
+    """Every float pass that runs before calibration, in run order (``sample_feeds``: as for
+    :func:`prepare_passes`).
 
     The prepare passes (cross-layer equalization among them), then for NPU configs
     (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU`` and the individual
     ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """
-    passes = prepare_passes(qconfig, options)
+    passes = prepare_passes(qconfig, options, sample_feeds)
     if qconfig.enable_npu_cnn:
         if options.SimulateDPU:
             if options.ConvertLeakyReluToDPUVersion:

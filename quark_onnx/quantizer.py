@@ -345,7 +345,9 @@ class ModelQuantizer:
                 # the int8 range of the power-of-two position that holds the cap (6 -> 7.94)
                 return pof2.code_range(qtype)[1] * 2.0 ** -pof2.position_for_abs_max(cap, qtype)
 
-        passes = quantize_passes(self.qconfig, self.options)
+        # FoldConstantChannels reads the first sample's ranges
+        first = samples[0] if samples else None
+        passes = quantize_passes(self.qconfig, self.options, first)
         pipeline = run_passes(
             model,
             passes,

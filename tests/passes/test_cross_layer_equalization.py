@@ -184,12 +184,17 @@ def test_conv_leaky_relu_conv():
             [helper.make_node("PRelu", ["a", "slope"], ["h"])],
             id="prelu",
         ),
+        pytest.param(
+            [helper.make_node("PRelu", ["a", "negslope"], ["h"])],
+            id="prelu-negative-slopes",
+        ),
     ],
 )
 def test_other_homogeneous_paths(act):
     extra = {
         "zero": np.array(0.0, np.float32),
         "slope": np.linspace(0.05, 0.3, 6, dtype=np.float32).reshape(6, 1, 1),
+        "negslope": np.linspace(-1.5, 0.5, 6, dtype=np.float32).reshape(6, 1, 1),
     }
     model = _conv_act_conv(act, extra=extra)
     out, cle, modified = _apply(model, steps=2)
@@ -330,14 +335,71 @@ def test_relu6_blocks_the_pair():
     assert any("ReplaceClip6Relu" in s.reason for s in report.skipped if s.first == "A")
 
 
-def test_second_consumer_blocks_the_pair():
+def test_second_reader_that_is_not_a_conv_blocks_the_pair():
     model = _conv_act_conv(_relu())
     model.graph.node.append(helper.make_node("Identity", ["h"], ["h_copy"]))
     model.graph.output.append(
         helper.make_tensor_value_info("h_copy", TensorProto.FLOAT, [2, 6, 8, 8])
     )
     report = _unchanged(model, steps=-1)
-    assert any("2 readers" in s.reason for s in report.skipped if s.first == "A")
+    assert any("graph output" in s.reason for s in report.skipped if s.first == "A")
+    model = _conv_act_conv(_relu())
+    model.graph.node.append(helper.make_node("Sigmoid", ["h"], ["h_sig"]))
+    model.graph.output.append(
+        helper.make_tensor_value_info("h_sig", TensorProto.FLOAT, [2, 6, 8, 8])
+    )
+    report = _unchanged(model, steps=-1)
+    assert any("Sigmoid" in s.reason for s in report.skipped if s.first == "A")
+
+
+def _fire_module(seed: int = 0) -> onnx.ModelProto:
+    """SqueezeNet's shape: squeeze S -> Relu -> {expand E1 (1x1), expand E3 (3x3)} -> Relu each
+    -> Concat -> MaxPool -> conv N; channels rescaled by 1/100..100 through every boundary."""
+    rng = _rng(seed)
+    inits = {
+        "ws": _spread_weight(rng, (6, 3, 1, 1)),
+        "bs": (rng.standard_normal(6) * 0.1).astype(np.float32),
+        "w1": _spread_weight(rng, (4, 6, 1, 1)),
+        "w3": _spread_weight(rng, (5, 6, 3, 3)),
+        "b3": (rng.standard_normal(5) * 0.1).astype(np.float32),
+        "wn": rng.standard_normal((3, 9, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        _conv("S", "x", "ws", "bs", "s", k=1),
+        helper.make_node("Relu", ["s"], ["sr"]),
+        _conv("E1", "sr", "w1", None, "e1", k=1),
+        _conv("E3", "sr", "w3", "b3", "e3", k=3),
+        helper.make_node("Relu", ["e1"], ["e1r"]),
+        helper.make_node("Relu", ["e3"], ["e3r"]),
+        helper.make_node("Concat", ["e1r", "e3r"], ["cat"], axis=1),
+        helper.make_node("MaxPool", ["cat"], ["mp"], kernel_shape=[2, 2], strides=[2, 2]),
+        _conv("N", "mp", "wn", None, "y", k=1),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 4])
+    return onnx.shape_inference.infer_shapes(make_model(nodes, [x], [y], inits))
+
+
+def test_several_conv_readers_and_concat_are_equalized_jointly():
+    model = _fire_module()
+    out, cle, modified = _apply(model, steps=-1)
+    assert modified and cle.report.converged
+    _assert_same_outputs(model, out)
+    pairs = {(p.first, p.second, p.through) for p in cle.report.pairs}
+    assert pairs == {
+        ("S", "E3, E1", ("Relu",)),
+        ("E1", "N", ("Relu", "Concat", "MaxPool")),
+        ("E3", "N", ("Relu", "Concat", "MaxPool")),
+    } or pairs == {
+        ("S", "E1, E3", ("Relu",)),
+        ("E1", "N", ("Relu", "Concat", "MaxPool")),
+        ("E3", "N", ("Relu", "Concat", "MaxPool")),
+    }
+    # one sweep of S's boundary: S's ranges against the larger of E1's and E3's reads
+    for name in ("S", "E1", "E3"):
+        assert channel_range_spread(_node_weight(out, name)) < channel_range_spread(
+            _node_weight(model, name)
+        )
 
 
 def test_intermediate_graph_output_blocks_the_pair():
@@ -515,15 +577,126 @@ def test_gate_applies_a_scaling_that_lowers_pof2_weight_noise():
 
 
 def test_gate_refuses_a_scaling_that_raises_pof2_weight_noise():
-    """Conv 1 holds exact int8 codes at one power-of-two scale (no rounding noise at all);
-    equalizing would move them off the grid, so the pair must stay as it is."""
+    """Both convs hold exact int8 codes at one power-of-two scale (no rounding noise at all);
+    equalizing would move them off their grids, so the pair must stay as it is."""
     rng = _rng(12)
     w1 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 128).astype(np.float32)
-    w1[0] *= 0.25  # ranges differ, so equalization proposes a change
+    w1[0] = rng.integers(-15, 16, (4, 1, 1)) / 128  # ranges differ: a change is proposed
     w2 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 16).astype(np.float32)
-    w2[:, 1] *= 0.125
     model = _gate_pair(w1, w2)
     _, cle, modified = _apply(model, gate=True)
     assert not modified and cle.report.rejected == ["c1 -> c2"]
     _, _, changed = _apply(model, gate=False)
     assert changed  # without the gate the pair is rescaled
+
+
+def test_gate_refuses_a_scaling_that_trades_one_layers_precision_for_the_others():
+    """Conv 2 holds exact int8 codes (no rounding noise); conv 1's channels are 64x apart, so
+    equalizing lowers the pair's summed noise but puts conv 2 off its grid: refused."""
+    from passes.cross_layer_equalization import pof2_noise_ratio
+
+    rng = _rng(0)
+    w1 = rng.normal(0, 1, (8, 8, 1, 1)).astype(np.float32)
+    w1[0] *= 16
+    w2 = (rng.integers(-127, 128, (8, 8, 1, 1)) / 16).astype(np.float32)
+    model = _gate_pair(w1, w2)
+    # the proposal: s = sqrt(r1 / r2) per channel (no bias to read here), and its damped steps
+    s = np.sqrt(output_channel_ranges(w1) / input_channel_ranges(w2, 1))
+    new1, new2 = w1 / s.reshape(-1, 1, 1, 1), w2 * s.reshape(1, -1, 1, 1)
+    assert pof2_noise_ratio(new1) + pof2_noise_ratio(new2) < pof2_noise_ratio(w1)  # sum lower
+    for power in (1.0, 0.5, 0.25):  # but conv 2 gets worse at every step
+        assert pof2_noise_ratio(w2 * s.reshape(1, -1, 1, 1) ** power) > pof2_noise_ratio(w2)
+    assert pof2_noise_ratio(w2) == 0.0
+    _, cle, modified = _apply(model, gate="per_layer")
+    assert not modified and cle.report.rejected == ["c1 -> c2"]
+    # the default gate judges the pair's total noise at conv 2's output instead
+    from passes.cross_layer_equalization import propagated_noise
+
+    before = sum(propagated_noise(w1, [(w2, 1, np.arange(8))]))
+    lowers = any(
+        sum(
+            propagated_noise(
+                w1 / (s**p).reshape(-1, 1, 1, 1),
+                [(w2 * (s**p).reshape(1, -1, 1, 1), 1, np.arange(8))],
+            )
+        )
+        < before
+        for p in (1.0, 0.5, 0.25)
+    )
+    _, _, modified = _apply(model, gate=True)
+    assert modified == lowers
+
+
+def test_bad_gate_is_rejected():
+    with pytest.raises(ConfigError, match="gate"):
+        CrossLayerEqualization(gate="both")
+
+
+@pytest.mark.parametrize("side", ["first", "second"])
+def test_negligible_channel_is_never_a_partner(side):
+    """A ~0 channel (weights 1e-7 of the widest, a large bias) keeps s = 1 on both sides; the
+    other channels are equalized as usual."""
+    model = _conv_act_conv(_relu())
+    w = _weights(model)
+    wa, wb, ba = w["wa"].copy(), w["wb"].copy(), w["ba"].copy()
+    if side == "first":
+        wa[0] = wa[0] / np.abs(wa[0]).max() * np.abs(wa).max() * 1e-7
+        ba[0] = 5.0  # a constant channel: scale_append_bias must not make it a partner
+        wb[:, 0] *= 100
+    else:
+        wb[:, 0] = wb[:, 0] / np.abs(wb[:, 0]).max() * np.abs(wb).max() * 1e-7
+    for t in model.graph.initializer:
+        if t.name in ("wa", "wb", "ba"):
+            t.CopyFrom(onnx.numpy_helper.from_array({"wa": wa, "wb": wb, "ba": ba}[t.name], t.name))
+    out, _, modified = _apply(model, steps=1)
+    assert modified
+    _assert_same_outputs(model, out)
+    np.testing.assert_array_equal(_node_weight(out, "A")[0], wa[0])
+    np.testing.assert_array_equal(_node_weight(out, "B")[:, 0], wb[:, 0])
+    np.testing.assert_array_equal(_node_weight(out, "A", 2)[0], ba[0])
+    assert np.any(_node_weight(out, "A")[1:] != wa[1:])  # the rest is equalized
+
+
+def test_propagated_noise_counts_channels_the_grid_rounds_away():
+    """Channel 0 of conv 1 is 1000x narrower than the rest and conv 2 reads it 1000x harder:
+    the per-tensor grid zeroes it. Its energy share is ~1e-7, so ||E||^2 / ||W||^2 hardly
+    sees it; weighted by what conv 2 makes of it, it dominates."""
+    from passes.cross_layer_equalization import pof2_noise_ratio, propagated_noise
+
+    rng = _rng(14)
+    w1 = rng.normal(0, 1, (8, 8, 1, 1))
+    w1[0] *= 1e-3
+    w2 = rng.normal(0, 1, (8, 8, 1, 1))
+    w2[:, 0] *= 1e3
+    n1, _ = propagated_noise(w1, [(w2, 1, np.arange(8))])
+    # channel 0 carries ~1/8 of what conv 2 sees and is lost: N1 >= 1/8, the energy ratio ~1e-4
+    assert n1 > 0.125 and pof2_noise_ratio(w1) < n1 / 1000
+    # the rescaling that undoes it leaves the weighting unchanged and removes the noise
+    s = np.ones(8)
+    s[0] = 1e-3
+    m1, m2 = propagated_noise(
+        w1 / s.reshape(-1, 1, 1, 1), [(w2 * s.reshape(1, -1, 1, 1), 1, np.arange(8))]
+    )
+    assert m1 < n1 / 100 and m2 < 1e-3
+
+
+def test_randomly_rescaled_pair_is_equalized_back_through_the_gate():
+    """Per-channel factors log-uniform in 1/100..100 through a Relu (the stress benchmark's
+    transform): CLE until converged, gate on, brings conv 1's channel range spread back."""
+    model = _conv_act_conv(_relu(), c=8)
+    w = _weights(model)
+    spread0 = channel_range_spread(w["wa"])
+    s = np.exp(_rng(15).uniform(np.log(1e-2), np.log(1e2), 8)).astype(np.float32)
+    stressed = {
+        "wa": w["wa"] * s.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * s,
+        "wb": w["wb"] / s.reshape(1, -1, 1, 1),
+    }
+    for t in model.graph.initializer:
+        if t.name in stressed:
+            t.CopyFrom(onnx.numpy_helper.from_array(stressed[t.name].astype(np.float32), t.name))
+    assert channel_range_spread(stressed["wa"]) > 100 * spread0
+    out, _, modified = _apply(model, steps=-1, gate=True)
+    assert modified
+    _assert_same_outputs(model, out)
+    assert channel_range_spread(_node_weight(out, "A")) < 4 * spread0

@@ -1,0 +1,724 @@
+"""FoldConstantChannels: fold constant and dead channels into the layers that read them.
+
+Why. A Conv output channel whose weights are zero, or negligible, computes a constant: its bias.
+Trained networks have such channels (weight decay drives a channel's weights to ~0 while its
+bias survives; after a Relu it is then constant, often exactly 0), and the layers reading them
+were never decayed: their weights for that input channel can be a hundred times larger than the
+rest. One per-tensor power-of-two scale set by those weights rounds every useful weight of the
+consumer to a few codes. In float the constant's contribution is a bias, so it can be moved there
+and the consumer's weights for it zeroed, which removes the outliers without changing the
+function.
+
+Maths. Let channel ``c`` of a Conv ``P`` have weights ``W1[c] = 0``; its output is the constant
+``b1[c]``. Per-channel ops after it map a constant to a constant (``k`` = the constant):
+
+* Relu ``max(k, 0)``; Clip ``min(max(k, lo), hi)``; LeakyRelu/PRelu ``k`` or ``alpha_c k``;
+  Identity ``k``; BatchNormalization ``m_c k + b_c``;
+* MaxPool, GlobalMaxPool, GlobalAveragePool and AveragePool without padding or with
+  ``count_include_pad = 0``: ``k`` (every window averages or maxes copies of ``k``; MaxPool pads
+  with -inf); an AveragePool counting zero padding, or a Pad in constant mode, keeps only ``k = 0``
+  constant (the border windows read zeros);
+* a depthwise Conv (``group = C_in = C_out``, weight ``C x 1 x kh x kw``): ``k * sum(w_c) + d_c``
+  without spatial padding; with zero padding the border windows read zeros, so only ``k = 0``
+  stays constant (``d_c``). Its channel ``c`` weights are then set to 0 and its bias to the
+  constant: exact, and that layer's outliers go too;
+* Concat on axis 1 (the channel moves to its offset) and a Flatten/Reshape of an ``N x C x 1 x 1``
+  tensor into ``N x C`` (for Gemm consumers).
+
+A consumer Conv (any group) or Gemm (``transA = 0``) reading the constant ``k`` on input
+channel ``i`` computes ``z[o] = sum_{j != i} W2[o, j] * y_j + W2[o, i] * k + b2[o]``, so::
+
+    b2[o] <- b2[o] + k * sum(W2[o, i, ...])        W2[o, i, ...] <- 0
+
+(Gemm: ``C <- C + alpha * k * B'[i, :] / beta``; a bias is created when absent.) This is exact
+when ``k = 0`` (the zeroed weights read zeros) or when the consumer has no spatial padding. A
+Conv with zero padding reads 0, not ``k``, at the borders, so a **non-zero constant is never folded
+into a padded Conv**: that consumer keeps its weights (and the channel stays as it is).
+
+Negligible weights. A channel whose weights are not exactly 0 is folded only when its variation
+cannot matter, judged scale-free at every consumer it reaches. With ``x`` the producer's input,
+the channel's pre-activation varies by at most ``||W1[c]||_1 * max|x|`` around ``b1[c]``; each op
+on the way multiplies that by its Lipschitz constant ``lambda_c`` (1 for Relu, Clip, pools and
+Concat; ``max(1, |alpha_c|)`` for LeakyRelu/PRelu; ``|m_c|`` for BatchNormalization;
+``||w_c||_1`` for a depthwise Conv); consumer output ``o`` multiplies it by ``||W2[o, i]||_1``.
+So freezing the channel changes consumer output ``o`` by at most ``m[c, o] * max|x|`` with::
+
+    m[c, o] = ||W1[c]||_1 * lambda_c * ||W2[o, i_c]||_1
+
+while the largest single-channel contribution to ``o`` is bounded by ``max_j m[j, o] * max|x|``.
+Channel ``c`` of an ungrouped Conv is *negligible* when ``m[c, o] <= tolerance * max_j m[j, o]``
+for every output ``o`` of every consumer (default ``tolerance = 1e-4``): the change of each
+consumer output is below ``tolerance`` times its largest channel's bound, whatever the input's
+magnitude. The ratio does not change when a channel is rescaled through a positively
+homogeneous op (``W1[c] / s`` and ``W2[:, c] * s``), when a consumer's output channel is
+rescaled, or when the input is scaled, so a channel that is merely small in one layer and large
+in the next is never taken for negligible. (A grouped or depthwise producer's channels read
+different input channels, whose magnitudes cannot be compared this way.)
+
+Clamped channels (with samples). A dead channel (tiny weights, a negative bias, then Relu) is
+exactly 0 for every input with ``||W1[c]||_1 * max|x| < -b1[c]``, however large its readers'
+weights; the same holds for a channel a Clip saturates. Given sample inputs, the pass measures
+``X = max|x|`` at each ungrouped Conv's input and propagates the interval ``b1[c] +- ||W1[c]||_1
+* margin * X`` (default ``margin = 10``) through the ops above (interval arithmetic; a depthwise
+Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a single point at every
+consumer is *clamped*: constant for every input up to ``margin`` times the largest the samples
+showed, so folding it changes nothing there.
+
+A negligible or clamped channel is folded only when every reader is foldable (all paths end in
+Conv/Gemm consumers where the fold is exact and no value on the way is a graph output); its
+weights are then set to exactly 0. A channel whose weights are exactly 0 is folded into every
+consumer where that is exact, and left alone elsewhere (its value does not change).
+
+Not handled: Gemm or MatMul producers, ConvTranspose, consumers reading the channel through any
+other op (Add, Mul, Sigmoid, Resize, ...), If/Loop bodies. Weight initializers shared with another
+node, and Constant-node weights, are copied before being rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from quark_onnx.errors import ConfigError
+from quark_onnx.passes._graph import NameGenerator, constant_array
+from quark_onnx.passes.base import QuarkPass
+from quark_onnx.passes.cross_layer_equalization import store_constant_input
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+_STANDARD = ("", "ai.onnx")
+
+#: Default of :attr:`FoldConstantChannels.tolerance` (see the module docstring).
+DEFAULT_TOLERANCE = 1e-4
+#: Default of :attr:`FoldConstantChannels.margin` (see the module docstring).
+DEFAULT_MARGIN = 10.0
+FOLD_KINDS = ("zero", "clamped", "negligible")
+
+
+def _max_abs(model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, float]:
+    """``max |v|`` of the named values of ``model`` on ``feeds`` (onnxruntime, CPU)."""
+    import onnx
+    import onnxruntime as ort
+
+    from quark_onnx.model_io import to_proto
+
+    proto = to_proto(model)
+    known = {o.name for o in proto.graph.output}
+    for name in names:
+        if name not in known:
+            proto.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    arrays = session.run(names, feeds)
+    return {n: float(np.max(np.abs(a))) for n, a in zip(names, arrays, strict=True) if a.size}
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedChannel:
+    """One producer channel folded into its consumers."""
+
+    producer: str
+    channel: int
+    constant: float  # the channel's value (its bias) before the ops that follow it
+    consumers: tuple[str, ...]
+    #: ``"zero"``: the weights were 0; ``"clamped"``: the activation clamps the channel to one
+    #: value for every input up to ``margin`` times the samples' range; ``"negligible"``: its
+    #: variation bound is negligible (both: the weights are set to 0 here)
+    kind: str
+
+
+@dataclasses.dataclass
+class FoldReport:
+    """What the last run of :class:`FoldConstantChannels` did."""
+
+    folded: list[FoldedChannel] = dataclasses.field(default_factory=list)
+    #: Producer channels that were constant or negligible but not (fully) folded, and why.
+    kept: list[str] = dataclasses.field(default_factory=list)
+
+
+def _label(node: ir.Node) -> str:
+    return node.name or f"{node.op_type}:{node.outputs[0].name}"
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    """Constant float or int data of ``value`` (not a graph input), else None."""
+    if value is None or value.is_graph_input():
+        return None
+    return constant_array(value)
+
+
+class _Layer:
+    """Float64 working copy of one Conv's or Gemm's weight and bias, written back at the end.
+
+    ``weight`` is ``C_out x C_in/g x ...`` for a Conv and ``N x K`` (``B'``, transposed when
+    ``transB = 0``) for a Gemm; ``bias_delta`` collects what folding adds to the bias.
+    """
+
+    def __init__(self, node: ir.Node, weight: np.ndarray, bias: np.ndarray | None) -> None:
+        self.node = node
+        self.gemm = node.op_type == "Gemm"
+        self.dtype = weight.dtype
+        self.trans_b = bool(node.attributes.get_int("transB", 0)) if self.gemm else True
+        w = weight.astype(np.float64)
+        self.weight = w if self.trans_b else w.T.copy()
+        self.bias = None if bias is None else bias.astype(np.float64)
+        self.group = 1 if self.gemm else node.attributes.get_int("group", 1)
+        self.alpha = node.attributes.get_float("alpha", 1.0) if self.gemm else 1.0
+        self.beta = node.attributes.get_float("beta", 1.0) if self.gemm else 1.0
+        self.bias_delta = np.zeros(self.weight.shape[0])
+        self.weight_changed = False
+
+    def readers(self, channel: int) -> tuple[slice, int]:
+        """Output channels reading input ``channel``, and its column in the weight."""
+        cpg = self.weight.shape[1]
+        per_group = self.weight.shape[0] // self.group
+        g = channel // cpg
+        return slice(g * per_group, (g + 1) * per_group), channel % cpg
+
+    def read_gains(self, channels: np.ndarray) -> np.ndarray:
+        """``G[k, o] = ||W[o, i_k, ...]||_1`` for input channels ``i_k = channels[k]`` and every
+        output channel ``o`` (0 where ``o`` does not read ``i_k``, grouped convs)."""
+        cpg = self.weight.shape[1]
+        per_group = self.weight.shape[0] // self.group
+        l1 = np.abs(self.weight.reshape(self.weight.shape[0], cpg, -1)).sum(axis=2)  # [O, cpg]
+        if self.group == 1:
+            return l1[:, channels].T * abs(self.alpha)
+        gains = np.zeros((channels.size, self.weight.shape[0]))
+        for k, i in enumerate(channels):
+            rows = slice((i // cpg) * per_group, (i // cpg + 1) * per_group)
+            gains[k, rows] = l1[rows, i % cpg]
+        return gains
+
+    def effective_bias(self) -> np.ndarray:
+        """A Conv's bias including what folding added (zeros when it has none)."""
+        return (0.0 if self.bias is None else self.bias) + self.bias_delta
+
+    def column_is_zero(self, channel: int) -> bool:
+        rows, col = self.readers(channel)
+        return not np.any(self.weight[rows, col])
+
+    def fold(self, channel: int, k: float) -> None:
+        """Move the constant input ``k`` on ``channel`` into the bias; zero its weights."""
+        rows, col = self.readers(channel)
+        if k != 0.0:
+            contrib = self.weight[rows, col].reshape(self.weight[rows, col].shape[0], -1)
+            self.bias_delta[rows] += k * self.alpha * contrib.sum(axis=1)
+        self.weight[rows, col] = 0.0
+        self.weight_changed = True
+
+    @property
+    def padded(self) -> bool:
+        """The Conv reads zero padding somewhere (a constant input is not constant there)."""
+        if self.gemm:
+            return False
+        auto_pad = self.node.attributes.get_string("auto_pad", "NOTSET")
+        if auto_pad == "VALID":
+            return False
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            strides = self.node.attributes.get_ints("strides", None)
+            return any(d != 1 for d in self.weight.shape[2:]) or any(
+                s != 1 for s in (strides or ())
+            )
+        return any(p != 0 for p in self.node.attributes.get_ints("pads", ()) or ())
+
+
+def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Constant float weight and bias of a Conv/Gemm node, or None."""
+    if node.domain not in _STANDARD or len(node.inputs) < 2:
+        return None
+    weight = _const(node.inputs[1])
+    if weight is None or weight.dtype not in _FLOAT_DTYPES:
+        return None
+    if node.op_type == "Conv" and weight.ndim < 3:
+        return None
+    if node.op_type == "Gemm" and (weight.ndim != 2 or node.attributes.get_int("transA", 0)):
+        return None
+    bias = None
+    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        bias = _const(node.inputs[2])
+        if bias is None or bias.dtype not in _FLOAT_DTYPES:
+            return None
+        if node.op_type == "Conv" and bias.shape != (weight.shape[0],):
+            return None
+    return weight, bias
+
+
+@dataclasses.dataclass
+class _Path:
+    """Where the producer's channels are on a value: per producer channel (vectors of length C).
+
+    ``idx``: channel index in the value; ``const``: the value there if the producer's weights
+    were zero (NaN where it would not be constant); ``lo``/``hi``: an interval holding the
+    channel's values for the inputs considered (a point where the ops clamp it flat);
+    ``lam``: Lipschitz factor accumulated so far; ``dws``: depthwise convs passed, each with the
+    channel index at its input and its output constant.
+    """
+
+    idx: np.ndarray
+    const: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    lam: np.ndarray
+    dws: tuple[tuple[ir.Node, np.ndarray, np.ndarray], ...] = ()
+    spatial_one: bool = False  # H = W = 1 is known (after a global pool)
+
+
+@dataclasses.dataclass
+class _Leaf:
+    node: ir.Node | None  # the consumer Conv/Gemm, None when blocked
+    path: _Path
+    reason: str = ""  # why blocked (node is None)
+
+
+def _per_channel(array: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
+    """A scalar or per-channel (``[C]``, ``[C,1,1]``, ``[1,C,1,1]``) parameter picked at ``idx``."""
+    if array is None:
+        return None
+    a = np.asarray(array, dtype=np.float64)
+    if a.size == 1:
+        return np.full(idx.shape, float(a.reshape(())))
+    squeezed = a.reshape(-1)
+    # a per-channel parameter on axis 1 of N x C x ... broadcasts as [C, 1, 1] or [1, C, 1, 1]
+    dims = [d for d in a.shape if d != 1]
+    if len(dims) != 1:
+        return None
+    if np.max(idx, initial=-1) >= squeezed.size:
+        return None
+    return squeezed[idx]
+
+
+def _map(path: _Path, f, lam: np.ndarray | float = 1.0) -> _Path:
+    """``path`` through the per-channel continuous piecewise-linear ``f`` (kinks at most at 0 and
+    at monotone clamps): the interval's image is spanned by ``f(lo)``, ``f(hi)`` and, when the
+    interval straddles 0, ``f(0)``."""
+    with np.errstate(invalid="ignore"):
+        a, b = f(path.lo), f(path.hi)
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        straddle = (path.lo < 0) & (path.hi > 0)
+        zero = f(np.zeros_like(path.lo))
+        lo = np.where(straddle, np.minimum(lo, zero), lo)
+        hi = np.where(straddle, np.maximum(hi, zero), hi)
+        const = f(path.const)
+    return dataclasses.replace(path, const=const, lo=lo, hi=hi, lam=path.lam * lam)
+
+
+def _zero_padded(path: _Path) -> _Path:
+    """``path`` through an op that also reads zero padding: only a 0 constant stays constant."""
+    return dataclasses.replace(
+        path,
+        const=np.where(path.const == 0, 0.0, np.nan),
+        lo=np.minimum(path.lo, 0.0),
+        hi=np.maximum(path.hi, 0.0),
+    )
+
+
+def _clip_bounds(node: ir.Node) -> tuple[float, float] | None:
+    lo, hi = -math.inf, math.inf
+    if "min" in node.attributes or "max" in node.attributes:
+        return node.attributes.get_float("min", lo), node.attributes.get_float("max", hi)
+    for i, default in ((1, lo), (2, hi)):
+        if len(node.inputs) > i and node.inputs[i] is not None:
+            arr = _const(node.inputs[i])
+            if arr is None or arr.size != 1:
+                return None
+            bound = float(arr.reshape(()))
+        else:
+            bound = default
+        if i == 1:
+            lo = bound
+        else:
+            hi = bound
+    return lo, hi
+
+
+def _value_channels(value: ir.Value) -> int | None:
+    shape = value.shape
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
+        return None
+    return shape[1]
+
+
+class FoldConstantChannels(QuarkPass):
+    """Fold constant and negligible Conv output channels into the Conv/Gemm layers reading them.
+
+    Args:
+        tolerance: a channel with non-zero weights is negligible when ``m_c <= tolerance *
+            max_j m_j`` at every consumer (module docstring); ``0`` turns this test off.
+        sample_feeds: model inputs (e.g. a calibration batch); with them, a channel that the
+            activation clamps to one value for every input up to ``margin`` times the largest
+            ``|x|`` the samples give its layer is folded too (``"clamped"``).
+        margin: how far beyond the samples' input range the clamp must hold.
+
+    After a run, :attr:`report` (:class:`FoldReport`) lists the folded channels.
+    """
+
+    def __init__(
+        self,
+        tolerance: float = DEFAULT_TOLERANCE,
+        sample_feeds: dict[str, np.ndarray] | None = None,
+        margin: float = DEFAULT_MARGIN,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+            raise ConfigError(
+                f"FoldConstantChannels tolerance={tolerance!r}: use a number in [0, 1) "
+                f"(default {DEFAULT_TOLERANCE})"
+            )
+        if not (isinstance(margin, (int, float)) and margin >= 1):
+            raise ConfigError(
+                f"FoldConstantChannels margin={margin!r}: use a number >= 1 "
+                f"(default {DEFAULT_MARGIN})"
+            )
+        self.tolerance = float(tolerance)
+        self.sample_feeds = sample_feeds
+        self.margin = float(margin)
+        self.report = FoldReport()
+
+    # ----------------------------------------------------------------------------- exploration
+
+    def _layer(self, node: ir.Node) -> _Layer | None:
+        key = id(node)
+        if key not in self._layers:
+            arrays = _conv_arrays(node)
+            self._layers[key] = None if arrays is None else _Layer(node, *arrays)
+        return self._layers[key]
+
+    def _explore(self, value: ir.Value, path: _Path, leaves: list[_Leaf], depth: int = 0) -> None:
+        """Follow ``value``'s readers through per-channel ops to the consumer layers."""
+        if value.is_graph_output():
+            leaves.append(_Leaf(None, path, f"{value.name!r} is a graph output"))
+        for use in value.uses():
+            node, index = use.node, use.idx
+            nxt = self._step(node, index, path)
+            if isinstance(nxt, str):
+                leaves.append(_Leaf(None, path, nxt))
+            elif nxt is None:
+                leaves.append(_Leaf(node, path))
+            else:
+                if depth > 64:
+                    leaves.append(_Leaf(None, path, "path too long"))
+                    continue
+                self._explore(node.outputs[0], nxt, leaves, depth + 1)
+
+    def _step(self, node: ir.Node, index: int, path: _Path) -> _Path | str | None:
+        """The path after ``node`` (which reads the value at ``index``); None if ``node`` is a
+        consumer layer to fold into; a reason string if the path is blocked there."""
+        op = node.op_type
+        where = f"{op} {_label(node)!r}"
+        if node.domain not in _STANDARD:
+            return f"{where} is not a per-channel op"
+        if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
+            return f"{where} has a second output in use"
+        if op == "Concat":
+            if node.attributes.get_int("axis", 0) not in (1,):
+                return f"{where} does not concatenate channels (axis 1)"
+            offset = 0
+            for i in range(index):
+                ch = _value_channels(node.inputs[i]) if node.inputs[i] is not None else None
+                if ch is None:
+                    return f"{where}: channel count of input {i} unknown"
+                offset += ch
+            return dataclasses.replace(path, idx=path.idx + offset, spatial_one=path.spatial_one)
+        if index != 0:
+            return f"{where} reads the channel as input {index}"
+        if op in ("Conv", "Gemm"):
+            layer = self._layer(node)
+            if layer is None:
+                return f"{where} has no constant float weights"
+            if op == "Conv" and self._is_depthwise(layer):
+                return self._through_depthwise(layer, path)
+            return None
+        if op == "Identity" or op == "Dropout":
+            return path
+        if op == "Relu":
+            return _map(path, lambda v: np.maximum(v, 0.0))
+        if op == "Clip":
+            bounds = _clip_bounds(node)
+            if bounds is None:
+                return f"{where} has non-constant bounds"
+            return _map(path, lambda v: np.clip(v, *bounds))
+        if op == "LeakyRelu":
+            alpha = node.attributes.get_float("alpha", 0.01)
+            return _map(path, lambda v: np.where(v >= 0, v, alpha * v), max(1.0, abs(alpha)))
+        if op == "PRelu":
+            slope = _per_channel(_const(node.inputs[1]), path.idx)
+            if slope is None:
+                return f"{where} slope is not a constant scalar or per-channel vector"
+            return _map(
+                path, lambda v: np.where(v >= 0, v, slope * v), np.maximum(1.0, np.abs(slope))
+            )
+        if op == "BatchNormalization":
+            if node.attributes.get_int("training_mode", 0):
+                return f"{where} is in training mode"
+            params = [_per_channel(_const(v), path.idx) for v in node.inputs[1:5]]
+            if any(p is None for p in params):
+                return f"{where} parameters are not constant per-channel vectors"
+            gamma, beta, mean, var = params
+            m = gamma / np.sqrt(var + node.attributes.get_float("epsilon", 1e-5))
+            return _map(path, lambda v: m * (v - mean) + beta, np.abs(m))
+        if op in ("MaxPool", "GlobalMaxPool", "GlobalAveragePool"):
+            return dataclasses.replace(path, spatial_one=op.startswith("Global"))
+        if op == "AveragePool":
+            counts_pad = node.attributes.get_int("count_include_pad", 0)
+            pads = node.attributes.get_ints("pads", ()) or ()
+            auto = node.attributes.get_string("auto_pad", "NOTSET")
+            if counts_pad and (any(pads) or auto.startswith("SAME")):
+                return _zero_padded(path)
+            return path
+        if op == "Pad":
+            mode = node.attributes.get_string("mode", "constant")
+            if mode == "constant":
+                value = _const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+                if value is not None and np.any(value != 0):
+                    return f"{where} pads with a non-zero value"
+                return _zero_padded(path)
+            return path
+        if op in ("Flatten", "Reshape"):
+            return self._through_flatten(node, path, where)
+        return f"{where} is not a per-channel op the constant can pass"
+
+    @staticmethod
+    def _is_depthwise(layer: _Layer) -> bool:
+        c_out = layer.weight.shape[0]
+        return layer.group == c_out and layer.weight.shape[1] == 1 and c_out > 1
+
+    def _through_depthwise(self, layer: _Layer, path: _Path) -> _Path:
+        rows = layer.weight.reshape(layer.weight.shape[0], -1)[path.idx]
+        bias = layer.effective_bias()[path.idx]
+        if layer.padded:  # the border windows read zeros too
+            path = _zero_padded(path)
+        l1 = np.abs(rows).sum(axis=1)
+        with np.errstate(invalid="ignore"):
+            const = path.const * rows.sum(axis=1) + bias
+            center = (path.lo + path.hi) / 2 * rows.sum(axis=1) + bias
+            radius = np.where(path.hi > path.lo, (path.hi - path.lo) / 2 * l1, 0.0)
+            lo, hi = center - radius, center + radius
+        unbounded = ~(np.isfinite(lo) & np.isfinite(hi))
+        return _Path(
+            idx=path.idx,
+            const=const,
+            lo=np.where(unbounded, -np.inf, lo),
+            hi=np.where(unbounded, np.inf, hi),
+            lam=path.lam * l1,
+            dws=(*path.dws, (layer.node, path.idx, const)),
+        )
+
+    @staticmethod
+    def _through_flatten(node: ir.Node, path: _Path, where: str) -> _Path | str:
+        shape = node.inputs[0].shape
+        spatial_one = path.spatial_one or (
+            shape is not None
+            and len(shape) >= 2
+            and all(isinstance(d, int) and d == 1 for d in list(shape)[2:])
+        )
+        if not spatial_one:
+            return f"{where} flattens spatial positions (only N x C x 1 x 1 is followed)"
+        if node.op_type == "Flatten":
+            if node.attributes.get_int("axis", 1) != 1:
+                return f"{where} does not flatten at axis 1"
+            return path
+        # Reshape N x C x 1 x 1 -> N x C: target [N | 0 | 1, -1 | 0 | C] or [-1, C]
+        target = _const(node.inputs[1]) if len(node.inputs) > 1 else None
+        channels = _value_channels(node.inputs[0])
+        batch = shape[0] if shape is not None and len(shape) else None
+        if target is not None and target.ndim == 1 and target.size == 2:
+            first, second = (int(t) for t in target)
+            if second in (0, channels) and first in (-1, 0, batch):
+                return path
+            if second == -1 and first in (0, batch) and first != -1:
+                return path
+        return f"{where} does not reshape N x C x 1 x 1 into N x C"
+
+    # ------------------------------------------------------------------------------- folding
+
+    def _process(self, producer: ir.Node) -> bool:
+        layer = self._layer(producer)
+        if layer is None or layer.gemm:
+            return False
+        channels, cpg = layer.weight.shape[:2]
+        per_input = np.abs(layer.weight.reshape(channels, cpg, -1)).sum(axis=2)  # [C, cpg]
+        exact = ~np.any(per_input, axis=1)
+        bias = layer.effective_bias()
+        # ||W[c]||_1 * max|x| bounds the channel's variation around its bias. The samples'
+        # max|x| is used only for ungrouped producers, whose channels all read every input
+        # channel: a depthwise channel reads one, which a few samples may show near 0 although
+        # other inputs drive it
+        variation = per_input.sum(axis=1)
+        x_max = self._input_max.get(producer.inputs[0].name) if layer.group == 1 else None
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = np.inf if x_max is None else x_max * self.margin
+            radius = np.where(exact, 0.0, variation * scale)
+        leaves: list[_Leaf] = []
+        start = _Path(
+            idx=np.arange(channels),
+            const=bias.copy(),
+            lo=bias - radius,
+            hi=bias + radius,
+            lam=np.ones(channels),
+        )
+        self._explore(producer.outputs[0], start, leaves)
+        if not any(leaf.node is not None for leaf in leaves):
+            return False
+
+        # per channel: can it be folded everywhere; is it negligible at every consumer; is it
+        # clamped to one value (the interval a point) at every consumer
+        foldable_everywhere = np.ones(channels, dtype=bool)
+        # a grouped producer's channels read different input channels, whose magnitudes the
+        # bound cannot compare: only ungrouped producers qualify
+        negligible = np.full(channels, layer.group == 1 and self.tolerance > 0)
+        flat = np.ones(channels, dtype=bool)
+        for leaf in leaves:
+            if leaf.node is None:
+                foldable_everywhere[:] = False
+                continue
+            target = self._layers[id(leaf.node)]
+            ok = np.isfinite(leaf.path.const)
+            if target.padded:
+                ok &= leaf.path.const == 0
+            foldable_everywhere &= ok
+            flat &= leaf.path.lo == leaf.path.hi
+            # per consumer output o: m[c, o] against the largest channel's m[j, o]
+            m = (variation * leaf.path.lam)[:, None] * target.read_gains(leaf.path.idx)
+            ref = m.max(axis=0, initial=0.0)
+            negligible &= np.all(m <= self.tolerance * ref, axis=1)
+        for leaf in leaves:  # a depthwise conv on the way must be foldable too
+            for _dw, _idx, const in leaf.path.dws:
+                foldable_everywhere &= np.isfinite(const)
+        fire = ~exact & (negligible | flat) & foldable_everywhere
+        modified = False
+        for c in np.flatnonzero(exact | fire):
+            c = int(c)
+            consumers: list[str] = []
+            done_dw: set[int] = set()
+            for leaf in leaves:
+                for dw, idx, const in leaf.path.dws:
+                    k = const[c]
+                    if not np.isfinite(k) or id(dw) in done_dw:
+                        continue
+                    done_dw.add(id(dw))
+                    dw_layer = self._layers[id(dw)]
+                    ch = int(idx[c])
+                    if np.any(dw_layer.weight[ch]) or k != dw_layer.effective_bias()[ch]:
+                        # its input is the constant: its output channel is k, now by its bias
+                        dw_layer.weight[ch] = 0.0
+                        base = 0.0 if dw_layer.bias is None else dw_layer.bias[ch]
+                        dw_layer.bias_delta[ch] = k - base
+                        dw_layer.weight_changed = True
+                        consumers.append(_label(dw))
+                if leaf.node is None:
+                    continue
+                target = self._layers[id(leaf.node)]
+                k = float(leaf.path.const[c])
+                ch = int(leaf.path.idx[c])
+                if not math.isfinite(k) or (target.padded and k != 0.0):
+                    continue
+                if target.gemm and k != 0.0 and target.bias is not None and target.beta == 0.0:
+                    continue
+                if target.column_is_zero(ch):
+                    continue
+                target.fold(ch, k)
+                consumers.append(_label(leaf.node))
+            if not consumers:
+                continue
+            if fire[c]:
+                layer.weight[c] = 0.0
+                layer.weight_changed = True
+            modified = True
+            kind = "zero" if exact[c] else ("negligible" if negligible[c] else "clamped")
+            self.report.folded.append(
+                FoldedChannel(_label(producer), c, float(bias[c]), tuple(consumers), kind)
+            )
+        kept = (exact | negligible | flat) & ~foldable_everywhere
+        for c in np.flatnonzero(kept):
+            self.report.kept.append(f"{_label(producer)}[{int(c)}]")
+        return modified
+
+    def _measure_inputs(self, model: ir.Model) -> dict[str, float]:
+        """``max |x|`` over the samples of every ungrouped Conv's input (empty without samples,
+        or when onnxruntime cannot run the model: then the pass works data-free)."""
+        if not self.sample_feeds:
+            return {}
+        names = sorted(
+            {
+                node.inputs[0].name
+                for node in model.graph
+                if node.op_type == "Conv"
+                and node.domain in _STANDARD
+                and node.attributes.get_int("group", 1) == 1
+                and node.inputs
+                and node.inputs[0] is not None
+                and node.inputs[0].name
+            }
+        )
+        if not names:
+            return {}
+        try:
+            return _max_abs(model, self.sample_feeds, names)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            logger.warning(
+                "FoldConstantChannels: cannot run the model on the samples (%s); only the "
+                "data-free criteria are used",
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+            return {}
+
+    # ------------------------------------------------------------------------------ write back
+
+    def _write_back(self, graph: ir.Graph) -> None:
+        names = NameGenerator(graph)
+        for layer in self._layers.values():
+            if layer is None or not (layer.weight_changed or np.any(layer.bias_delta)):
+                continue
+            node = layer.node
+            weight = layer.weight if layer.trans_b else layer.weight.T
+            store_constant_input(graph, node, 1, weight.astype(layer.dtype), names, "folded")
+            if not np.any(layer.bias_delta):
+                continue
+            if layer.gemm:
+                delta = layer.bias_delta
+                if layer.bias is None:
+                    new_bias = delta
+                    node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
+                else:
+                    new_bias = layer.bias + delta / layer.beta
+            else:
+                new_bias = (0.0 if layer.bias is None else layer.bias) + layer.bias_delta
+            new_bias = np.asarray(new_bias).astype(layer.dtype)
+            if layer.bias is None:
+                if len(node.inputs) < 3:
+                    node.resize_inputs(3)
+                from quark_onnx.passes._graph import add_initializer
+
+                value = add_initializer(graph, names(f"{_label(node)}_bias"), new_bias)
+                node.replace_input_with(2, value)
+            else:
+                store_constant_input(graph, node, 2, new_bias, names, "folded")
+
+    # ------------------------------------------------------------------------------ pass entry
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.report = FoldReport()
+        self._layers: dict[int, _Layer | None] = {}
+        self._input_max = self._measure_inputs(model)
+        modified = False
+        for node in list(model.graph):
+            if node.op_type == "Conv" and node.domain in _STANDARD:
+                modified |= self._process(node)
+        if modified:
+            self._write_back(model.graph)
+            logger.info(
+                "FoldConstantChannels: %d channels folded (%d already zero, %d clamped, "
+                "%d negligible)",
+                len(self.report.folded),
+                *(sum(f.kind == k for f in self.report.folded) for k in FOLD_KINDS),
+            )
+        return ir.passes.PassResult(model, modified=modified)
