@@ -104,8 +104,8 @@ class ExtraOptions:
     # --- calibration ------------------------------------------------------------------------------
     UseRandomData: bool = _opt(
         False,
-        "Calibrate on random data generated from the model's input shapes and dtypes instead of "
-        "a data reader.",
+        "Calibrate on random data generated from the model's input shapes and dtypes when no "
+        "calibration data is given (given data is used, with a warning).",
     )
     RandomDataReaderInputShape: dict = _opt(
         {},
