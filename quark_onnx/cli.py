@@ -74,7 +74,7 @@ EXIT_USAGE = 2
 
 _NPZ_SUFFIXES = (".npz", ".npy")
 _DEFAULT_PRESET = "XINT8"
-_DEFAULT_COMPARE_SAMPLES = 32
+_DEFAULT_COMPARE_SAMPLES = 16
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,14 +261,19 @@ def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, lim
     return npz_reader(calib, model, limit)
 
 
+def _compare_count(settings: QuantizeSettings) -> int:
+    count = settings.compare_samples
+    if settings.calib_limit:
+        count = min(count, settings.calib_limit)
+    return max(count, 0)
+
+
 def comparison_feeds(
     settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike
 ) -> Iterator[dict[str, Any]] | None:
     """The first ``compare_samples`` calibration samples (the same as calibration saw first), or
     None when there is no data (a saved calibration result without ``--calib``)."""
-    count = settings.compare_samples
-    if settings.calib_limit:
-        count = min(count, settings.calib_limit)
+    count = _compare_count(settings)
     if count <= 0:
         return None
     options = qconfig.resolved_options()
@@ -493,6 +498,8 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     qconfig = settings.build_config()
     fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
     quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
+    if settings.load_calibration is None:  # calibration reads the samples the comparison needs
+        quantizer.keep_samples = _compare_count(settings)
     reader = calibration_reader(settings, model_path, settings.calib_limit)
     load = None
     if settings.load_calibration is not None:
@@ -522,7 +529,11 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     report.save(report_json)  # now, so that a failing comparison leaves the report
 
     comparison = None
-    feeds = comparison_feeds(settings, qconfig, model_path)
+    feeds: Any = None
+    if _compare_count(settings) > 0 and quantizer.kept_samples:
+        feeds = iter(quantizer.kept_samples)  # the calibration's first samples, not read again
+    else:
+        feeds = comparison_feeds(settings, qconfig, model_path)
     if feeds is not None:
         from quark_onnx import memory
         from quark_onnx.compare import compare_models

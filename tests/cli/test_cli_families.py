@@ -62,7 +62,8 @@ def conv_net(dims: list, head: str, classes: int = 3, seed: int = 0) -> onnx.Mod
     elif head == "scores":
         out_dims = [dims[0], classes]
     else:
-        out_dims = [1, side[0] * side[1], classes]
+        rows = side[0] * side[1] if all(isinstance(d, int) for d in side) else "rows"
+        out_dims = [1, rows, classes]
     return make_model(
         nodes,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
