@@ -75,6 +75,9 @@ EXIT_USAGE = 2
 _NPZ_SUFFIXES = (".npz", ".npy")
 _DEFAULT_PRESET = "XINT8"
 _DEFAULT_COMPARE_SAMPLES = 16
+#: Input values the default comparison runs through at most (32 ImageNet-sized samples): a
+#: 512x896 segmenter compares 3 samples, whose QDQ simulation costs as much as 16 classifier ones.
+_COMPARE_BUDGET = 32 * 3 * 224 * 224
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,7 +171,8 @@ class QuantizeSettings:
     calib: str | None = None
     preprocess: str | None = None
     calib_limit: int | None = None
-    compare_samples: int = _DEFAULT_COMPARE_SAMPLES
+    #: None: _DEFAULT_COMPARE_SAMPLES, fewer for large inputs (_COMPARE_BUDGET)
+    compare_samples: int | None = None
     compare_layers: bool = False
     #: FixShapes from the calibration data's one static shape (None: on for NPU configs, XINT8)
     fix_shapes_from_calib: bool | None = None
@@ -262,10 +266,29 @@ def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, lim
 
 
 def _compare_count(settings: QuantizeSettings) -> int:
+    """The most samples the comparison may take (the default may take fewer: _budgeted)."""
     count = settings.compare_samples
+    if count is None:
+        count = _DEFAULT_COMPARE_SAMPLES
     if settings.calib_limit:
         count = min(count, settings.calib_limit)
     return max(count, 0)
+
+
+def _budgeted(settings: QuantizeSettings, feeds: Iterator[dict[str, Any]]) -> Iterator[dict]:
+    """``feeds``, cut to the input-value budget of the default comparison (an explicit
+    ``--compare-samples`` is taken as it is)."""
+    if settings.compare_samples is not None:
+        yield from feeds
+        return
+    first = next(feeds, None)
+    if first is None:
+        return
+    values = max(1, sum(int(getattr(v, "size", 1)) for v in first.values()))
+    count = max(1, _COMPARE_BUDGET // values)
+    yield first
+    for _, feed in zip(range(count - 1), feeds, strict=False):
+        yield feed
 
 
 def comparison_feeds(
@@ -537,6 +560,8 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     if feeds is not None:
         from quark_onnx import memory
         from quark_onnx.compare import compare_models
+
+        feeds = _budgeted(settings, feeds)
 
         start = time.perf_counter()
         try:
@@ -1341,11 +1366,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--compare-samples",
         type=int,
-        default=_DEFAULT_COMPARE_SAMPLES,
+        default=None,
         metavar="N",
         help="compare the quantized model with the float model on the first N calibration "
-        f"samples (default {_DEFAULT_COMPARE_SAMPLES}; 0: do not compare): SQNR and cosine of "
-        "every output, top-1 (score vectors) or per-pixel argmax (dense outputs) agreement",
+        f"samples (default {_DEFAULT_COMPARE_SAMPLES}, fewer for inputs above "
+        f"{_COMPARE_BUDGET // _DEFAULT_COMPARE_SAMPLES} values: at most {_COMPARE_BUDGET} "
+        "input values in all; 0: do not compare): SQNR and cosine of every output, top-1 "
+        "(score vectors) or per-pixel argmax (dense outputs) agreement",
     )
     q.add_argument(
         "--compare-layers",
