@@ -139,6 +139,7 @@ def main() -> int:
         "settings": args.set,
         "wide": args.wide,
     }
+    print(f"channel multiplier {args.wide}: model {model_bytes} bytes")
     print(
         f"{args.samples} samples: wall {wall:.1f} s (float inference of the samples {peer:.1f} s)"
     )

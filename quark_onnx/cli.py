@@ -35,7 +35,9 @@ Subcommands:
 ``presets`` / ``options``
     The presets and their settings; every extra option with its type, default and meaning.
 
-Exit codes: 0 success; 1 a model failed, is not ready (``check``), or a comparison failed;
+Exit codes: 0 success (``quantize`` writes and reports a model that is not Vitis AI-ready and
+exits 0 unless ``--require-ready``); 1 a model failed, is not ready (``check``, ``quantize
+--require-ready``), or a comparison failed;
 2 a usage or configuration error (unknown preset or option, bad flag value), reported as one line
 naming the closest valid name.
 
@@ -1278,7 +1280,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Quantize ONNX models. For each MODEL.onnx write OUT_DIR/MODEL.onnx, "
             "OUT_DIR/MODEL.report.json, OUT_DIR/MODEL.report.txt and (when there is data) "
             "OUT_DIR/MODEL.compare.json. A failing model prints one `error:` line and the others "
-            "go on; the exit code is 1 when any model failed."
+            "go on; the exit code is 1 when any model failed, or with --require-ready when a "
+            "model is not Vitis AI-ready (without it a not-ready model is written, reported and "
+            "the exit code is 0)."
         ),
         epilog="examples:\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz\n"

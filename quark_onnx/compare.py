@@ -425,6 +425,10 @@ class _Session:
             else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         )
         so.log_severity_level = 3
+        # No arena: an arena keeps the buffers of its largest run until the session ends, and the
+        # two sessions live together, so large activations (512x896 maps) would be held twice
+        # (benchmarks/results/segmenter_memory.txt).
+        so.enable_cpu_mem_arena = False
         self._tmp: tempfile.TemporaryDirectory | None = None
         try:
             if copy.ByteSize() < _PROTOBUF_LIMIT:
