@@ -301,8 +301,10 @@ class _Checker:
                     "dynamic_shape",
                     value.name,
                     f"graph input {value.name!r} has shape [{', '.join(shown)}] with symbolic or "
-                    f"unknown dims at axes {loose}; the NPU compiles static shapes only: fix "
-                    "them (e.g. onnxsim overwrite_input_shapes, batch 1) before quantizing",
+                    f"unknown dims at axes {loose}; the NPU compiles static shapes only: "
+                    f"quantize with the FixShapes option (--set FixShapes='{value.name}:[1,...]' "
+                    "with batch 1, or --fix-shapes-from-calib to take the calibration data's "
+                    "shape)",
                 )
             if len(dims) >= 2 and isinstance(dims[0], int) and dims[0] > 1:
                 self.add(

@@ -35,8 +35,10 @@ Subcommands:
 ``presets`` / ``options``
     The presets and their settings; every extra option with its type, default and meaning.
 
-Exit codes: 0 success; 1 a model failed (with ``--require-fidelity`` also a model whose outputs do
-not follow the float model's: it is not written), is not ready (``check``), or a comparison failed;
+Exit codes: 0 success (``quantize`` writes and reports a model that is not Vitis AI-ready and
+exits 0 unless ``--require-ready``); 1 a model failed (with ``--require-fidelity`` also a model
+whose outputs do not follow the float model's: it is not written), is not ready (``check``,
+``quantize --require-ready``), or a comparison failed;
 2 a usage or configuration error (unknown preset or option, bad flag value), reported as one line
 naming the closest valid name.
 
@@ -75,7 +77,10 @@ EXIT_USAGE = 2
 
 _NPZ_SUFFIXES = (".npz", ".npy")
 _DEFAULT_PRESET = "XINT8"
-_DEFAULT_COMPARE_SAMPLES = 32
+_DEFAULT_COMPARE_SAMPLES = 16
+#: Input values the default comparison runs through at most (32 ImageNet-sized samples): a
+#: 512x896 segmenter compares 3 samples, whose QDQ simulation costs as much as 16 classifier ones.
+_COMPARE_BUDGET = 32 * 3 * 224 * 224
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,7 +174,11 @@ class QuantizeSettings:
     calib: str | None = None
     preprocess: str | None = None
     calib_limit: int | None = None
-    compare_samples: int = _DEFAULT_COMPARE_SAMPLES
+    #: None: _DEFAULT_COMPARE_SAMPLES, fewer for large inputs (_COMPARE_BUDGET)
+    compare_samples: int | None = None
+    compare_layers: bool = False
+    #: FixShapes from the calibration data's one static shape (None: on for NPU configs, XINT8)
+    fix_shapes_from_calib: bool | None = None
     save_calibration: bool = False
     load_calibration: str | None = None
     overwrite: bool = False
@@ -262,14 +271,38 @@ def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, lim
     return npz_reader(calib, model, limit)
 
 
+def _compare_count(settings: QuantizeSettings) -> int:
+    """The most samples the comparison may take (the default may take fewer: _budgeted)."""
+    count = settings.compare_samples
+    if count is None:
+        count = _DEFAULT_COMPARE_SAMPLES
+    if settings.calib_limit:
+        count = min(count, settings.calib_limit)
+    return max(count, 0)
+
+
+def _budgeted(settings: QuantizeSettings, feeds: Iterator[dict[str, Any]]) -> Iterator[dict]:
+    """``feeds``, cut to the input-value budget of the default comparison (an explicit
+    ``--compare-samples`` is taken as it is)."""
+    if settings.compare_samples is not None:
+        yield from feeds
+        return
+    first = next(feeds, None)
+    if first is None:
+        return
+    values = max(1, sum(int(getattr(v, "size", 1)) for v in first.values()))
+    count = max(1, _COMPARE_BUDGET // values)
+    yield first
+    for _, feed in zip(range(count - 1), feeds, strict=False):
+        yield feed
+
+
 def comparison_feeds(
     settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike
 ) -> Iterator[dict[str, Any]] | None:
     """The first ``compare_samples`` calibration samples (the same as calibration saw first), or
     None when there is no data (a saved calibration result without ``--calib``)."""
-    count = settings.compare_samples
-    if settings.calib_limit:
-        count = min(count, settings.calib_limit)
+    count = _compare_count(settings)
     if count <= 0:
         return None
     options = qconfig.resolved_options()
@@ -290,6 +323,97 @@ def comparison_feeds(
         if reader is None:
             return None
     return iter(reader.get_next, None)
+
+
+def calibration_shapes(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike
+) -> tuple[dict[str, list[int]], str] | None:
+    """The one static shape the calibration data give each dynamic model input, and where it
+    comes from; None when the inputs are static or the data have no single static shape.
+
+    An image folder has one when the pre-processing fixes the size (``size=HxW`` with ``stretch``,
+    ``fit``, ``short``, ``height``, or a crop); an ``.npz`` array holds samples of one shape along
+    axis 0; random data use ``RandomDataReaderInputShape`` (dynamic dims otherwise 1). Saved
+    calibration statistics (``--load-calibration`` alone) carry no shapes.
+    """
+    import numpy as np
+
+    specs = _model_inputs(model)
+    dynamic = [s for s in specs if s.dims is None or not all(isinstance(d, int) for d in s.dims)]
+    if not dynamic:
+        return None
+    if settings.calib is not None and Path(settings.calib).is_dir():
+        spec = settings.preprocess_spec()
+        shape = spec.output_shape()
+        if len(specs) != 1 or any(d is None for d in shape):
+            return None
+        return {specs[0].name: [int(d) for d in shape]}, f"--preprocess {spec.to_string()!r}"
+    options = qconfig.resolved_options()
+    if settings.calib is not None:
+        source = f"--calib {Path(settings.calib).name}"
+        reader = calibration_reader(settings, model, 1)
+    elif options.UseRandomData:
+        import onnx
+
+        from quark_onnx.calibration import RandomDataReader
+
+        source = "random calibration data (RandomDataReaderInputShape)"
+        reader = RandomDataReader(
+            onnx.load(str(model), load_external_data=False),
+            num_samples=1,
+            seed=options.RandomDataSeed,
+            shapes=options.RandomDataReaderInputShape or None,
+            ranges=options.RandomDataReaderInputDataRange or None,
+        )
+    else:
+        return None
+    if callable(getattr(reader, "bind", None)):
+        import onnx
+
+        reader.bind(onnx.load(str(model), load_external_data=False))
+    first = reader.get_next()
+    if not first:
+        return None
+    # every sample of an .npz array or of random data has the first sample's shape (batch 1)
+    shapes = {s.name: [1, *list(np.shape(first[s.name]))[1:]] for s in dynamic if s.name in first}
+    if len(shapes) != len(dynamic):
+        return None
+    return shapes, source
+
+
+def apply_calibration_shapes(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike, name: str
+) -> str | None:
+    """Set ``FixShapes`` from :func:`calibration_shapes` when asked (``--fix-shapes-from-calib``;
+    by default for NPU configs such as XINT8) and FixShapes is not set already. Returns the
+    sentence the report states, or None. Without the flag, a dynamic model with one calibration
+    shape is told how to fix it (a warning)."""
+    options = qconfig.resolved_options()
+    if options.FixShapes:
+        return None
+    found = calibration_shapes(settings, qconfig, model)
+    if found is None:
+        return None
+    shapes, source = found
+    text = ";".join(f"{k}:[{','.join(str(d) for d in v)}]" for k, v in shapes.items())
+    wanted = settings.fix_shapes_from_calib
+    if wanted is None:
+        wanted = bool(qconfig.enable_npu_cnn)
+    if not wanted:
+        logger.warning(
+            "%s: the model has dynamic input shapes and the calibration data one static shape; "
+            "--fix-shapes-from-calib (or --set FixShapes='%s') writes it static, as the NPU needs",
+            name,
+            text,
+        )
+        return None
+    qconfig.extra_options["FixShapes"] = text
+    why = (
+        "--fix-shapes-from-calib"
+        if settings.fix_shapes_from_calib
+        else "default for NPU presets; --no-fix-shapes-from-calib keeps them dynamic"
+    )
+    return f"input shapes fixed from the calibration data ({source}): FixShapes={text!r} ({why})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,8 +449,11 @@ class Outcome:
     quantized_nodes: int | None = None
     ready: bool | None = None
     faithful: bool | None = None
-    top1_agreement: float | None = None
     output_sqnr_db: float | None = None
+    output_cosine: float | None = None
+    #: the first output's agreement: top-1 (score vectors) or per-pixel argmax (dense outputs)
+    agreement: float | None = None
+    agreement_kind: str | None = None
     compared_samples: int = 0
     message: str = ""
     traceback: str = ""
@@ -348,14 +475,6 @@ def error_message(model: str, exc: BaseException) -> str:
             f"{type(exc).__name__}: {text} (internal error; rerun with --debug for the traceback)"
         )
     return text
-
-
-def _check_lines(check: dict[str, Any]) -> list[str]:
-    findings = check.get("findings", []) if check else []
-    lines = []
-    for f in sorted(findings, key=lambda f: f.get("severity") != "error"):
-        lines.append(f"  {f.get('severity')} {f.get('rule')}: {f.get('message')}")
-    return lines
 
 
 def _exclude_warnings(job: Job, report: Any) -> None:
@@ -407,7 +526,10 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         )
     out_dir = Path(job.out_dir)
     qconfig = settings.build_config()
+    fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
     quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
+    if settings.load_calibration is None:  # calibration reads the samples the comparison needs
+        quantizer.keep_samples = _compare_count(settings)
     reader = calibration_reader(settings, model_path, settings.calib_limit)
     load = None
     if settings.load_calibration is not None:
@@ -427,34 +549,52 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     if report is None:  # pragma: no cover - quantize_model always sets it
         raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
     _exclude_warnings(job, report)
+    if fixed_shapes:
+        report.notes.append(fixed_shapes)
     outcome.output = str(output)
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
     outcome.faithful = report.faithful
 
     report_json = out_dir / f"{job.name}.report.json"
-    report.save(report_json)
+    report.save(report_json)  # now, so that a failing comparison leaves the report
 
     comparison = None
-    feeds = comparison_feeds(settings, qconfig, model_path)
+    feeds: Any = None
+    if _compare_count(settings) > 0 and quantizer.kept_samples:
+        feeds = iter(quantizer.kept_samples)  # the calibration's first samples, not read again
+    else:
+        feeds = comparison_feeds(settings, qconfig, model_path)
     if feeds is not None:
+        from quark_onnx import memory
         from quark_onnx.compare import compare_models
 
+        feeds = _budgeted(settings, feeds)
+
+        start = time.perf_counter()
         try:
-            comparison = compare_models(model_path, output, feeds)
+            comparison = compare_models(model_path, output, feeds, layers=settings.compare_layers)
         except QuarkOnnxError as exc:
             logger.warning("%s: float vs quantized comparison failed: %s", job.name, exc)
+        # the comparison is a stage of the run: its time and the high-water mark after it
+        report.timings["compare"] = round(time.perf_counter() - start, 4)
+        peak = memory.peak_rss_mb()
+        if peak is not None:
+            report.peak_rss_mb["compare"] = peak
+        report.save(report_json)
     if comparison is not None:
         compare_json = out_dir / f"{job.name}.compare.json"
         text = json.dumps(comparison.to_dict(), indent=1)
         atomic_write_bytes(compare_json, text.encode("utf-8"))
-        outcome.top1_agreement = comparison.top1_agreement
         outcome.compared_samples = comparison.samples
         if comparison.outputs:
-            outcome.output_sqnr_db = comparison.outputs[0].sqnr_db
+            first = comparison.outputs[0]
+            outcome.output_sqnr_db = first.sqnr_db
+            outcome.output_cosine = first.cosine
+            outcome.agreement = first.agreement
+            outcome.agreement_kind = first.agreement_kind
 
     lines = [report.summary()]
-    lines += _check_lines(report.check)
     if comparison is not None:
         lines += ["", "float vs quantized on the first calibration samples:", comparison.summary()]
     report_txt = out_dir / f"{job.name}.report.txt"
@@ -581,25 +721,40 @@ def _fmt_optional(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+#: How the summary table names each kind of agreement (see quark_onnx.compare).
+_AGREEMENT_LABELS = {"top1": "top-1", "argmax": "pixels"}
+
+
 def summary_table(outcomes: Sequence[Outcome]) -> str:
-    """The end-of-run table: model, status, seconds, quantized ops, readiness, accuracy."""
+    """The end-of-run table: model, status, seconds, quantized ops, readiness, fidelity.
+
+    ``faithful`` is the fidelity guard's verdict on every output against the original float
+    model (:mod:`quark_onnx.fidelity`); a model can be ready and not faithful.
+
+    Fidelity is of the first graph output, quantized vs float on the first calibration samples:
+    SQNR and cosine always; ``agreement`` is the top-1 agreement of a score vector output
+    (``top-1``) or the per-pixel agreement of the argmax over the channel axis of a dense output
+    (``pixels``, segmentation maps), and ``-`` for other outputs (boxes, embeddings).
+    """
     header = (
         "model",
         "status",
         "seconds",
         "ops quantized",
         "Vitis AI ready",
+        "faithful",
         "output SQNR dB",
-        "top-1 agree",
+        "cosine",
+        "agreement",
     )
     rows = [header]
     for o in outcomes:
         ready = "-" if o.ready is None else ("yes" if o.ready else "no")
-        agree = (
-            f"{o.top1_agreement:.3f} ({o.compared_samples})"
-            if o.top1_agreement is not None
-            else "-"
-        )
+        faithful = "-" if o.faithful is None else ("yes" if o.faithful else "NO")
+        agree = "-"
+        if o.agreement is not None:
+            label = _AGREEMENT_LABELS.get(o.agreement_kind or "", o.agreement_kind or "")
+            agree = f"{label} {o.agreement:.3f} ({o.compared_samples})"
         rows.append(
             (
                 o.name,
@@ -607,12 +762,14 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
                 f"{o.seconds:.1f}",
                 _fmt_optional(o.quantized_nodes, "d"),
                 ready,
+                faithful,
                 _fmt_optional(o.output_sqnr_db, ".1f"),
+                _fmt_optional(o.output_cosine, ".4f"),
                 agree,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {2, 3, 5}
+    right = {2, 3, 6, 7}
     lines = []
     for r in rows:
         cells = [
@@ -627,10 +784,25 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
         f"{len(outcomes) - failed} of {len(outcomes)} model(s) quantized"
         + (f", {failed} failed" if failed else "")
     )
-    if any(o.top1_agreement is not None for o in outcomes):
+    if any(o.output_sqnr_db is not None for o in outcomes):
         lines.append(
-            "output SQNR and top-1 agree: quantized vs float model on the first calibration "
-            "samples (count in brackets)"
+            "output SQNR, cosine, agreement: the first output, quantized vs float model on the "
+            "first calibration samples (count in brackets)"
+        )
+        lines.append(
+            "agreement: top-1 = same argmax of a score vector; pixels = same argmax over the "
+            "channels per position of a dense output; - = neither fits (boxes, embeddings)"
+        )
+    if any(o.ok and o.faithful is False for o in outcomes):
+        lines.append(
+            "faithful NO: the quantized outputs do not follow the float model's; "
+            "OUT_DIR/MODEL.report.txt names the outputs and the layers that lose the most "
+            "(exit code 0 unless --require-fidelity)"
+        )
+    if any(o.ok and o.ready is False for o in outcomes):
+        lines.append(
+            "Vitis AI ready no: see OUT_DIR/MODEL.report.txt for why (exit code 0 unless "
+            "--require-ready)"
         )
     return "\n".join(lines)
 
@@ -719,6 +891,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         preprocess=args.preprocess,
         calib_limit=args.calib_limit,
         compare_samples=args.compare_samples,
+        compare_layers=args.compare_layers,
+        fix_shapes_from_calib=args.fix_shapes_from_calib,
         save_calibration=args.save_calibration,
         load_calibration=args.load_calibration,
         overwrite=args.overwrite,
@@ -1125,7 +1299,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Quantize ONNX models. For each MODEL.onnx write OUT_DIR/MODEL.onnx, "
             "OUT_DIR/MODEL.report.json, OUT_DIR/MODEL.report.txt and (when there is data) "
             "OUT_DIR/MODEL.compare.json. A failing model prints one `error:` line and the others "
-            "go on; the exit code is 1 when any model failed."
+            "go on; the exit code is 1 when any model failed, or with --require-ready when a "
+            "model is not Vitis AI-ready (without it a not-ready model is written, reported and "
+            "the exit code is 0)."
         ),
         epilog="examples:\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz\n"
@@ -1166,10 +1342,14 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--preprocess",
         metavar="SPEC",
-        help="pre-processing of the images of --calib DIR, e.g. "
-        "'resize=256,crop=224,mean=0.485;0.456;0.406,std=0.229;0.224;0.225,scale=1/255,"
-        "order=RGB,layout=NCHW' (keys resize, crop, mean, std, scale, order, layout; checked "
-        "against the model input shape)",
+        help="pre-processing of the images of --calib DIR, key=value items: resize=N (short "
+        "side) or resize=short|long|fit|stretch|height with size=HxW (height first) or size=N; "
+        "letterbox (= resize=fit), pad=V (value of padded elements after normalisation), "
+        "align=center|topleft, crop=N or HxW, multiple=M, grayscale, scale, mean, std, "
+        "order=RGB|BGR, layout=NCHW|NHWC. E.g. classifier 'resize=256,crop=224,scale=1/255,"
+        "mean=0.485;0.456;0.406,std=0.229;0.224;0.225'; YOLOX 'letterbox,size=640,pad=114,"
+        "order=BGR'; OCR 'resize=height,size=48x192,scale=1/255,mean=0.5,std=0.5,order=BGR'. "
+        "Checked against the model input shape; a mismatch error proposes specs that fit",
     )
     data.add_argument(
         "--calib-limit",
@@ -1209,10 +1389,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--compare-samples",
         type=int,
-        default=_DEFAULT_COMPARE_SAMPLES,
+        default=None,
         metavar="N",
         help="compare the quantized model with the float model on the first N calibration "
-        f"samples (default {_DEFAULT_COMPARE_SAMPLES}; 0: do not compare)",
+        f"samples (default {_DEFAULT_COMPARE_SAMPLES}, fewer for inputs above "
+        f"{_COMPARE_BUDGET // _DEFAULT_COMPARE_SAMPLES} values: at most {_COMPARE_BUDGET} "
+        "input values in all; 0: do not compare): SQNR and cosine of every output, top-1 "
+        "(score vectors) or per-pixel argmax (dense outputs) agreement",
+    )
+    q.add_argument(
+        "--compare-layers",
+        action="store_true",
+        help="also compare every quantized activation (per-layer SQNR in MODEL.compare.json; "
+        "runs both models with all intermediate tensors as outputs: slower, more memory)",
+    )
+    q.add_argument(
+        "--fix-shapes-from-calib",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write a dynamic-shape model with the one static shape of its calibration data "
+        "(sets FixShapes, stated in the report); default: on for NPU presets (XINT8), off for "
+        "the others (which then log the FixShapes value that would do it)",
     )
     q.add_argument(
         "--overwrite",
@@ -1222,7 +1419,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--require-ready",
         action="store_true",
-        help="exit with code 1 also when a quantized model is not Vitis AI-ready",
+        help="exit with code 1 also when a quantized model is not Vitis AI-ready (without it "
+        "a not-ready model is written, reported and exits 0)",
     )
     q.add_argument(
         "--require-fidelity",

@@ -13,10 +13,19 @@
 The sums run over every element of every sample, so the SQNR is the ratio of total signal energy
 to total noise energy (not a mean of per-sample ratios).
 
-Top-1 agreement (graph outputs only): each output is split into rows along axis 0 (rank >= 2) or
-taken as one row (rank <= 1); a row with at least two elements is flattened and its ``argmax``
-taken in both models (ties: the first index, numpy's rule). The agreement is the fraction of rows
-whose arg-maxima are equal. An output whose rows hold one element has no top-1 agreement (None).
+Agreement (graph outputs only), chosen by the output's shape ``[N, d1, d2, ...]``:
+
+* a *score vector* (one axis after the batch axis with more than one element: ``[N, C]``,
+  ``[N, C, 1, 1]``; a rank-1 output is one row): the **top-1 agreement**, the fraction of rows
+  whose ``argmax`` is the same in both models (ties: the first index, numpy's rule);
+* a *dense* output (rank >= 4 with at least two channels on axis 1 and more than one position:
+  ``[N, C, H, W]``, segmentation maps): the **argmax agreement**, the fraction of positions
+  ``(n, h, w)`` whose ``argmax`` over the channel axis 1 is the same in both models;
+* anything else (boxes ``[N, 8400, 85]``, embeddings, one value per row): none (``None``); SQNR
+  and cosine still describe it.
+
+SQNR with infinite or NaN values: an infinite noise energy (an output went to infinity in one
+model only) gives ``-inf`` dB; NaN anywhere gives NaN (written ``"nan"`` in JSON).
 
 Which tensors are compared (the QDQ form of ``notes/qdq_format.md``):
 
@@ -35,8 +44,9 @@ Feeds: each feed is a ``{input name: array}`` mapping given to both models. When
 a fixed first dimension smaller than the feed's (a quantized model with its batch fixed to 1), the
 feed is split into chunks of that size along axis 0.
 
-Both sessions run on the CPU provider with graph optimisations disabled, so the quantized model's
-arithmetic is the QDQ float simulation of the ONNX specification (no kernel fusion).
+Both sessions run on the CPU provider; the quantized model's with graph optimisations disabled, so
+its arithmetic is the QDQ float simulation of the ONNX specification (no kernel fusion), the float
+model's with them enabled (faster; fusions change its outputs by float rounding only).
 """
 
 from __future__ import annotations
@@ -68,7 +78,9 @@ _DQ_OUTPUT_SUFFIX = "_DequantizeLinear_Output"
 
 
 def _json_float(value: float) -> float | str:
-    """JSON has no infinities: +-inf are written as the strings ``"inf"`` / ``"-inf"``."""
+    """JSON has no infinities or NaN: written as the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+    if math.isnan(value):
+        return "nan"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
@@ -86,9 +98,11 @@ class TensorComparison:
         cosine: cosine similarity of the flattened tensors.
         max_abs_error: largest absolute difference.
         elements: number of elements compared (all samples).
-        top1_agreement: graph outputs only: the fraction of rows with equal argmax (None when
-            the rows hold a single element, and for intermediate tensors).
-        rows: rows the top-1 agreement was computed over (0 when it was not).
+        top1_agreement: score-vector graph outputs only: the fraction of rows with equal argmax
+            (None for other outputs and for intermediate tensors).
+        rows: rows (top-1) or positions (argmax over channels) the agreement was computed over.
+        argmax_agreement: dense graph outputs only (``[N, C, H, W]``): the fraction of positions
+            whose argmax over the channel axis is equal.
     """
 
     name: str
@@ -99,6 +113,19 @@ class TensorComparison:
     elements: int
     top1_agreement: float | None = None
     rows: int = 0
+    argmax_agreement: float | None = None
+
+    @property
+    def agreement(self) -> float | None:
+        """The agreement that fits the output: top-1 or argmax over channels (None: neither)."""
+        return self.top1_agreement if self.top1_agreement is not None else self.argmax_agreement
+
+    @property
+    def agreement_kind(self) -> str | None:
+        """``"top1"``, ``"argmax"`` or None (see :attr:`agreement`)."""
+        if self.top1_agreement is not None:
+            return "top1"
+        return "argmax" if self.argmax_agreement is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +136,7 @@ class TensorComparison:
             "max_abs_error": self.max_abs_error,
             "elements": self.elements,
             "top1_agreement": self.top1_agreement,
+            "argmax_agreement": self.argmax_agreement,
             "rows": self.rows,
         }
 
@@ -137,11 +165,20 @@ class ComparisonResult:
                 return out.top1_agreement
         return None
 
+    @property
+    def argmax_agreement(self) -> float | None:
+        """Argmax-over-channels agreement of the first dense output (None if none is dense)."""
+        for out in self.outputs:
+            if out.argmax_agreement is not None:
+                return out.argmax_agreement
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (infinite SQNRs as ``"inf"``/``"-inf"``)."""
         return {
             "samples": self.samples,
             "top1_agreement": self.top1_agreement,
+            "argmax_agreement": self.argmax_agreement,
             "outputs": [o.to_dict() for o in self.outputs],
             "layers": [t.to_dict() for t in self.layers],
             "unmatched": list(self.unmatched),
@@ -151,11 +188,14 @@ class ComparisonResult:
         """Human-readable lines: every output, then the ``worst`` layers (lowest SQNR)."""
         lines = [f"compared on {self.samples} sample(s)"]
         for out in self.outputs:
-            top1 = (
-                f", top-1 agreement {out.top1_agreement:.4f} ({out.rows} rows)"
-                if out.top1_agreement is not None
-                else ""
-            )
+            top1 = ""
+            if out.top1_agreement is not None:
+                top1 = f", top-1 agreement {out.top1_agreement:.4f} ({out.rows} rows)"
+            elif out.argmax_agreement is not None:
+                top1 = (
+                    f", argmax-over-channels agreement {out.argmax_agreement:.4f} "
+                    f"({out.rows} positions)"
+                )
             lines.append(
                 f"output {out.name}: SQNR {out.sqnr_db:.2f} dB, cosine {out.cosine:.6f}, "
                 f"max |error| {out.max_abs_error:.4g}{top1}"
@@ -176,6 +216,35 @@ class ComparisonResult:
         return "\n".join(lines)
 
 
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)`` for energies that may be 0, infinite or NaN (never raises):
+    +inf for no noise, -inf for no signal or an infinite noise, NaN when either is NaN or both
+    are infinite."""
+    if math.isnan(signal) or math.isnan(noise) or (math.isinf(signal) and math.isinf(noise)):
+        return math.nan
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0 or math.isinf(noise):
+        return -math.inf
+    ratio = signal / noise
+    if ratio == 0.0:  # underflow
+        return -math.inf
+    return 10.0 * math.log10(ratio)
+
+
+def agreement_kind(shape: Sequence[int]) -> str | None:
+    """``"top1"`` for a score vector, ``"argmax"`` for a dense ``[N, C, H, W, ...]`` output,
+    None otherwise (see the module docstring)."""
+    if len(shape) <= 1:
+        return "top1" if int(np.prod(shape)) >= 2 else None
+    inner = [d for d in shape[1:] if d != 1]
+    if len(inner) == 1:
+        return "top1"
+    if len(shape) >= 4 and shape[1] >= 2 and int(np.prod(shape[2:])) >= 2:
+        return "argmax"
+    return None
+
+
 class _Accumulator:
     """Running float64 sums of one tensor pair (constant memory)."""
 
@@ -188,8 +257,10 @@ class _Accumulator:
         self.elements = 0
         self.agree = 0
         self.rows = 0
+        self.kind: str | None = None
 
     def update(self, f: np.ndarray, q: np.ndarray, top1: bool) -> None:
+        """Add one sample; ``top1``: a graph output, whose agreement (if any) is counted."""
         f64 = np.asarray(f, dtype=np.float64)
         q64 = np.asarray(q, dtype=np.float64)
         diff = f64 - q64
@@ -200,21 +271,22 @@ class _Accumulator:
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.max(np.abs(diff))))
         self.elements += int(f64.size)
-        if top1:
+        kind = agreement_kind(f64.shape) if top1 else None
+        if kind == "top1":
             rows = f64.shape[0] if f64.ndim >= 2 else 1
-            if rows and f64.size // rows >= 2:
-                fa = np.argmax(f64.reshape(rows, -1), axis=1)
-                qa = np.argmax(q64.reshape(rows, -1), axis=1)
-                self.agree += int(np.sum(fa == qa))
-                self.rows += rows
+            fa = np.argmax(f64.reshape(rows, -1), axis=1)
+            qa = np.argmax(q64.reshape(rows, -1), axis=1)
+        elif kind == "argmax":
+            fa = np.argmax(f64, axis=1)
+            qa = np.argmax(q64, axis=1)
+        else:
+            return
+        self.kind = kind
+        self.agree += int(np.sum(fa == qa))
+        self.rows += int(fa.size)
 
     def result(self, name: str, quantized_name: str) -> TensorComparison:
-        if self.noise == 0.0:
-            sqnr = math.inf
-        elif self.signal == 0.0:
-            sqnr = -math.inf
-        else:
-            sqnr = 10.0 * math.log10(self.signal / self.noise)
+        sqnr = sqnr_db(self.signal, self.noise)
         denom = math.sqrt(self.signal * self.qenergy)
         # An all-zero tensor is similar only to another all-zero tensor.
         cosine = 1.0 if self.signal == self.qenergy else 0.0
@@ -227,7 +299,10 @@ class _Accumulator:
             cosine=cosine,
             max_abs_error=self.max_abs,
             elements=self.elements,
-            top1_agreement=self.agree / self.rows if self.rows else None,
+            top1_agreement=self.agree / self.rows if self.kind == "top1" and self.rows else None,
+            argmax_agreement=(
+                self.agree / self.rows if self.kind == "argmax" and self.rows else None
+            ),
             rows=self.rows,
         )
 
@@ -325,7 +400,9 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 class _Session:
     """One onnxruntime session over a copy of ``model`` that also returns ``extra`` tensors."""
 
-    def __init__(self, model: onnx.ModelProto, extra: Sequence[str], label: str) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, extra: Sequence[str], label: str, optimize: bool = False
+    ) -> None:
         import onnxruntime as ort
 
         copy = onnx.ModelProto()
@@ -339,8 +416,19 @@ class _Session:
         self.names = [o.name for o in copy.graph.output]
         self.label = label
         so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # The quantized model unoptimised: its arithmetic is then the QDQ simulation of the ONNX
+        # specification (no int8 kernel fusion). The float model optimised: fusions move its
+        # outputs by float rounding only, and it runs 2-3x faster (MobileNetV2).
+        so.graph_optimization_level = (
+            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if optimize
+            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        )
         so.log_severity_level = 3
+        # No arena: an arena keeps the buffers of its largest run until the session ends, and the
+        # two sessions live together, so large activations (512x896 maps) would be held twice
+        # (benchmarks/results/segmenter_memory.txt).
+        so.enable_cpu_mem_arena = False
         self._tmp: tempfile.TemporaryDirectory | None = None
         try:
             if copy.ByteSize() < _PROTOBUF_LIMIT:
@@ -437,7 +525,7 @@ def compare_models(
     pairs, unmatched = match_quantized_tensors(fproto, qproto) if layers else ({}, [])
     float_inputs = {i.name for i in fproto.graph.input}
     float_extra = sorted({f for f in pairs.values() if f not in float_inputs})
-    fsession = _Session(fproto, float_extra, flabel)
+    fsession = _Session(fproto, float_extra, flabel, optimize=True)
     try:
         qsession = _Session(qproto, list(pairs), qlabel)
     except BaseException:

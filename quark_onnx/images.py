@@ -1,19 +1,43 @@
 """Calibration data from a folder of JPEG/PNG images, pre-processed by an ONNX graph.
 
-No Pillow or OpenCV: each image is decoded, resized, cropped, normalised and laid out by a small
-ONNX graph (:func:`build_preprocess_graph`) that onnxruntime runs with the custom operators of
-onnxruntime-extensions. The graph, for one encoded image ``b`` (uint8 bytes of a ``.jpg``/``.png``
-file), computes::
+No Pillow or OpenCV: each image is decoded, resized, cropped or padded, normalised and laid out
+by a small ONNX graph (:func:`build_preprocess_graph`) that onnxruntime runs with the custom
+operators of onnxruntime-extensions. The graph, for one encoded image ``b`` (uint8 bytes of a
+``.jpg``/``.png`` file), computes::
 
     x   = float32(DecodeImage(b))                        # H x W x 3 RGB, values 0..255
-    x   = Resize(x, short side -> R)                     # if resize R > 0 (see below)
-    x   = x[t : t + C, l : l + C, :]                     # if crop C > 0, centred
+    x   = (R * 0.299 + G * 0.587) + B * 0.114            # if grayscale: H x W x 1
+    x   = Resize(x, sizes(H, W))                         # if resize (see below)
+    x   = x[t : t + Ch, l : l + Cw, :]                   # if crop (centred, or align=topleft)
     x   = x[:, :, ::-1]                                  # if channel_order == "BGR"
     x   = (x * scale - mean) / std                       # per channel, in float32
+    x   = pad x to size with the value pad               # resize=fit, resize=height with HxW
     out = x.transpose(2, 0, 1)[None]  or  x[None]        # NCHW or NHWC, batch 1
 
-Resize: the short side becomes ``R`` and the long side ``floor(R * long / short)`` (as
-torchvision's ``Resize(int)``). Interpolation is ONNX ``Resize`` with ``mode="linear"`` and
+Sizes of the resize (``size=HxW``, or ``size=N``; height first as in the model's shape; the size
+arithmetic is float64 and matches the Python of the pipelines named):
+
+=================  ==============================================================================
+``resize=R``       short side ``R``, long side ``floor(R * long / short)`` (torchvision's
+                   ``Resize(int)``); ``resize=short,size=R`` is the same
+``resize=short``   with ``size=HxW``: ``r = max(H / h, W / w)``, sides ``max(H, round(h * r))`` and
+                   ``max(W, round(w * r))``, then a crop to ``H x W`` (classifiers, segmenters)
+``resize=stretch`` exactly ``H x W``, aspect not kept (``size=N``: ``N x N``)
+``resize=fit``     (``letterbox``) ``r = min(H / h, W / w)``, sides ``int(h * r)``, ``int(w * r)``,
+                   then padded to ``H x W`` (YOLOX ``preproc``)
+``resize=long``    ``size=N``: ``r = N / max(h, w)``, sides ``int(h * r)``, ``int(w * r)``
+                   (PaddleOCR detection, ``limit_type="max"`` but also enlarging)
+``resize=height``  height ``H``, width ``ceil(H * w / h)``; with ``size=HxW`` at most ``W`` and
+                   padded to ``W`` on the right (PaddleOCR recognition / direction classifier)
+=================  ==============================================================================
+
+``multiple=M`` rounds each resized side to ``max(M, round(side / M) * M)`` (half to even, as
+Python's ``round``), for the modes whose size follows the image. Padding is applied after
+normalisation, so ``pad`` is the value the model sees (YOLOX: 114 with no normalisation;
+PaddleOCR: 0 after ``(x / 255 - 0.5) / 0.5``); the image sits top-left (``align=topleft``, the
+default for padding) or centred (``align=center``: the odd pixel goes to the bottom/right).
+
+Interpolation is ONNX ``Resize`` with ``mode="linear"`` and
 ``coordinate_transformation_mode="half_pixel"`` on float32 pixels, no antialiasing and no rounding
 to uint8 in between: output pixel ``i`` samples the input at ``u = (i + 0.5) * in / out - 0.5``,
 clamped to ``[0, in - 1]``, and mixes the two neighbours ``floor(u)`` and ``floor(u) + 1`` with
@@ -21,11 +45,15 @@ weights ``1 - frac(u)`` and ``frac(u)`` (separably in H and W). This is *not* PI
 bilinear filter: when shrinking, PIL averages over a wider support, so results differ from a
 torchvision pipeline on detailed images. (With ONNX's ``antialias=1`` instead, top-1 on the 100
 ImageNet calibration images moved from 0.67 to 0.65 for SqueezeNet 1.1 and from 0.83 to 0.84 for
-MobileNetV2: no reason to prefer it.)
+MobileNetV2: no reason to prefer it.) OpenCV's ``INTER_LINEAR`` (YOLOX, PaddleOCR) uses the same
+half-pixel sampling without antialiasing, in fixed point on uint8: it differs by rounding.
 
-Centre crop: offsets ``top = round_half_even((H - C) / 2)``, ``left = round_half_even((W - C)
-/ 2)``, as torchvision's ``center_crop``. An image smaller than the crop is not padded: the reader
-reports it.
+When the model's input does not match the spec, the reader's error proposes specs that produce
+its shape (:func:`propose_specs`).
+
+Centre crop: offsets ``top = round_half_even((H - Ch) / 2)``, ``left = round_half_even((W - Cw)
+/ 2)``, as torchvision's ``center_crop`` (``align=topleft``: 0, 0). An image smaller than the
+crop is not padded: the reader reports it.
 
 Decoder: onnxruntime-extensions' ``DecodeImage`` (domain ``com.microsoft.extensions``) decodes
 baseline and progressive JPEG and PNG to ``H x W x C`` uint8. It is asked for RGB
@@ -52,6 +80,7 @@ by default (a calibration set silently missing images changes the result); with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -97,32 +126,74 @@ class PreprocessSpec:
     """How to turn one encoded image into one model input (see the module docstring for the maths).
 
     Attributes:
-        resize: length of the short side after resizing (0: no resize).
-        crop: size of the square centre crop (0: no crop). Must be <= ``resize`` when both are set.
+        resize: an integer ``R`` (the short side becomes ``R``; 0: no resize) or a mode used with
+            ``size``: ``"short"``, ``"long"``, ``"fit"`` (letterbox), ``"stretch"``, ``"height"``.
+        crop: the centre crop, ``C`` (square) or ``(H, W)``; 0: none. ``None`` (the default):
+            224 with an integer ``resize``, none with a mode. Must fit in an integer ``resize``.
         mean: subtracted per channel after ``scale``, in the order of ``channel_order``.
         std: divides per channel after the mean, in the order of ``channel_order``; non-zero.
         scale: multiplies the 0..255 pixel values first (e.g. ``1/255``); non-zero.
         channel_order: ``"RGB"`` or ``"BGR"``: the order of the channel axis of the output.
         layout: ``"NCHW"`` or ``"NHWC"``.
+        size: the target of a resize mode: ``(H, W)`` or ``(N,)`` (see the module docstring).
+        pad: the value of padded elements *in the output* (after normalisation), for ``fit`` and
+            ``height`` with ``size=(H, W)``.
+        align: where the image sits in the padding and where a crop is taken: ``"center"`` or
+            ``"topleft"``; ``""`` (default): crops centred, padding at the bottom/right.
+        multiple: round each resized side to the nearest multiple of this (at least one
+            multiple); only for modes whose output size follows the image (0: off).
+        grayscale: one output channel ``0.299 R + 0.587 G + 0.114 B`` (mean/std then one value).
     """
 
-    resize: int = 256
-    crop: int = 224
+    resize: int | str = 256
+    crop: int | tuple[int, int] | None = None
     mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
     std: tuple[float, float, float] = (1.0, 1.0, 1.0)
     scale: float = 1.0
     channel_order: str = "RGB"
     layout: str = "NCHW"
+    size: tuple[int, ...] = ()
+    pad: float = 0.0
+    align: str = ""
+    multiple: int = 0
+    grayscale: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("resize", "crop"):
+        resize = self.resize
+        if isinstance(resize, str) and not resize.strip().lstrip("+").isdigit():
+            mode = resize.strip().lower()
+            if mode not in _RESIZE_MODES:
+                close = closest_name(mode, _RESIZE_MODES)
+                hint = f"; did you mean {close!r}?" if close else ""
+                raise ConfigError(
+                    f"preprocess resize={resize!r}: expected a non-negative integer (the short "
+                    f"side) or one of "
+                    f"{', '.join(_RESIZE_MODES)}{hint}"
+                )
+            object.__setattr__(self, "resize", mode)
+        else:
+            if isinstance(resize, str):
+                resize = int(resize)
+            if isinstance(resize, bool) or not isinstance(resize, (int, np.integer)) or resize < 0:
+                raise ConfigError(
+                    f"preprocess resize={resize!r}: expected a non-negative integer (0 = off) or "
+                    f"one of {', '.join(_RESIZE_MODES)}"
+                )
+            object.__setattr__(self, "resize", int(resize))
+        mode = self.mode
+        object.__setattr__(self, "size", _sides("size", self.size, allow_empty=True))
+        if self.crop is None:
+            object.__setattr__(self, "crop", 224 if mode is None else 0)
+        crop = _sides("crop", self.crop, allow_empty=False, zero_ok=True)
+        object.__setattr__(self, "crop", crop[0] if len(crop) == 1 or crop[0] == crop[1] else crop)
+        for name in ("multiple",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise ConfigError(
                     f"preprocess {name}={value!r}: expected a non-negative integer (0 = off)"
                 )
             object.__setattr__(self, name, int(value))
-        if self.resize and self.crop and self.crop > self.resize:
+        if mode is None and self.resize and self.crop_hw and max(self.crop_hw) > self.resize:
             raise ConfigError(
                 f"preprocess crop={self.crop} is larger than resize={self.resize}: the short side "
                 "after resizing must hold the crop; raise resize or lower crop"
@@ -131,27 +202,117 @@ class PreprocessSpec:
         object.__setattr__(self, "std", _three_floats("std", self.std))
         if any(s == 0.0 for s in self.std):
             raise ConfigError(f"preprocess std={self.std}: every value must be non-zero")
-        if not isinstance(self.scale, (int, float, np.floating)) or isinstance(self.scale, bool):
-            raise ConfigError(f"preprocess scale={self.scale!r}: expected a number")
-        if not math.isfinite(float(self.scale)) or float(self.scale) == 0.0:
+        for name in ("scale", "pad"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.floating)) or isinstance(value, bool):
+                raise ConfigError(f"preprocess {name}={value!r}: expected a number")
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"preprocess {name}={value!r}: expected a finite number")
+            object.__setattr__(self, name, float(value))
+        if self.scale == 0.0:
             raise ConfigError(f"preprocess scale={self.scale!r}: expected a finite non-zero number")
-        object.__setattr__(self, "scale", float(self.scale))
         object.__setattr__(
             self, "channel_order", _choice("channel_order", self.channel_order, _CHANNEL_ORDERS)
         )
         object.__setattr__(self, "layout", _choice("layout", self.layout, _LAYOUTS))
+        align = str(self.align).strip().lower().replace("-", "").replace("_", "")
+        align = {"centre": "center", "tl": "topleft"}.get(align, align)
+        if align not in _ALIGNS:
+            raise ConfigError(f"preprocess align={self.align!r}: expected center or topleft")
+        object.__setattr__(self, "align", align)
+        if not isinstance(self.grayscale, (bool, np.bool_)):
+            raise ConfigError(f"preprocess grayscale={self.grayscale!r}: expected true or false")
+        object.__setattr__(self, "grayscale", bool(self.grayscale))
+        if self.grayscale and (len(set(self.mean)) > 1 or len(set(self.std)) > 1):
+            raise ConfigError(
+                f"preprocess grayscale with mean={self.mean} std={self.std}: a grey image has one "
+                "channel; give one mean and one std value"
+            )
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        mode, size = self.mode, self.size
+        if mode is None:
+            if size:
+                raise ConfigError(
+                    f"preprocess size={_fmt_sides(size)} needs a resize mode: resize=short, long, "
+                    "fit, stretch or height (resize=N alone sets the short side)"
+                )
+        elif not size:
+            example = {"long": "960", "height": "32x320", "short": "256"}.get(mode, "224x224")
+            raise ConfigError(f"preprocess resize={mode} needs size= (e.g. size={example})")
+        if mode == "long" and len(size) != 1:
+            raise ConfigError(
+                f"preprocess resize=long,size={_fmt_sides(size)}: give one length, the long side "
+                "(e.g. size=960); for a fixed H x W use resize=fit (letterbox) or stretch"
+            )
+        if self.pads and self.crop:
+            raise ConfigError(
+                f"preprocess resize={mode} pads the image to {_fmt_sides(size)}; a crop "
+                f"(crop={self.crop}) cannot be combined with it"
+            )
+        if self.pad != 0.0 and not self.pads:
+            raise ConfigError(
+                f"preprocess pad={self.pad:g} applies to padding modes only: resize=fit "
+                "(letterbox) or resize=height with size=HxW"
+            )
+        if self.multiple and self.fixed_size():
+            raise ConfigError(
+                f"preprocess multiple={self.multiple}: the output size is already fixed by "
+                f"size={_fmt_sides(size)}/crop; multiple= applies when the size follows the image "
+                "(resize=N, resize=long or short with one length, resize=height with a height only)"
+            )
 
     # The keys of the CLI spec string; "order" is the short form of "channel_order".
-    _KEYS = ("resize", "crop", "mean", "std", "scale", "order", "channel_order", "layout")
+    _KEYS = (
+        "resize", "crop", "mean", "std", "scale", "order", "channel_order", "layout",
+        "size", "pad", "align", "multiple", "grayscale", "gray", "letterbox",
+    )  # fmt: skip
+    #: keys that may be written alone (``letterbox`` means ``resize=fit``)
+    _FLAGS = ("grayscale", "gray", "letterbox")
+
+    @property
+    def mode(self) -> str | None:
+        """The resize mode, or None for ``resize=N`` (short side) and no resize."""
+        return self.resize if isinstance(self.resize, str) else None
+
+    @property
+    def crop_hw(self) -> tuple[int, int] | None:
+        """The crop as (height, width), None when there is none."""
+        if not self.crop:
+            return None
+        if isinstance(self.crop, tuple):
+            return (self.crop[0], self.crop[1])
+        return (self.crop, self.crop)
+
+    @property
+    def pads(self) -> bool:
+        """Whether the image is padded to ``size`` (``fit``, or ``height`` with a width)."""
+        return self.mode == "fit" or (self.mode == "height" and len(self.size) == 2)
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.grayscale else 3
+
+    def fixed_size(self) -> tuple[int, int] | None:
+        """The output's (height, width) when it does not depend on the image."""
+        if self.crop_hw:
+            return self.crop_hw
+        size = self.size
+        if self.mode in ("fit", "stretch") or (self.mode in ("short", "height") and len(size) == 2):
+            return (size[0], size[-1])
+        return None
 
     @classmethod
     def parse(cls, text: str) -> PreprocessSpec:
         """Read a spec string such as ``"resize=256,crop=224,mean=104;117;123,order=BGR"``.
 
         Items are ``key=value`` separated by commas; keys are those of the dataclass (``order`` is
-        accepted for ``channel_order``); omitted keys keep their defaults. ``mean`` and ``std``
-        take one value (used for all channels) or three separated by ``;``. Numbers may be written
-        as fractions: ``scale=1/255``.
+        accepted for ``channel_order``, ``gray`` for ``grayscale``); omitted keys keep their
+        defaults. ``grayscale`` and ``letterbox`` (short for ``resize=fit``) may stand alone.
+        ``mean`` and ``std`` take one value (used for all channels) or three separated by ``;``.
+        Numbers may be written as fractions: ``scale=1/255``. ``size`` and ``crop`` take ``N`` or
+        ``HxW`` (height first, as the model's NCHW shape; ``wh=`` is not accepted on purpose).
 
         Raises:
             ConfigError: an unknown key (the closest valid key is named), a repeated key, an item
@@ -164,7 +325,7 @@ class PreprocessSpec:
                 continue
             key, sep, value = item.partition("=")
             key, value = key.strip().lower(), value.strip()
-            if not sep or not key:
+            if not key or (not sep and key not in cls._FLAGS):
                 raise ConfigError(
                     f"preprocess spec item {item!r} is not key=value (e.g. resize=256,crop=224)"
                 )
@@ -175,10 +336,20 @@ class PreprocessSpec:
                     f"unknown preprocess spec key {key!r}{hint} "
                     f"(valid keys: {', '.join(cls._KEYS)})"
                 )
-            field_name = "channel_order" if key == "order" else key
+            field_name = {"order": "channel_order", "gray": "grayscale", "letterbox": "resize"}.get(
+                key, key
+            )
             if field_name in values:
                 raise ConfigError(f"preprocess spec key {key!r} is given twice")
-            if field_name in ("resize", "crop"):
+            if key == "letterbox":
+                if sep and _parse_bool(key, value) is False:
+                    continue
+                values[field_name] = "fit"
+            elif field_name == "resize":
+                values[field_name] = _parse_int(key, value) if value[:1].isdigit() else value
+            elif field_name in ("crop", "size"):
+                values[field_name] = _parse_sides(key, value)
+            elif field_name == "multiple":
                 values[field_name] = _parse_int(key, value)
             elif field_name in ("mean", "std"):
                 parts = [p.strip() for p in value.split(";")]
@@ -186,16 +357,31 @@ class PreprocessSpec:
                 if len(numbers) == 1:
                     numbers = numbers * 3
                 values[field_name] = numbers
-            elif field_name == "scale":
+            elif field_name in ("scale", "pad"):
                 values[field_name] = _parse_number(key, value)
+            elif field_name == "grayscale":
+                values[field_name] = _parse_bool(key, value) if sep else True
             else:
                 values[field_name] = value
         return cls(**values)  # type: ignore[arg-type]
 
     def to_string(self) -> str:
         """The spec as a string that :meth:`parse` reads back to an equal spec."""
-        return (
-            f"resize={self.resize},crop={self.crop},"
+        text = f"resize={self.resize},"
+        if self.crop_hw or self.mode is None:
+            crop = self.crop if isinstance(self.crop, int) else _fmt_sides(self.crop)
+            text += f"crop={crop},"
+        if self.size:
+            text += f"size={_fmt_sides(self.size)},"
+        if self.pad:
+            text += f"pad={self.pad!r},"
+        if self.align:
+            text += f"align={self.align},"
+        if self.multiple:
+            text += f"multiple={self.multiple},"
+        if self.grayscale:
+            text += "grayscale,"
+        return text + (
             f"mean={';'.join(repr(v) for v in self.mean)},"
             f"std={';'.join(repr(v) for v in self.std)},"
             f"scale={self.scale!r},order={self.channel_order},layout={self.layout}"
@@ -203,10 +389,54 @@ class PreprocessSpec:
 
     def output_shape(self) -> tuple[int | None, ...]:
         """Shape of the graph's output (``None`` where it depends on the image)."""
-        side = self.crop or None
+        fixed = self.fixed_size()
+        height, width = fixed if fixed else (None, None)
+        if fixed is None and self.mode == "height" and not self.multiple:
+            height = self.size[0]
         if self.layout == "NCHW":
-            return (1, 3, side, side)
-        return (1, side, side, 3)
+            return (1, self.channels, height, width)
+        return (1, height, width, self.channels)
+
+
+_RESIZE_MODES = ("short", "long", "fit", "stretch", "height")
+_ALIGNS = ("", "center", "topleft")
+
+
+def _sides(
+    name: str, value: object, *, allow_empty: bool, zero_ok: bool = False
+) -> tuple[int, ...]:
+    """``N``, ``(N,)`` or ``(H, W)`` as a tuple of positive ints (``0`` allowed when zero_ok)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    ok = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in items)
+    if ok and zero_ok and len(items) == 1 and items[0] == 0:
+        return (0,)
+    if not ok or any(v == 0 for v in items) or len(items) > 2 or (not items and not allow_empty):
+        raise ConfigError(
+            f"preprocess {name}={value!r}: expected N or HxW (positive integers, height first)"
+        )
+    return tuple(int(v) for v in items)
+
+
+def _fmt_sides(sides: Sequence[int]) -> str:
+    return "x".join(str(v) for v in sides)
+
+
+def _parse_sides(key: str, text: str) -> tuple[int, ...]:
+    parts = re.split(r"\s*[x×X*]\s*", text)
+    if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"\+?\d+", p) for p in parts):
+        raise ConfigError(
+            f"preprocess spec {key}={text!r}: expected N or HxW (height first), e.g. {key}=240x320"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"preprocess spec {key}={text!r}: expected true or false")
 
 
 def _three_floats(name: str, value: object) -> tuple[float, float, float]:
@@ -350,16 +580,26 @@ def build_preprocess_graph(
     decoded = node("Expand", ["decoded_u8", const("three_channels", [1, 1, 3], np.int64)],
                    "decoded_hwc")  # fmt: skip
     x = node("Cast", [decoded], "decoded_f32", to=TensorProto.FLOAT)
+    hw_range = [const("hw_start", [0], np.int64), const("hw_end", [2], np.int64)]
+
+    if spec.grayscale:
+        # ((R * 0.299) + (G * 0.587)) + (B * 0.114), in this order, in float32
+        red, blue = (0, 2) if source == "RGB" else (2, 0)
+        parts = []
+        weights = (("red", red, 0.299), ("green", 1, 0.587), ("blue", blue, 0.114))
+        for label, index, weight in weights:
+            index_name = const(f"{label}_index", [index], np.int64)
+            plane = node("Gather", [x, index_name], f"{label}_plane", axis=2)
+            weight_name = const(f"{label}_weight", [weight], np.float32)
+            parts.append(node("Mul", [plane, weight_name], f"{label}_weighted"))
+        x = node("Add", [node("Add", parts[:2], "red_green"), parts[2]], "grey")
 
     if spec.resize:
-        # sizes = floor(R * [H, W] / min(H, W)): the short side becomes exactly R.
         shape = node("Shape", [decoded], "decoded_shape")
-        hw_range = [const("hw_start", [0], np.int64), const("hw_end", [2], np.int64)]
         hw = node("Slice", [shape, *hw_range], "decoded_hw")
-        short = node("ReduceMin", [hw], "short_side", keepdims=1)
-        scaled = node("Mul", [hw, const("resize_to", [spec.resize], np.int64)], "scaled_hw")
-        new_hw = node("Div", [scaled, short], "resized_hw")
-        sizes = node("Concat", [new_hw, const("channels", [3], np.int64)], "resize_sizes", axis=0)
+        new_hw = _resize_sizes(spec, hw, node, const)
+        channels = const("channels", [spec.channels], np.int64)
+        sizes = node("Concat", [new_hw, channels], "resize_sizes", axis=0)
         x = node(
             "Resize",
             [x, "", "", sizes],
@@ -369,29 +609,55 @@ def build_preprocess_graph(
             antialias=0,
         )
 
-    if spec.crop:
-        # top-left = round_half_even(([H, W] - C) / 2), clamped at 0 so a small image is not
-        # wrapped around (the reader then reports its shape).
+    crop = spec.crop_hw or (spec.size if spec.mode == "short" and len(spec.size) == 2 else None)
+    if crop:
+        # top-left = round_half_even(([H, W] - C) / 2) (0 with align=topleft), clamped at 0 so a
+        # small image is not wrapped around (the reader then reports its shape).
         shape = node("Shape", [x], "precrop_shape")
-        hw_range = [const("hw_start", [0], np.int64), const("hw_end", [2], np.int64)]
         hw = node("Slice", [shape, *hw_range], "precrop_hw")
-        margin = node("Sub", [hw, const("crop_size", [spec.crop], np.int64)], "crop_margin")
-        margin_f = node("Cast", [margin], "crop_margin_f", to=TensorProto.FLOAT)
-        half = node("Div", [margin_f, const("two", [2.0], np.float32)], "crop_half_margin")
-        rounded = node("Round", [half], "crop_start_f")
-        start = node("Cast", [rounded], "crop_start_raw", to=TensorProto.INT64)
-        start = node("Max", [start, const("zero", [0], np.int64)], "crop_start")
-        end = node("Add", [start, "crop_size"], "crop_end")
+        size = const("crop_size", list(crop), np.int64)
+        if spec.align == "topleft":
+            start = const("crop_start", [0, 0], np.int64)
+        else:
+            margin = node("Sub", [hw, size], "crop_margin")
+            margin_f = node("Cast", [margin], "crop_margin_f", to=TensorProto.FLOAT)
+            half = node("Div", [margin_f, const("two", [2.0], np.float32)], "crop_half_margin")
+            rounded = node("Round", [half], "crop_start_f")
+            start = node("Cast", [rounded], "crop_start_raw", to=TensorProto.INT64)
+            start = node("Max", [start, const("zero", [0], np.int64)], "crop_start")
+        end = node("Add", [start, size], "crop_end")
         x = node("Slice", [x, start, end, const("crop_axes", [0, 1], np.int64)], "cropped")
 
-    if spec.channel_order != source:
+    mean, std = spec.mean, spec.std
+    if spec.grayscale:
+        mean, std = mean[:1], std[:1]
+    elif spec.channel_order != source:
         x = node("Gather", [x, const("reverse_channels", [2, 1, 0], np.int64)], "reordered", axis=2)
     if spec.scale != 1.0:
         x = node("Mul", [x, const("scale", [spec.scale], np.float32)], "scaled")
-    if any(m != 0.0 for m in spec.mean):
-        x = node("Sub", [x, const("mean", spec.mean, np.float32)], "centred")
-    if any(s != 1.0 for s in spec.std):
-        x = node("Div", [x, const("std", spec.std, np.float32)], "normalised")
+    if any(m != 0.0 for m in mean):
+        x = node("Sub", [x, const("mean", mean, np.float32)], "centred")
+    if any(s != 1.0 for s in std):
+        x = node("Div", [x, const("std", std, np.float32)], "normalised")
+
+    if spec.pads:
+        # Pad (after normalisation: ``pad`` is the value the model sees) up to size, the image
+        # top-left (default) or centred with the odd pixel at the bottom/right.
+        shape = node("Shape", [x], "prepad_shape")
+        hw = node("Slice", [shape, *hw_range], "prepad_hw")
+        target = const("pad_size", [spec.size[0], spec.size[-1]], np.int64)
+        missing = node("Max", [node("Sub", [target, hw], "pad_missing_raw"),
+                               const("zero", [0], np.int64)], "pad_missing")  # fmt: skip
+        if spec.align == "center":
+            before = node("Div", [missing, const("two_i", [2], np.int64)], "pad_before")
+            after = node("Sub", [missing, before], "pad_after")
+        else:
+            before, after = const("pad_none", [0, 0], np.int64), missing
+        no_pad = const("pad_channel", [0], np.int64)
+        pads = node("Concat", [before, no_pad, after, no_pad], "pads", axis=0)
+        value = const("pad_value", np.float32(spec.pad), np.float32)
+        x = node("Pad", [x, pads, value], "padded", mode="constant")
+
     if spec.layout == "NCHW":
         x = node("Transpose", [x], "chw", perm=[2, 0, 1])
     node("Unsqueeze", [x, const("batch_axis", [0], np.int64)], OUTPUT_NAME)
@@ -418,6 +684,64 @@ def build_preprocess_graph(
     )
     model.ir_version = 8  # readable by every onnxruntime this project supports
     return model
+
+
+def _resize_sizes(spec: PreprocessSpec, hw: str, node, const) -> str:
+    """Nodes computing the resized ``[height, width]`` (int64) from the image's ``hw``.
+
+    Size arithmetic is in float64, as the Python code of the pipelines this reproduces
+    (``int(h * r)`` in YOLOX, ``math.ceil(H * w / h)`` in PaddleOCR), so the sizes agree exactly.
+    """
+    mode = spec.mode
+    if mode is None or (mode == "short" and len(spec.size) == 1):
+        # sizes = floor(R * [H, W] / min(H, W)): the short side becomes exactly R.
+        side = spec.resize if mode is None else spec.size[0]
+        short = node("ReduceMin", [hw], "short_side", keepdims=1)
+        scaled = node("Mul", [hw, const("resize_to", [side], np.int64)], "scaled_hw")
+        new_hw = node("Div", [scaled, short], "resized_hw_int")
+        if not spec.multiple:
+            return node("Identity", [new_hw], "resized_hw")
+        new = node("Cast", [new_hw], "resized_hw_f", to=TensorProto.DOUBLE)
+    elif mode == "stretch":
+        return const("resized_hw", [spec.size[0], spec.size[-1]], np.int64)
+    else:
+        hw_d = node("Cast", [hw], "hw_f", to=TensorProto.DOUBLE)
+        one = const("one_d", [1.0], np.float64)
+        if mode == "height":
+            # height H; width ceil(H * (w / h)), at most W
+            h = node("Gather", [hw_d, const("index_0", [0], np.int64)], "h_f", axis=0)
+            w = node("Gather", [hw_d, const("index_1", [1], np.int64)], "w_f", axis=0)
+            target_h = const("target_h", [float(spec.size[0])], np.float64)
+            ratio = node("Div", [w, h], "aspect")
+            width = node("Ceil", [node("Mul", [target_h, ratio], "width_raw")], "width_f")
+            if len(spec.size) == 2:
+                width = node("Min", [width, const("max_w", [float(spec.size[1])], np.float64)],
+                             "width_clamped")  # fmt: skip
+            new = node("Concat", [target_h, width], "resized_hw_raw", axis=0)
+            new = node("Max", [new, one], "resized_hw_f")
+        else:
+            if mode == "long":
+                target = const("target_side", [float(spec.size[0])], np.float64)
+                ratio = node("Div", [target, node("ReduceMax", [hw_d], "long_f", keepdims=1)],
+                             "ratio")  # fmt: skip
+            else:
+                target = const("target_hw", [float(spec.size[0]), float(spec.size[-1])],
+                               np.float64)  # fmt: skip
+                ratios = node("Div", [target, hw_d], "ratios")
+                # fit: the whole image inside the size; short: the size inside the image
+                reduce = "ReduceMin" if mode == "fit" else "ReduceMax"
+                ratio = node(reduce, [ratios], "ratio", keepdims=1)
+            scaled = node("Mul", [hw_d, ratio], "scaled_hw_f")
+            if mode == "short":  # rounded, and never below the crop that follows
+                new = node("Max", [node("Round", [scaled], "rounded_hw_f"), target], "resized_hw_f")
+            else:
+                new = node("Max", [node("Floor", [scaled], "floored_hw_f"), one], "resized_hw_f")
+    if spec.multiple:
+        # round(side / m) * m (half to even, as Python's round), at least m
+        m = const("multiple", [float(spec.multiple)], np.float64)
+        rounded = node("Round", [node("Div", [new, m], "multiples_f")], "multiples_rounded")
+        new = node("Max", [node("Mul", [rounded, m], "rounded_sides"), m], "resized_multiple_f")
+    return node("Cast", [new], "resized_hw", to=TensorProto.INT64)
 
 
 def make_preprocess_session(model: onnx.ModelProto):  # -> onnxruntime.InferenceSession
@@ -860,18 +1184,77 @@ class ImageFolderDataReader:
             if want is not None and got is not None and want != got:
                 raise CalibrationError(
                     f"model input {self.input_name!r}: expects shape {self._expected()} but the "
-                    f"image pre-processing produces {_fmt_shape(produced)} ({self.spec.layout}, "
-                    f"crop={self.spec.crop}); change the spec's crop/layout to match the model"
+                    f"image pre-processing produces {_fmt_shape(produced)} "
+                    f"(--preprocess {self.spec.to_string()!r}); "
+                    + _proposal_text(self._model_dims, self.spec)
                 )
 
     def _check_image_shape(self, path: Path, shape: tuple[int, ...]) -> None:
         for want, got in zip(self._model_dims, shape, strict=True):
             if want is not None and want != got:
+                crop = self.spec.crop_hw
+                why = f" (is the image smaller than the crop {_fmt_sides(crop)}?)" if crop else ""
                 raise CalibrationError(
                     f"{path}: pre-processing produced shape {_fmt_shape(shape)} but model input "
-                    f"{self.input_name!r} expects {self._expected()} (is the image smaller than "
-                    f"the crop {self.spec.crop}?)"
+                    f"{self.input_name!r} expects {self._expected()}{why}; "
+                    + _proposal_text(self._model_dims, self.spec)
                 )
+
+
+def propose_specs(dims: Sequence[int | None], spec: PreprocessSpec) -> list[PreprocessSpec]:
+    """Specs that keep ``spec``'s normalisation and produce a shape ``dims`` accepts.
+
+    The first fits the usual case for the input's shape (a square input: resize and centre crop as
+    ``spec`` does, scaled; a non-square one: cover and centre-crop, as classifiers and segmenters
+    are fed), the others are the letterbox (detectors) and the keep-ratio variants. Empty when
+    ``dims`` is not an image input (rank 4 with 1 or 3 channels).
+    """
+    if len(dims) != 4:
+        return []
+    if dims[1] in (1, 3) and dims[3] not in (1, 3):
+        layout, channels, height, width = "NCHW", dims[1], dims[2], dims[3]
+    elif dims[3] in (1, 3):
+        layout, channels, height, width = "NHWC", dims[3], dims[1], dims[2]
+    elif dims[1] is None:
+        layout, channels, height, width = "NCHW", 3, dims[2], dims[3]
+    else:
+        return []
+    grey = channels == 1 or (channels is None and spec.grayscale)
+    mean, std = spec.mean, spec.std
+    if grey:  # one channel: the mean of the per-channel values
+        mean, std = (sum(mean) / 3,) * 3, (sum(std) / 3,) * 3
+    base = dataclasses.replace(
+        spec, resize=0, crop=0, size=(), pad=0.0, align="", multiple=0, layout=layout,
+        grayscale=grey, mean=mean, std=std,
+    )  # fmt: skip
+    found: list[PreprocessSpec] = []
+    if height and width:
+        if height == width:
+            # the classic 256 -> 224 ratio (or the spec's own) scaled to this side
+            ratio = 256 / 224
+            if spec.mode is None and spec.resize and spec.crop_hw:
+                ratio = spec.resize / spec.crop_hw[0]
+            found.append(dataclasses.replace(base, resize=round(height * ratio), crop=height))
+        else:
+            found.append(dataclasses.replace(base, resize="short", size=(height, width)))
+        found.append(dataclasses.replace(base, resize="fit", size=(height, width), pad=0.0))
+        found.append(dataclasses.replace(base, resize="stretch", size=(height, width)))
+    elif height:
+        found.append(dataclasses.replace(base, resize="height", size=(height,)))
+    elif width is None:
+        found.append(dataclasses.replace(base, resize="long", size=(960,), multiple=32))
+    return found
+
+
+def _proposal_text(dims: Sequence[int | None], spec: PreprocessSpec) -> str:
+    specs = propose_specs(dims, spec)
+    if not specs:
+        return "feed this input with a data reader of your own (.npz)"
+    first, *others = (f"{s.to_string()!r}" for s in specs)
+    text = f"a spec that fits: --preprocess {first}"
+    if others:
+        text += f" (or: {'; '.join(others)})"
+    return text
 
 
 def _fmt_shape(dims: Sequence[int | None]) -> str:
@@ -936,4 +1319,5 @@ __all__ = [
     "check_encoded_image",
     "list_image_files",
     "make_preprocess_session",
+    "propose_specs",
 ]

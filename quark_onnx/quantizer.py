@@ -63,6 +63,10 @@ class ModelQuantizer:
         #: order written (float-scale flows: with the constants' codes; XINT8: the solved
         #: positions as scales ``2^-p``, before bias correction and AdaRound change codes).
         self.params: dict[str, Any] | None = None
+        #: Keep this many of the first calibration samples in :attr:`kept_samples` (the CLI's
+        #: float-vs-quantized comparison reuses them instead of reading the data again).
+        self.keep_samples = 0
+        self.kept_samples: list[dict[str, np.ndarray]] = []
 
     @property
     def qconfig(self) -> QuantizationConfig:
@@ -126,7 +130,7 @@ class ModelQuantizer:
             calibration_data_path,
             options,
             model=proto,
-            keep=self._samples_to_keep(),
+            keep=max(self._samples_to_keep(), self.keep_samples),
         )
         del proto  # only the reader's checks read it: its weight bytes need not stay resident
         # The first samples serve the measurement of numerics-changing passes and the fidelity
@@ -173,7 +177,8 @@ class ModelQuantizer:
                 "%s: %s quantization needs no calibration data", source, plan.strategy.value
             )
 
-        samples = reader.kept if reader is not None else []
+        samples = reader.kept[: self._samples_to_keep()] if reader is not None else []
+        self.kept_samples = reader.kept[: self.keep_samples] if reader is not None else []
         if power_of_two:
             self._power_of_two(report, source, model, prepared, plan, result, samples, external_dir)
         else:

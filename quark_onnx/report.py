@@ -36,13 +36,23 @@ class QuantizationReport:
     #: output against the original float model; empty when it did not run.
     fidelity: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    #: The process's peak RSS (MiB) when each stage ended: a high-water mark, so the stage after
-    #: which it jumps is the one that set the peak (empty where the OS does not report it).
+    #: The process's peak RSS (MiB, ``getrusage`` ``ru_maxrss``) when each stage ended: a
+    #: high-water mark, so the stage after which it jumps is the one that set the peak, and the
+    #: last value is the process's peak so far (empty where the OS does not report it). The CLI
+    #: adds its ``compare`` stage.
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    #: Decisions taken for the user that change the written model (e.g. FixShapes taken from the
+    #: calibration data), one sentence each.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def total_seconds(self) -> float:
         return float(sum(self.timings.values()))
+
+    @property
+    def process_peak_rss_mb(self) -> float | None:
+        """The process's high-water mark when the last recorded stage ended (MiB)."""
+        return max(self.peak_rss_mb.values()) if self.peak_rss_mb else None
 
     @property
     def ready(self) -> bool | None:
@@ -56,6 +66,7 @@ class QuantizationReport:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["total_seconds"] = round(self.total_seconds, 4)
+        data["process_peak_rss_mb"] = self.process_peak_rss_mb
         return data
 
     def save(self, path: str | os.PathLike) -> None:
@@ -78,15 +89,20 @@ class QuantizationReport:
             f"NPU position adjustments: {len(self.adjustments)}, unfixable: {len(self.unfixable)}",
             *(f"  range clipped: {c['message']}" for c in self.range_clips),
             f"Vitis AI ready: {self.ready}",
-            *(
-                f"  {f['severity']} {f['rule']}: {f['message']}"
-                for f in self.check.get("findings", [])
-            ),
-            *self._fidelity_lines(),
-            "timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
         ]
-        if self.peak_rss_mb:
-            lines.append(f"peak memory: {max(self.peak_rss_mb.values()):.0f} MiB")
+        # each finding once, errors first
+        findings = sorted(self.check.get("findings", []), key=lambda f: f["severity"] != "error")
+        lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+        lines += self._fidelity_lines()
+        lines += [f"note: {note}" for note in self.notes]
+        lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        peak = self.process_peak_rss_mb
+        if peak is not None:
+            first = next(k for k, v in self.peak_rss_mb.items() if v == peak)
+            lines.append(
+                f"peak memory: {peak:.0f} MiB (process high-water mark, reached by the end of "
+                f"stage {first!r}; per stage in the JSON report)"
+            )
         return "\n".join(lines)
 
     def _fidelity_lines(self) -> list[str]:

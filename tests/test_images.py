@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import struct
 import subprocess
 import sys
@@ -220,7 +222,7 @@ def test_parse_unknown_key_names_closest(text, suggestion):
     [
         ("resize=-1", "non-negative integer"),
         ("resize=2.5", "non-negative integer"),
-        ("crop=abc", "non-negative integer"),
+        ("crop=abc", "N or HxW"),
         ("mean=1;2", "three"),
         ("std=1;0;1", "non-zero"),
         ("scale=0", "non-zero"),
@@ -621,3 +623,195 @@ def test_real_greyscale_jpeg(record_property):
     worst = float(np.abs(out - ref).max())
     record_property("max_abs_vs_numpy", worst)
     assert worst <= 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Resize modes, letterbox, fixed height, multiples, greyscale (against numpy and the pipelines'
+# own Python size arithmetic)
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_sizes(h: int, w: int, spec: PreprocessSpec) -> tuple[int, int]:
+    """The resized (height, width), written as the pipelines write it in Python (float64)."""
+    size, mode = spec.size, spec.mode
+    if mode is None or (mode == "short" and len(size) == 1):
+        side = spec.resize if mode is None else size[0]
+        nh, nw = side * h // min(h, w), side * w // min(h, w)
+    elif mode == "stretch":
+        nh, nw = size[0], size[-1]
+    elif mode == "short":  # cover the size, then crop
+        r = max(size[0] / h, size[1] / w)
+        nh, nw = max(size[0], round(h * r)), max(size[1], round(w * r))
+    elif mode == "fit":  # YOLOX preproc: r = min(H / h, W / w); int(h * r)
+        r = min(size[0] / h, size[-1] / w)
+        nh, nw = max(1, int(h * r)), max(1, int(w * r))
+    elif mode == "long":  # PaddleOCR DetResizeForTest (limit_type="max", applied always)
+        r = size[0] / max(h, w)
+        nh, nw = max(1, int(h * r)), max(1, int(w * r))
+    else:  # height: PaddleOCR resize_norm_img: ceil(imgH * (w / h)), at most imgW
+        nh, nw = size[0], math.ceil(size[0] * (w / float(h)))
+        if len(size) == 2:
+            nw = min(nw, size[1])
+        nw = max(1, nw)
+    if spec.multiple:
+        m = spec.multiple
+        nh, nw = max(round(nh / m) * m, m), max(round(nw / m) * m, m)
+    return nh, nw
+
+
+def reference_general(rgb: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
+    """Every option of the spec, in the order of the module docstring, in float32 numpy."""
+    x = rgb.astype(np.float32)
+    if spec.grayscale:
+        x = (x[..., 0:1] * np.float32(0.299) + x[..., 1:2] * np.float32(0.587)) + x[
+            ..., 2:3
+        ] * np.float32(0.114)
+    if spec.resize:
+        nh, nw = reference_sizes(x.shape[0], x.shape[1], spec)
+        x = resize_axis(resize_axis(x, nh, 0), nw, 1)
+    crop = spec.crop_hw or (spec.size if spec.mode == "short" and len(spec.size) == 2 else None)
+    if crop:
+        h, w = x.shape[:2]
+        top, left = round((h - crop[0]) / 2), round((w - crop[1]) / 2)
+        if spec.align == "topleft":
+            top, left = 0, 0
+        x = x[top : top + crop[0], left : left + crop[1]]
+    mean, std = np.asarray(spec.mean, np.float32), np.asarray(spec.std, np.float32)
+    if spec.grayscale:
+        mean, std = mean[:1], std[:1]
+    elif spec.channel_order == "BGR":
+        x = x[:, :, ::-1]
+    x = (x * np.float32(spec.scale) - mean) / std
+    if spec.pads:
+        dh, dw = spec.size[0] - x.shape[0], spec.size[-1] - x.shape[1]
+        top, left = (dh // 2, dw // 2) if spec.align == "center" else (0, 0)
+        x = np.pad(x, ((top, dh - top), (left, dw - left), (0, 0)), constant_values=spec.pad)
+    if spec.layout == "NCHW":
+        x = x.transpose(2, 0, 1)
+    return np.ascontiguousarray(x[None], dtype=np.float32)
+
+
+#: A worked spec per model family, as the README gives them (sizes scaled down for speed).
+FAMILY_SPECS = [
+    # classifier (ImageNet): short side, centre crop
+    "resize=40,crop=32,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+    # non-square classifier/segmenter (road segmentation 512x896): cover, centre crop
+    "resize=short,size=24x42,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+    # face detector 240x320 (UltraFace): stretch, (x - 127) / 128
+    "resize=stretch,size=24x32,mean=127,std=128",
+    # YOLOX: letterbox, pad 114, top-left, BGR, no normalisation
+    "letterbox,size=32x32,pad=114,order=BGR",
+    "resize=fit,size=20x36,pad=-1,align=center,scale=1/255",
+    # OCR direction classifier 48x192 / recognition 32xW: fixed height, keep ratio, pad right
+    "resize=height,size=12x48,scale=1/255,mean=0.5,std=0.5,order=BGR",
+    "resize=height,size=8,scale=1/255,mean=0.5,std=0.5",
+    # OCR detection: long side, multiples of 32
+    "resize=long,size=40,multiple=8,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+    # greyscale, NHWC, non-square crop
+    "grayscale,resize=short,size=13,multiple=4,scale=1/255,mean=0.5,std=0.25,layout=NHWC",
+    "resize=0,crop=7x14,align=topleft,layout=NHWC",
+]
+
+
+@pytest.mark.parametrize("text", FAMILY_SPECS)
+@pytest.mark.parametrize("size", [(37, 53), (53, 37), (8, 90), (24, 32)])
+def test_modes_match_numpy_reference(text, size):
+    spec = PreprocessSpec.parse(text)
+    rgb = random_rgb(*size, seed=size[0] * size[1])
+    out = run_graph(spec, png_bytes(rgb))
+    ref = reference_general(rgb, spec)
+    assert out.shape == ref.shape
+    fixed = spec.output_shape()
+    assert all(f is None or f == o for f, o in zip(fixed, out.shape, strict=True))
+    # relative to the value range: 1e-5 of 255 for unnormalised specs
+    span = max(1.0, float(np.abs(ref).max()))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * span)
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "expected"),
+    [
+        ("letterbox,size=640", (480, 640), (480, 640)),
+        ("letterbox,size=640", (427, 640), (427, 640)),
+        ("letterbox,size=416x416", (375, 500), (312, 416)),  # int(375 * 0.832) = 312
+        ("resize=height,size=48x192", (30, 100), (48, 160)),  # ceil(48 * 3.333...) = 160
+        ("resize=height,size=48x192", (30, 500), (48, 192)),  # clamped to the width
+        ("resize=height,size=32", (31, 97), (32, 101)),  # ceil(100.129...)
+        ("resize=long,size=960,multiple=32", (720, 1280), (544, 960)),  # 540 -> 544
+        ("resize=long,size=960,multiple=32", (100, 3000), (32, 960)),  # 32 at least
+        ("resize=short,size=240x320", (480, 500), (307, 320)),  # round(480 * 0.64)
+    ],
+)
+def test_resized_sizes_follow_the_pipelines_arithmetic(text, size, expected):
+    spec = PreprocessSpec.parse(text)
+    assert reference_sizes(*size, spec) == expected
+    graph = build_preprocess_graph(spec)
+    # expose the resized image's shape
+    graph.graph.output.append(helper.make_tensor_value_info("resized", TensorProto.FLOAT, None))
+    session = make_preprocess_session(graph)
+    image = png_bytes(np.zeros((*size, 3), np.uint8))
+    _, resized = session.run(None, {"image_bytes": np.frombuffer(image, np.uint8)})
+    assert resized.shape[:2] == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("size=240x320", "needs a resize mode"),
+        ("resize=fit", "needs size="),
+        ("resize=long,size=240x320", "give one length"),
+        ("resize=stretchh,size=4", "did you mean 'stretch'"),
+        ("letterbox,size=64,crop=32", "cannot be combined"),
+        ("resize=stretch,size=64,pad=114", "padding modes only"),
+        ("resize=fit,size=64,multiple=32", "already fixed"),
+        ("resize=short,size=0x4", "N or HxW"),
+        ("size=2x3x4,resize=fit", "N or HxW"),
+        ("align=middle", "center or topleft"),
+        ("gray=maybe", "true or false"),
+        ("grayscale,mean=1;2;3", "one mean"),
+    ],
+)
+def test_parse_bad_mode_combinations(text, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        PreprocessSpec.parse(text)
+
+
+def test_new_specs_read_back_and_keep_the_old_meaning():
+    assert PreprocessSpec.parse("resize=stretch,size=240x320").crop == 0  # no implicit crop
+    assert PreprocessSpec.parse("resize=256").crop == 224  # as before
+    assert PreprocessSpec(resize=256, crop=224) == PreprocessSpec.parse("resize=256,crop=224")
+    assert PreprocessSpec.parse("letterbox=false").resize == 256
+    for text in FAMILY_SPECS:
+        spec = PreprocessSpec.parse(text)
+        assert PreprocessSpec.parse(spec.to_string()) == spec
+
+
+def test_mismatch_error_proposes_a_spec_that_works(folder):
+    model = float_model([1, 3, 24, 32])
+    spec = PreprocessSpec.parse("resize=256,crop=224,scale=1/255,mean=0.5,std=0.5")
+    with pytest.raises(CalibrationError, match="a spec that fits") as info:
+        ImageFolderDataReader(folder, model, spec)
+    message = str(info.value)
+    assert "crop/layout" not in message
+    proposals = re.findall(r"'(resize=[^']*)'", message.split("a spec that fits")[1])
+    assert len(proposals) == 3
+    for text in proposals:  # every proposal is accepted by the reader and gives the model shape
+        reader = ImageFolderDataReader(folder, model, PreprocessSpec.parse(text))
+        batch = reader.get_next()["x"]
+        assert batch.shape == (1, 3, 24, 32)
+        assert PreprocessSpec.parse(text).mean == spec.mean  # normalisation kept
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected_mode"),
+    [([1, 1, 12, 40], "short"), ([1, 12, 40, 1], "short"), (["n", 3, 8, "w"], "height")],
+)
+def test_proposals_for_grey_nhwc_and_dynamic_width(folder, shape, expected_mode):
+    model = float_model(shape)
+    with pytest.raises(CalibrationError, match="a spec that fits") as info:
+        ImageFolderDataReader(folder, model, PreprocessSpec())
+    text = re.findall(r"'(resize=[^']*)'", str(info.value).split("a spec that fits")[1])[0]
+    spec = PreprocessSpec.parse(text)
+    assert spec.mode == expected_mode
+    out = ImageFolderDataReader(folder, model, spec).get_next()["x"]
+    assert all(not isinstance(d, int) or d == o for d, o in zip(shape, out.shape, strict=True))

@@ -179,7 +179,7 @@ def test_batch_with_a_corrupt_model(tmp_path, work):
     out = tmp_path / "out"
     result = run_cli(
         "quantize", work / "models", work / "corrupt.onnx", "-o", out, "--calib",
-        work / "calib.npz", "--compare-samples", "4", cwd=tmp_path,
+        work / "calib.npz", "--compare-samples", "4", "--compare-layers", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -199,7 +199,7 @@ def test_batch_with_a_corrupt_model(tmp_path, work):
     table = result.stdout.splitlines()
     rows = {line.split()[0]: line.split() for line in table[2:5]}
     assert rows["tiny0"][1] == "ok" and rows["tiny1"][1] == "ok"
-    assert rows["corrupt"][1:] == ["failed", "0.0", "-", "-", "-", "-"]
+    assert rows["corrupt"][1:] == ["failed", "0.0", "-", "-", "-", "-", "-", "-"]
     assert "2 of 3 model(s) quantized, 1 failed" in result.stdout
 
     # check: the quantized model is ready (exit 0); the float one is not and says why (exit 1)

@@ -153,3 +153,95 @@ def test_image_folder_must_fit_the_model_input(tmp_path):
     assert result.returncode == 1
     (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
     assert line.startswith(f"error: {model}: ") and "224" in line and "200" in line
+
+
+# ------------------------------------------------------------------------------------------------
+# Peak memory; a real detector and a real dynamic-shape OCR model from images
+# ------------------------------------------------------------------------------------------------
+
+_MEASURE = """
+import json, resource, sys
+from quark_onnx.cli import main
+code = main(sys.argv[2:])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+report = json.load(open(sys.argv[1]))
+print(json.dumps({"code": code, "maxrss": peak, "report": report["process_peak_rss_mb"]}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "calib"),
+    [
+        (("models", "squeezenet1.1.onnx"), ["--preprocess", SQUEEZENET_SPEC]),
+        (
+            ("models", "mobilenetv2_rebuilt.onnx"),
+            [
+                "--preprocess",
+                "resize=256,crop=224,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+            ],
+        ),
+        (("models", "digits_cnn.onnx"), None),
+    ],
+)
+def test_report_peak_memory_is_the_process_high_water_mark(tmp_path, model, calib):
+    """The report's peak (after the last stage, the comparison) is the process's ``ru_maxrss``
+    measured after the whole command, within 10 %."""
+    import subprocess
+    import sys
+
+    path = shared_path(*model)
+    if calib is None:
+        data = ["--calib", shared_path("models", "digits_calib.npz")]
+    else:
+        data = ["--calib", shared_path("data", "imagenet", "calib"), *calib]
+    out = tmp_path / "out"
+    report = out / f"{path.stem}.report.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(report), "quantize", str(path), "-o", str(out),
+         "--calib-limit", "32", *map(str, data)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stdout.splitlines()[-1])
+    assert measured["code"] == 0
+    assert abs(measured["report"] - measured["maxrss"]) <= 0.10 * measured["maxrss"], measured
+
+
+def test_real_yolox_person_detector_from_images(tmp_path):
+    """The README's YOLOX spec on the real letterboxed detector (BGR 0-255, pad 114, 192x192):
+    ready, and the summary shows no top-1 for its box rows."""
+    model = shared_path("models", "person_detector_192.onnx")
+    folder = shared_path("data", "imagenet", "calib")
+    out = tmp_path / "out"
+    result = _run_cli(
+        "quantize", model, "-o", out, "--calib", folder, "--calib-limit", "16", "--preprocess",
+        "letterbox,size=192,pad=114,order=BGR", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "person_detector_192.report.json").read_text())
+    assert report["check"]["ready"] is True
+    (output,) = json.loads((out / "person_detector_192.compare.json").read_text())["outputs"]
+    assert output["top1_agreement"] is None and output["argmax_agreement"] is None
+    row = next(r for r in result.stdout.splitlines() if r.startswith("person_detector_192"))
+    assert row.split()[-1] == "-"
+
+
+def test_real_dynamic_ocr_classifier_is_written_static_and_ready(tmp_path):
+    """PaddleOCR's direction classifier has input x [N, 3, H, W] (dynamic); with the README's
+    fixed-height spec it is calibrated on 1x3x48x192 and written static, ready, as stated."""
+    model = shared_path("models", "ppocr_direction_cls.onnx")
+    folder = shared_path("data", "imagenet", "calib")
+    out = tmp_path / "out"
+    result = _run_cli(
+        "quantize", model, "-o", out, "--calib", folder, "--calib-limit", "16", "--preprocess",
+        "resize=height,size=48x192,scale=1/255,mean=0.5,std=0.5,order=BGR", "--require-ready",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (value,) = onnx.load(out / "ppocr_direction_cls.onnx").graph.input
+    assert [d.dim_value for d in value.type.tensor_type.shape.dim] == [1, 3, 48, 192]
+    report = json.loads((out / "ppocr_direction_cls.report.json").read_text())
+    assert report["check"]["ready"] is True
+    assert any("FixShapes='x:[1,3,48,192]'" in note for note in report["notes"])
+    row = next(r for r in result.stdout.splitlines() if r.startswith("ppocr_direction_cls"))
+    assert "top-1" in row

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx.compare import compare_models, match_quantized_tensors
+from quark_onnx.compare import agreement_kind, compare_models, match_quantized_tensors, sqnr_db
 from quark_onnx.errors import CalibrationError
 
 F = TensorProto.FLOAT
@@ -176,3 +176,88 @@ def test_summary_lists_worst_first(feeds):
     assert "worst 2 of 3" in text
     worst = result.layers[0].name
     assert text.index(f"  {worst}") < text.index(f"  {result.layers[1].name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Which agreement fits an output; infinite and NaN energies
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "kind"),
+    [
+        ((4,), "top1"),
+        ((2, 10), "top1"),
+        ((2, 10, 1, 1), "top1"),
+        ((1, 1, 7), "top1"),
+        ((1, 3, 8, 8), "argmax"),
+        ((2, 19, 4, 1), "argmax"),
+        ((1, 1, 8, 8), None),  # one channel: a probability map, nothing to take the argmax of
+        ((1, 8400, 85), None),  # detector rows
+        ((2, 1), None),
+        ((), None),
+    ],
+)
+def test_agreement_kind_by_shape(shape, kind):
+    assert agreement_kind(shape) == kind
+
+
+def identity_pair(shape, noise):
+    """An Identity float model and a "quantized" one that adds the constant ``noise``."""
+    f = make_model([helper.make_node("Identity", ["X"], ["Y"])], [vi("X", shape)], [vi("Y", shape)])
+    q = make_model(
+        [helper.make_node("Add", ["X", "n"], ["Y"])], [vi("X", shape)], [vi("Y", shape)],
+        {"n": noise.astype(np.float32)},
+    )  # fmt: skip
+    return f, q
+
+
+def test_dense_output_gets_argmax_over_channels_not_top1():
+    rng = np.random.default_rng(3)
+    shape = [2, 4, 3, 5]
+    noise = rng.normal(0, 0.4, shape).astype(np.float32)
+    f, q = identity_pair(shape, noise)
+    feeds = [{"X": rng.normal(0, 1, shape).astype(np.float32)} for _ in range(3)]
+    result = compare_models(f, q, feeds)
+    (out,) = result.outputs
+    x = np.concatenate([feed["X"] for feed in feeds])
+    expected = float(np.mean(x.argmax(1) == (x + np.concatenate([noise] * 3)).argmax(1)))
+    assert out.top1_agreement is None and result.top1_agreement is None
+    assert out.argmax_agreement == expected == result.argmax_agreement
+    assert (out.agreement, out.agreement_kind) == (expected, "argmax")
+    assert out.rows == 3 * 2 * 3 * 5  # positions, not samples
+    assert 0.5 < expected < 1.0  # the noise flips some positions and not all
+    assert "argmax-over-channels agreement" in result.summary()
+    assert json.loads(json.dumps(result.to_dict()))["outputs"][0]["argmax_agreement"] == expected
+
+
+@pytest.mark.parametrize(
+    ("signal", "noise", "expected"),
+    [
+        (1.0, 0.0, math.inf),
+        (0.0, 1.0, -math.inf),
+        (1.0, math.inf, -math.inf),
+        (math.inf, 1.0, math.inf),
+        (1e-300, 1e300, -math.inf),  # the ratio underflows
+        (100.0, 1.0, 20.0),
+    ],
+)
+def test_sqnr_of_zero_and_infinite_energies(signal, noise, expected):
+    assert sqnr_db(signal, noise) == expected
+
+
+@pytest.mark.parametrize(
+    ("signal", "noise"), [(math.nan, 1.0), (1.0, math.nan), (math.inf, math.inf)]
+)
+def test_sqnr_of_nan_energies_is_nan(signal, noise):
+    assert math.isnan(sqnr_db(signal, noise))
+
+
+def test_an_output_gone_infinite_has_minus_infinite_sqnr_not_an_error():
+    shape = [1, 4]
+    noise = np.array([[0.0, np.inf, 0.0, 0.0]], np.float32)
+    f, q = identity_pair(shape, noise)
+    result = compare_models(f, q, [{"X": np.ones(shape, np.float32)}])
+    (out,) = result.outputs
+    assert out.sqnr_db == -math.inf
+    assert json.loads(json.dumps(result.to_dict()))["outputs"][0]["sqnr_db"] == "-inf"
