@@ -9,7 +9,9 @@ returns ``onnx_ir.passes.PassResult(model, modified)``. Passes run alone from Py
 and are chained by :func:`quark_onnx.pipeline.prepare_passes`, which picks them from a config.
 
 Passes that change numerics on purpose set ``changes_numerics = True``; the pipeline then measures
-and reports the maximum output difference they introduced.
+what they did to the float outputs. Those that model the NPU's own arithmetic (the DPU versions of
+LeakyRelu, HardSigmoid and average pooling) also set ``simulates_hardware = True``: their cost is
+the hardware's, so it is reported but never a warning and never undone.
 """
 
 from __future__ import annotations
@@ -24,3 +26,5 @@ class QuarkPass(ir.passes.InPlacePass):
 
     #: True for passes that deliberately change the float model's outputs (documented per pass).
     changes_numerics: ClassVar[bool] = False
+    #: True for numerics-changing passes that reproduce what the NPU computes (not optional).
+    simulates_hardware: ClassVar[bool] = False

@@ -138,6 +138,7 @@ class ConvertAvgPoolToDPUVersion(QuarkPass):
     """
 
     changes_numerics = True
+    simulates_hardware = True
 
     def __init__(self, reduce_mean: bool = True) -> None:
         super().__init__()

@@ -44,6 +44,7 @@ class ConvertHardSigmoidToDPUVersion(QuarkPass):
     """Follow each HardSigmoid(1/6, 1/2) by ``Mul(1.0001220703125)`` (see module doc)."""
 
     changes_numerics = True
+    simulates_hardware = True
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

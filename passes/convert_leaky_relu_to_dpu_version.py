@@ -31,6 +31,7 @@ class ConvertLeakyReluToDPUVersion(QuarkPass):
     """Round every LeakyRelu's alpha to the NPU's 1/256 grid."""
 
     changes_numerics = True
+    simulates_hardware = True
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         count = 0

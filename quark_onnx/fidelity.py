@@ -69,13 +69,22 @@ class OutputFidelity:
 
     @classmethod
     def from_comparison(
-        cls, comparison: TensorComparison, score_vector: bool, min_sqnr: float, min_agree: float
+        cls,
+        comparison: TensorComparison,
+        score_vector: bool,
+        min_sqnr: float,
+        min_agree: float,
+        *,
+        scores_by_decision: bool = True,
     ) -> OutputFidelity:
         agreement = comparison.top1_agreement if score_vector else None
-        if agreement is not None:
+        sqnr_ok = not comparison.sqnr_db < min_sqnr  # NaN is not faithful
+        if agreement is None:
+            faithful = sqnr_ok
+        elif scores_by_decision:
             faithful = agreement >= min_agree
         else:
-            faithful = not comparison.sqnr_db < min_sqnr  # NaN is not faithful
+            faithful = sqnr_ok and agreement >= min_agree
         return cls(
             name=comparison.name,
             sqnr_db=comparison.sqnr_db,
@@ -162,8 +171,12 @@ def compare_runs(
     *,
     min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
     min_agreement: float = DEFAULT_MIN_AGREEMENT,
+    scores_by_decision: bool = True,
 ) -> list[OutputFidelity]:
-    """Per-output fidelity of ``after`` to ``before`` (outputs of the same feeds, run by run)."""
+    """Per-output fidelity of ``after`` to ``before`` (outputs of the same feeds, run by run).
+
+    ``scores_by_decision=False`` holds score vectors to the SQNR bound as well (a graph pass is
+    judged by how much it moves the model, not only by whether decisions flip)."""
     accumulators: dict[str, _Accumulator] = {}
     score: dict[str, bool] = {}
     for ref, got in zip(before, after, strict=True):
@@ -174,7 +187,11 @@ def compare_runs(
             score[name] = is_score_vector(np.shape(f))
     return [
         OutputFidelity.from_comparison(
-            acc.result(name, name), score[name], min_sqnr_db, min_agreement
+            acc.result(name, name),
+            score[name],
+            min_sqnr_db,
+            min_agreement,
+            scores_by_decision=scores_by_decision,
         )
         for name, acc in accumulators.items()
     ]

@@ -225,10 +225,11 @@ class ExtraOptions:
     )
     RevertCostlyPasses: bool = _opt(
         False,
-        "Undo a numerics-changing pass (ReplaceClip6Relu, ConvertSigmoidToHardSigmoid, a DPU "
-        "simulation, ...) that takes the float outputs below 20 dB SQNR or 0.9 top-1 agreement "
-        "on the fidelity samples (quark_onnx.pipeline.PASS_MIN_SQNR_DB, PASS_MIN_AGREEMENT), "
-        "keeping the original operations; a warning names the pass either way.",
+        "Undo an optional numerics-changing pass (ReplaceClip6Relu, ConvertSigmoidToHardSigmoid, "
+        "...) that takes the float outputs below 30 dB SQNR or 0.9 top-1 agreement on the "
+        "fidelity samples (quark_onnx.pipeline.PASS_MIN_SQNR_DB, PASS_MIN_AGREEMENT), keeping "
+        "the original operations; a warning names the pass either way. DPU simulations are "
+        "never undone.",
     )
     FidelitySamples: int = _opt(16, "Calibration samples the fidelity guard runs (first ones).")
     FidelityMinSQNR: float = _opt(

@@ -220,3 +220,36 @@ def test_guard_off(tmp_path):
         _two_channel_model(**BAD), tmp_path / "q.onnx", ArrayDataReader(_calibration())
     )
     assert quantizer.report.fidelity == {}
+
+
+def test_hardware_simulation_is_reported_never_warned_or_undone():
+    """LeakyRelu alpha 0.001 is 0/256 on the NPU: the simulation changes the output completely,
+    which is the hardware's doing, not an approximation the user can turn off."""
+    from quark_onnx.passes import ConvertLeakyReluToDPUVersion
+
+    model = make_model(
+        [h.make_node("LeakyRelu", ["x"], ["y"], alpha=0.001)],
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 8])],
+    )
+    ir_model = ir.serde.deserialize_model(model)
+    feeds = [{"x": -np.arange(1, 9, dtype=np.float32).reshape(1, 8)}]
+    report = run_passes(
+        ir_model, [ConvertLeakyReluToDPUVersion()], sample_feeds=feeds, revert_costly=True
+    )
+    record = report.record("ConvertLeakyReluToDPUVersion")
+    assert record.modified and record.fidelity and not record.fidelity[0]["faithful"]
+    assert record.warning is None and not record.reverted
+    assert ir_model.graph.node(0).attributes.get_float("alpha") != 0.001
+
+
+def test_costly_optional_pass_is_undone_with_revert_costly():
+    feeds = [{"x": np.linspace(-5, 60, 16, dtype=np.float32).reshape(1, 16)}]
+    model = ir.serde.deserialize_model(_layer_clip6())
+    report = run_passes(model, [ReplaceClip6Relu()], sample_feeds=feeds, revert_costly=True)
+    record = report.record("ReplaceClip6Relu")
+    assert record.reverted and "undone" in record.warning
+    assert [n.op_type for n in model.graph] == ["MatMul", "Clip"]
+    np.testing.assert_array_equal(
+        run_ort(ir.serde.serialize_model(model), feeds[0])[0], np.clip(feeds[0]["x"], 0, 6)
+    )
