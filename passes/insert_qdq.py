@@ -523,6 +523,9 @@ class InsertQDQ(QuarkPass):
     ) -> None:
         name = value.name or ""
         codes = params.codes if params.codes is not None else qparams.quantize(array, params)
+        if _gathers_rows(value, array, params):
+            self._gathered_table(graph, value, codes, params)
+            return
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
         if params.is_cast:
             out = ir.Value(
@@ -571,6 +574,74 @@ class InsertQDQ(QuarkPass):
             self._first = node
         self._drop_if_unused(graph, value)
 
+    def _gathered_table(
+        self, graph: ir.Graph, value: ir.Value, codes: np.ndarray, params: QuantParams
+    ) -> None:
+        """An embedding table read only by ``Gather`` (axis 0): gather the rows' codes (and
+        their scales), then dequantize only the gathered rows. ``Cast(q) * scale`` is what
+        DequantizeLinear computes for a zero point of 0, so the values are the same as a
+        DequantizeLinear of the whole table followed by the Gather, without dequantizing the
+        whole table on every run."""
+        name = value.name or ""
+        quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
+        scale = None
+        if not params.is_cast:
+            assert params.scale is not None
+            rows = np.asarray(params.scale, dtype=np.float32).reshape(-1, 1)
+            scale = add_initializer(graph, self._names(f"{name}_scale"), rows)
+        for use in list(value.uses()):
+            gather = use.node
+            indices = gather.inputs[1]
+            out = gather.outputs[0]
+            base = gather.name or name
+            q_rows = ir.Value(name=self._names(f"{base}_quantized_rows"))
+            new_gather = ir.node(
+                "Gather",
+                [quantized, indices],
+                {"axis": 0},
+                outputs=[q_rows],
+                name=self._names(f"{base}_QuantizedGather"),
+            )
+            f32 = ir.TensorType(ir.DataType.FLOAT)
+            rows = ir.Value(name=self._names(f"{base}_rows"), type=f32)
+            cast = ir.node(
+                "Cast",
+                [q_rows],
+                {"to": ir.DataType.FLOAT},
+                outputs=[rows],
+                name=self._names(f"{base}_Cast"),
+            )
+            nodes = [new_gather, cast]
+            if scale is not None:
+                s_rows = ir.Value(name=self._names(f"{base}_row_scales"), type=f32)
+                scale_gather = ir.node(
+                    "Gather",
+                    [scale, indices],
+                    {"axis": 0},
+                    outputs=[s_rows],
+                    name=self._names(f"{base}_ScaleGather"),
+                )
+                values = ir.Value(name=self._names(f"{base}_dequantized"), type=f32)
+                mul = ir.node(
+                    "Mul",
+                    [rows, s_rows],
+                    outputs=[values],
+                    name=self._names(f"{base}_Dequantize"),
+                )
+                nodes += [scale_gather, mul]
+            last = nodes[-1]
+            graph.insert_after(gather, nodes)
+            if self._first is gather:
+                self._first = new_gather
+            # the last node takes over the Gather's output value (name, shape, consumers)
+            out_name = out.name
+            replacement = last.outputs[0]
+            out.replace_all_uses_with(replacement, replace_graph_outputs=True)
+            graph.remove(gather, safe=True)
+            replacement.name = out_name
+            replacement.shape = out.shape
+        self._drop_if_unused(graph, value)
+
     def _drop_if_unused(self, graph: ir.Graph, value: ir.Value) -> None:
         if value.uses() or value.is_graph_output() or value.is_graph_input():
             return
@@ -586,6 +657,28 @@ class InsertQDQ(QuarkPass):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _gathers_rows(value: ir.Value, array: np.ndarray, params: QuantParams) -> bool:
+    """``value`` is a 2-D table read only by ``Gather`` (axis 0, slot 0), quantized per row
+    with zero points 0 (or a Cast type): its rows can be dequantized after the lookup."""
+    if array.ndim != 2 or value.is_graph_output() or params.block_size is not None:
+        return False
+    if params.qtype is QuantType.QFLOAT8E4M3FN:
+        return False  # Gather takes no float8 (onnx 1.23 schema): DequantizeLinear of the table
+    if not params.is_cast:
+        if params.axis not in (0, -2) or params.zero_point is None:
+            return False
+        if np.any(np.asarray(params.zero_point).astype(np.float32) != 0):
+            return False
+    uses = list(value.uses())
+    return bool(uses) and all(
+        use.node.op_type == "Gather"
+        and use.node.domain in _DEFAULT_DOMAINS
+        and use.idx == 0
+        and use.node.attributes.get_int("axis", 0) == 0
+        for use in uses
+    )
 
 
 def _value_index(graph: ir.Graph) -> dict[str, ir.Value]:

@@ -130,8 +130,10 @@ def test_preset_on_transformer_block(name, block):
     assert err <= limit, f"{name}: relative error {err:.4f} > {limit:.4f}"
     assert err > 0  # something was quantized
     if name != "XINT8":
+        # float only where the preset says so (A8W8 quantizes the linear layers only)
+        reasons = {f["reason"] for f in quantizer.report.float_nodes}
         assert (
-            quantizer.report.float_nodes == []
+            reasons <= {"op type not in op_types_to_quantize"}
             or qc.use_dynamic_quant
             or (qc.resolved_options().WeightsOnly)
         )
