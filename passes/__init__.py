@@ -32,6 +32,7 @@ _PASSES = {
     "FixInputShapes": "fix_input_shapes",
     # quantization
     "InsertQDQ": "insert_qdq",
+    "DynamicMatMulInteger": "dynamic_matmul_integer",
 }
 
 __all__ = ["QuarkPass", *_PASSES]

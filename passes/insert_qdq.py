@@ -47,6 +47,14 @@ The forms written, for a tensor ``T`` (names are made unique by one
     are exact IEEE operations, so the runtime scale equals the numpy reference bit for bit.
 
   A dynamic constant is simply quantized ahead of time with ``dynamic_params`` of its values.
+  After the pairs are written, a MatMul reading a uint8 dynamic activation and a constant 2-D
+  weight becomes ``MatMulInteger`` + ``Cast`` + ``Mul`` by the product of the scales
+  (:class:`~quark_onnx.passes.dynamic_matmul_integer.DynamicMatMulInteger`), which onnxruntime
+  runs with integer kernels.
+* an embedding table read only by ``Gather`` (axis 0), quantized per row with zero points 0 (or
+  a Cast type): ``Gather(W_quantized, ids)`` and ``Gather(W_scale[:, None], ids)``, then
+  ``Cast(rows, float) * row_scales`` -- DequantizeLinear's arithmetic applied to the gathered
+  rows only (float8 tables, which Gather does not take, get the DequantizeLinear form).
 
 Opset. Each written node needs a default-domain opset: QuantizeLinear/DequantizeLinear 10 (13
 with ``axis``), DynamicQuantizeLinear 11, Cast to bfloat16 13, float8 e4m3fn 19, int16/uint16/
@@ -211,6 +219,11 @@ class InsertQDQ(QuarkPass):
             else:
                 self._activation(graph, value, params)
         logger.info("InsertQDQ: %d tensor(s) quantized", len(entries))
+        if any(e.params.dynamic and not e.params.symmetric for e in entries):
+            # uint8 dynamic activations into MatMul layers: integer kernels, not float QDQ
+            from quark_onnx.passes.dynamic_matmul_integer import DynamicMatMulInteger
+
+            DynamicMatMulInteger()(model)
         return ir.passes.PassResult(model, True)
 
     def _entries(self, graph: ir.Graph) -> list[_Entry]:

@@ -27,8 +27,11 @@ The strategy (:class:`~quark_onnx.config.QuantStrategy`) decides what is planned
 * static: every quantizable node's inputs and outputs (as above);
 * weight-only (``WeightsOnly``): only the weights of the linear layers (Conv, ConvTranspose, Gemm,
   MatMul with a constant B); activations and biases stay float;
-* dynamic (``use_dynamic_quant``): the linear layers' weights, and their activation inputs as
-  dynamic (``TensorSpec.dynamic``: scale computed at run time); outputs and biases stay float.
+* dynamic (``use_dynamic_quant``): the linear layers with a constant weight: the weights, and
+  their activation inputs as dynamic (``TensorSpec.dynamic``: scale computed at run time);
+  outputs and biases stay float, and so do layers whose weight is computed (attention MatMuls);
+* every float-scale strategy (not XINT8): ``Gather`` on a constant 2-D table (axis 0), the table
+  per row (axis 0), for weight types of 8 bits or more.
 
 Granularity of a linear layer's weight (``per_channel``; ``WeightBlockSize`` for groups):
 per channel along the output-channel axis (Conv 0, ConvTranspose 1, Gemm 0 with ``transB=1``
@@ -538,6 +541,16 @@ def build_plan(
                 f"{strategy.value} quantization: only Conv/ConvTranspose/Gemm/MatMul layers "
                 "and Gather tables"
             )
+        if (
+            reason is None
+            and strategy is QuantStrategy.DYNAMIC
+            and policy is not None
+            and policy.linear
+            and not _has_constant_weight(node, policy)
+        ):
+            # two run-time operands (attention): no integer kernel takes them, and a float
+            # MatMul between run-time Q/DQ pairs is slower than the float MatMul alone
+            reason = "dynamic quantization: a layer without a constant weight stays float"
         if reason is None and policy is not None:
             policies[id(node)] = _GELU_TAIL if id(node) in gelu_tail else policy
         else:
@@ -744,6 +757,13 @@ def build_plan(
         logger.info("node %s (%s) stays float: %s", fnode.name, fnode.op_type, fnode.reason)
     logger.debug("quantization plan: %s", plan.summary())
     return plan
+
+
+def _has_constant_weight(node: ir.Node, policy: OpPolicy) -> bool:
+    slot = policy.weight_input
+    if slot is None or slot >= len(node.inputs) or node.inputs[slot] is None:
+        return False
+    return _is_constant(node.inputs[slot])
 
 
 def _embedding_float_reason(node: ir.Node, qconfig: QuantizationConfig) -> str | None:
