@@ -173,6 +173,7 @@ class QuantizeSettings:
     load_calibration: str | None = None
     overwrite: bool = False
     log_level: int = logging.WARNING
+    require_ready: bool = False
 
     def build_config(self) -> Any:
         """The QuantizationConfig: the preset, then ``--set``, then the dedicated flags."""
@@ -417,6 +418,7 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         calibration_result=load,
         save_calibration=save,
         overwrite=settings.overwrite,
+        require_ready=settings.require_ready,
     )
     report = quantizer.report
     if report is None:  # pragma: no cover - quantize_model always sets it
@@ -717,6 +719,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         load_calibration=args.load_calibration,
         overwrite=args.overwrite,
         log_level=_log_level(args),
+        require_ready=args.require_ready,
     )
     settings.preprocess_spec()  # a bad spec is a usage error, before any model
     qconfig = settings.build_config()  # so is an unknown preset or option

@@ -209,12 +209,15 @@ class _Accumulator:
                 self.rows += rows
 
     def result(self, name: str, quantized_name: str) -> TensorComparison:
+        ratio = self.signal / self.noise if self.noise > 0.0 else math.inf
         if self.noise == 0.0:
             sqnr = math.inf
-        elif self.signal == 0.0:
+        elif self.signal == 0.0 or not ratio > 0.0:
+            # no signal, or a noise energy that overflowed to inf/nan (an infinite or fill
+            # value where the float model has a finite one): no fidelity left
             sqnr = -math.inf
         else:
-            sqnr = 10.0 * math.log10(self.signal / self.noise)
+            sqnr = 10.0 * math.log10(ratio) if math.isfinite(ratio) else math.inf
         denom = math.sqrt(self.signal * self.qenergy)
         # An all-zero tensor is similar only to another all-zero tensor.
         cosine = 1.0 if self.signal == self.qenergy else 0.0
