@@ -33,6 +33,7 @@ _PASSES = {
     # quantization
     "InsertQDQ": "insert_qdq",
     "DynamicMatMulInteger": "dynamic_matmul_integer",
+    "ToMatMulNBits": "matmul_nbits",
 }
 
 __all__ = ["QuarkPass", *_PASSES]
