@@ -206,8 +206,10 @@ class InsertQDQ(QuarkPass):
         self._names = NameGenerator(graph)
         self._first = next(iter(graph), None)
         self._order = {id(node): i for i, node in enumerate(graph)}
+        #: value -> the value that took its place (a Gather output rebuilt by _gathered_table)
+        self._moved: dict[int, ir.Value] = {}
         for entry in entries:
-            value, params = entry.value, entry.params
+            value, params = self._moved.get(id(entry.value), entry.value), entry.params
             if entry.array is not None:
                 if params.dynamic:  # a constant's own range is known now
                     params = qparams.dynamic_params(entry.array, params.qtype, params.symmetric)
@@ -653,6 +655,7 @@ class InsertQDQ(QuarkPass):
             graph.remove(gather, safe=True)
             replacement.name = out_name
             replacement.shape = out.shape
+            self._moved[id(out)] = replacement
         self._drop_if_unused(graph, value)
 
     def _drop_if_unused(self, graph: ir.Graph, value: ir.Value) -> None:

@@ -122,6 +122,6 @@ def check_range(name: str, lo: float, hi: float) -> None:
         raise QuantizationError(
             f"activation {name!r}: calibrated range [{lo:g}, {hi:g}] exceeds the bound "
             f"|x| <= {MAX_ACTIVATION_ABS:g} for a quantized tensor; it looks like a mask or "
-            "fill value (e.g. finfo.min) that the graph rules did not recognise. Keep the node "
-            "that produces it float with nodes_to_exclude"
+            "fill value (e.g. finfo.min) that the graph rules did not recognise. Keep the nodes "
+            "that produce and read it float with nodes_to_exclude"
         )
