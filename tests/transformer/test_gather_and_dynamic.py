@@ -79,7 +79,7 @@ def dynamic_encoder():
 
 
 def test_int8_dynamic_runs_the_projections_as_matmul_integer(dynamic_encoder):
-    model, quantized, quantizer = dynamic_encoder
+    _, quantized, quantizer = dynamic_encoder
     ops = collections.Counter(n.op_type for n in quantized.graph.node)
     assert ops["MatMulInteger"] == 6 * SMALL.layers
     # only the attention MatMuls (two computed operands) stay float, without Q/DQ around them
