@@ -45,6 +45,8 @@ class EncoderShape:
     vocab: int = 30522
     seq: int = 64
     max_positions: int = 512
+    #: LayerNormalization gain of the two outlier hidden dimensions
+    outlier_gain: float = 4.0
 
 
 def build_encoder(
@@ -72,7 +74,7 @@ def build_encoder(
 
     def layer_norm(x: str, name: str) -> str:
         gain = 1.0 + normal((h,), 0.05)
-        gain[[7, h // 2 + 3]] = 4.0  # outlier dimensions, as in trained encoders
+        gain[[7, h // 2 + 3]] = shape.outlier_gain  # outlier dimensions, as trained encoders have
         const(name + ".weight", gain)
         const(name + ".bias", normal((h,), 0.02))
         return node(
