@@ -13,8 +13,9 @@ nodes in topological order:
 * a *fill constant*: a float constant holding a value with ``|x| >= FILL_MAGNITUDE`` (1e4) or an
   infinity;
 * a *mask*: the output of ``Mul`` by a fill constant, of ``Where`` with a fill-constant
-  branch, of ``Add``/``Sub``/``Min``/``Max`` with a fill constant, or a fill constant that is not
-  a scalar (a precomputed causal mask);
+  branch, of ``Add``/``Sub``/``Min``/``Max`` with a fill constant, of a data-movement op
+  (``Expand``, ``Reshape`` ...) of a fill constant (a precomputed causal mask), or of a
+  ``ConstantOfShape`` whose value is a fill;
 * anything computed from a mask by data movement (Reshape, Unsqueeze, Squeeze, Expand, Tile,
   Transpose, Slice, Gather, Concat, Cast, Identity) or by ``Add``/``Sub``/``Min``/``Max``/
   ``Where`` with another tensor (the scores plus the mask), or by ``Mul``/``Div``: the Softmax
@@ -37,6 +38,7 @@ trained transformers (outlier dimensions of LLM residual streams) are below 1e4.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import onnx_ir as ir
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: A float constant holding a value at least this large in magnitude is a mask fill.
 FILL_MAGNITUDE = 1e4
+#: Constants with more elements than this are not inspected (weights, embedding tables).
+_MAX_READ = 1 << 24
 #: The widest calibrated range (max |x|) a quantized activation may have.
 MAX_ACTIVATION_ABS = 1e6
 
@@ -73,13 +77,34 @@ _SCALE_OPS = frozenset({"Mul"})
 
 def is_fill_constant(value: ir.Value | None) -> bool:
     """``value`` is a float constant holding a value with ``|x| >= FILL_MAGNITUDE`` or an inf."""
-    array = constant_array(value)
+    shape = value.shape if value is not None else None
+    if shape is not None and shape.is_static() and math.prod(int(d) for d in shape) > _MAX_READ:
+        return False  # a weight, not a fill: never read big tensors here
+    try:
+        array = constant_array(value)
+    except ValueError:  # a malformed tensor: the checker or the stage that needs it reports it
+        return False
     if array is None or array.dtype.kind != "f" or array.size == 0:
         return False
     finite = array[np.isfinite(array)]
     if finite.size < array.size and not np.isnan(array).all():
         return True
     return bool(finite.size) and float(np.max(np.abs(finite))) >= FILL_MAGNITUDE
+
+
+def _fill_attribute(node: ir.Node) -> float | None:
+    """The fill value of a ``ConstantOfShape`` whose ``value`` is a mask fill, else None."""
+    attr = node.attributes.get("value")
+    if attr is None:
+        return None
+    try:
+        array = attr.as_tensor().numpy()
+    except (ValueError, AttributeError):
+        return None
+    if array.dtype.kind != "f" or array.size != 1:
+        return None
+    value = float(array.reshape(()))
+    return value if not abs(value) < FILL_MAGNITUDE else None
 
 
 def find_saturating(graph: ir.Graph) -> dict[str, str]:
@@ -94,10 +119,17 @@ def find_saturating(graph: ir.Graph) -> dict[str, str]:
             continue
         op = node.op_type
         inputs = [v for v in node.inputs if v is not None]
-        fills = [v for v in inputs if is_fill_constant(v)]
+        # only the ops that can apply a fill read their constants (weights are never read here)
+        fills = (
+            [v for v in inputs if is_fill_constant(v)]
+            if op in _SCALE_OPS | _COMBINE_OPS | _MOVE_OPS and op != "Gather"
+            else []
+        )
         masked = [v for v in inputs if v.name in found]
         reason = None
-        if fills and op in _SCALE_OPS | _COMBINE_OPS:
+        if op == "ConstantOfShape" and _fill_attribute(node) is not None:
+            reason = f"ConstantOfShape node {node.name!r} fills with {_fill_attribute(node):g}"
+        elif fills and op in _SCALE_OPS | _COMBINE_OPS | _MOVE_OPS:
             fill = constant_array(fills[0])
             shown = float(fill.reshape(-1)[np.argmax(np.abs(np.nan_to_num(fill.reshape(-1))))])
             reason = f"{op} node {node.name!r} with the fill constant {fills[0].name!r} ({shown:g})"

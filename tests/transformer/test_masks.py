@@ -142,3 +142,30 @@ def test_fill_constant_detection_needs_a_large_value():
     assert find_saturating(model_io.to_ir(const(-1e4)).graph) != {}
     assert find_saturating(model_io.to_ir(const(-np.inf)).graph) != {}
     assert find_saturating(model_io.to_ir(const(-9999.0)).graph) == {}
+
+
+def test_constant_of_shape_and_expanded_fills_are_masks():
+    f = TensorProto.FLOAT
+    fill = helper.make_tensor("v", f, [1], [float(np.finfo(np.float32).min)])
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["filled"], name="cos", value=fill),
+        helper.make_node("Where", ["keep", "x", "filled"], ["a"], name="where"),
+        helper.make_node("Expand", ["neg_inf", "shape"], ["causal"], name="expand"),
+        helper.make_node("Add", ["a", "causal"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", f, [2, 4]),
+            helper.make_tensor_value_info("keep", TensorProto.BOOL, [2, 4]),
+        ],
+        [helper.make_tensor_value_info("y", f, [2, 4])],
+        [
+            numpy_helper.from_array(np.array([2, 4], np.int64), "shape"),
+            numpy_helper.from_array(np.array(-np.inf, np.float32), "neg_inf"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    found = find_saturating(model_io.to_ir(model).graph)
+    assert {"filled", "a", "causal", "y"} <= set(found)
