@@ -99,6 +99,8 @@ _OPSET_21_TYPES = frozenset(
 )
 _IR_FOR_TYPE = {QuantType.QFLOAT8E4M3FN: 9, QuantType.QInt4: 10, QuantType.QUInt4: 10}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+#: doc_string prefix of the Cast of a gathered embedding table, followed by the table's name
+_GATHERED_MARK = "quark_onnx:gathered:"
 #: (op type, opset) whose meaning changed with no ``onnx.version_converter`` adapter that keeps
 #: it: converting a model that uses the op across that opset would silently change the model.
 #: GroupNormalization-21 takes per-channel scale/bias where 18 took per-group ones (measured with
@@ -626,6 +628,7 @@ class InsertQDQ(QuarkPass):
                 outputs=[rows],
                 name=self._names(f"{base}_Cast"),
             )
+            cast.doc_string = _GATHERED_MARK + name  # restore_gathered_tables reads it back
             nodes = [new_gather, cast]
             if scale is not None:
                 s_rows = ir.Value(name=self._names(f"{base}_row_scales"), type=f32)
@@ -673,6 +676,75 @@ class InsertQDQ(QuarkPass):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def restore_gathered_tables(graph: ir.Graph) -> int:
+    """Undo the gathered-rows form of embedding tables (``InsertQDQ._gathered_table``): each
+    table's codes get the DequantizeLinear (or Cast) form back, read by the original ``Gather``,
+    so a reader of QDQ models sees the standard pattern with the same parameters (per row, zero
+    points 0). Returns the number of Gather nodes restored."""
+    names = NameGenerator(graph)
+    tables: dict[str, ir.Value] = {}
+    row_scales: list[ir.Value] = []
+    restored = 0
+    for cast in list(graph):
+        if cast.op_type != "Cast" or not (cast.doc_string or "").startswith(_GATHERED_MARK):
+            continue
+        table = cast.doc_string[len(_GATHERED_MARK) :]
+        codes_gather = cast.inputs[0].producer()
+        codes, indices = codes_gather.inputs[0], codes_gather.inputs[1]
+        uses = list(cast.outputs[0].uses())
+        mul = uses[0].node if len(uses) == 1 and uses[0].node.op_type == "Mul" else None
+        final = (mul or cast).outputs[0]
+        if table not in tables:
+            f32 = ir.TensorType(ir.DataType.FLOAT)
+            if mul is not None:
+                scale_rows = mul.inputs[1].producer().inputs[0]
+                row_scales.append(scale_rows)
+                rows = constant_array(scale_rows).reshape(-1).astype(np.float32)
+                code_dtype = constant_array(codes).dtype
+                scale = add_initializer(graph, names(f"{table}_scale"), rows)
+                zero = add_initializer(
+                    graph, names(f"{table}_zero_point"), np.zeros(rows.shape, code_dtype)
+                )
+                out = ir.Value(name=names(f"{table}_DequantizeLinear_Output"), type=f32)
+                node = ir.Node(
+                    "",
+                    "DequantizeLinear",
+                    [codes, scale, zero],
+                    attributes=[ir.AttrInt64("axis", 0)],
+                    outputs=[out],
+                    name=names(f"{table}_DequantizeLinear"),
+                )
+            else:
+                out = ir.Value(name=names(f"{table}_CastFloat_Output"), type=f32)
+                node = ir.node(
+                    "Cast",
+                    [codes],
+                    {"to": ir.DataType.FLOAT},
+                    outputs=[out],
+                    name=names(f"{table}_CastFloat"),
+                )
+            graph.insert_before(codes_gather, node)
+            tables[table] = out
+        base = (codes_gather.name or "Gather").removesuffix("_QuantizedGather")
+        new_out = ir.Value(name=names(f"{base}_restored"), shape=final.shape)
+        gather = ir.node(
+            "Gather", [tables[table], indices], {"axis": 0}, outputs=[new_out], name=base
+        )
+        graph.insert_before(codes_gather, gather)
+        old_name = final.name
+        final.replace_all_uses_with(new_out, replace_graph_outputs=True)
+        scale_gather = mul.inputs[1].producer() if mul is not None else None
+        for dead in (mul, scale_gather, cast, codes_gather):
+            if dead is not None and not any(o.uses() for o in dead.outputs):
+                graph.remove(dead, safe=True)
+        new_out.name = old_name
+        restored += 1
+    for value in row_scales:  # the [V, 1] row scales of the gathered form
+        if not value.uses() and value.name in graph.initializers and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+    return restored
 
 
 def _gathers_rows(value: ir.Value, array: np.ndarray, params: QuantParams) -> bool:

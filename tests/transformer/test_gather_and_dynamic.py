@@ -89,7 +89,8 @@ def test_int8_dynamic_runs_the_projections_as_matmul_integer(dynamic_encoder):
     inits = {i.name: numpy_helper.to_array(i) for i in quantized.graph.initializer}
     for node in quantized.graph.node:
         if node.op_type == "MatMulInteger":
-            assert inits[node.input[1]].dtype == np.int8 and len(node.input) == 3  # zp 0
+            assert inits[node.input[1]].dtype == np.int8
+            assert not np.any(inits[node.input[3]])  # symmetric: zero points 0
     weight = quantizer.params["encoder/layer.0/attention/query.weight"]
     assert weight.axis == 1 and weight.scale.shape == (SMALL.hidden,)  # per output column
 
@@ -98,3 +99,58 @@ def test_int8_dynamic_matches_float_on_held_out_sentences(dynamic_encoder):
     model, quantized, _ = dynamic_encoder
     c = embedding_cosines(model, quantized, encoder_inputs(24, 2, SMALL))
     assert c.mean() >= 0.975 and c.min() >= 0.9
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_int8_dynamic_gemm_runs_as_matmul_integer(trans_b):
+    """Gemm(x, W, C) with a constant W: MatMulInteger + scale + C, against numpy on the
+    dequantized operands (integer sums are exact; the bound is float32 rounding of the sums)."""
+    rng = np.random.default_rng(trans_b)
+    k, n = 48, 24
+    w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    c = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["y"], name="gemm", transB=trans_b)]
+    model = make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
+        {"w": w, "c": c},
+    )
+    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("INT8_DYNAMIC")))
+    quantized = quantizer.quantize_model(model)
+    ops = [node.op_type for node in quantized.graph.node]
+    assert "MatMulInteger" in ops and "Gemm" not in ops
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    (got,) = run_ort(quantized, {"x": x})
+    xq = qparams.fake_quant(x, qparams.dynamic_params(x, QuantType.QUInt8, symmetric=False))
+    wq = qparams.fake_quant(w, quantizer.params["w"])
+    b = wq.T if trans_b else wq
+    expected = xq.astype(np.float64) @ b.astype(np.float64) + c
+    bound = (k + 3) * 2.0**-23 * (np.abs(xq) @ np.abs(b) + np.abs(c))
+    assert np.all(np.abs(got - expected) <= bound)
+
+
+def test_int8_dynamic_recipe_round_trips_byte_identically(dynamic_encoder, tmp_path):
+    """The integer form and the gathered rows read back as QDQ (importer) and rebuild to the
+    same bytes."""
+    from quark_onnx import load_recipe, save_recipe
+
+    model, quantized, _ = dynamic_encoder
+    save_recipe(tmp_path / "rec", quantized, "INT8_DYNAMIC", model)
+    rebuilt = load_recipe(tmp_path / "rec", model)
+    assert rebuilt.SerializeToString() == quantized.SerializeToString()
+
+
+@pytest.mark.parametrize("preset", ["A8W8", "BF16"])
+def test_static_recipe_with_gathered_tables_round_trips(preset, tmp_path):
+    from quark_onnx import load_recipe, save_recipe
+
+    model = build_encoder(SMALL, seed=6)
+    reader = ArrayDataReader(encoder_inputs(8, 1, SMALL), batch_size=4)
+    quantized = ModelQuantizer(
+        Config(global_quant_config=get_default_config(preset))
+    ).quantize_model(model, None, reader)
+    assert any(n.op_type == "Gather" and "_quantized" in n.input[0] for n in quantized.graph.node)
+    save_recipe(tmp_path / "rec", quantized, preset, model)
+    rebuilt = load_recipe(tmp_path / "rec", model)
+    assert rebuilt.SerializeToString() == quantized.SerializeToString()
