@@ -168,7 +168,9 @@ class DynamicMatMulInteger(QuarkPass):
             "MatMulInteger", inputs, outputs=[acc], name=names(f"{base}_MatMulInteger")
         )
         integer.doc_string = _MARK + (
-            "MatMul" if matmul.op_type == "MatMul" else "Gemm" + (":transB" if transposed else "")
+            "MatMul"
+            if matmul.op_type == "MatMul"
+            else "Gemm" + (":transB" if transposed else "") + (":C" if bias is not None else "")
         )
         nodes = [
             integer,
@@ -212,11 +214,7 @@ def restore_qdq(graph: ir.Graph) -> int:
         scale_mul = mul.inputs[1].producer()
         x_scale, w_scale = scale_mul.inputs[0], scale_mul.inputs[1]
         gemm = kind.startswith("Gemm")
-        add = None
-        if gemm:
-            uses = list(mul.outputs[0].uses())
-            if len(uses) == 1 and uses[0].node.name.endswith("_Add"):
-                add = uses[0].node
+        add = next(iter(mul.outputs[0].uses())).node if kind.endswith(":C") else None
         final = (add or mul).outputs[0]
         f32 = ir.TensorType(ir.DataType.FLOAT)
         if id(dql) not in x_dq:
@@ -233,7 +231,7 @@ def restore_qdq(graph: ir.Graph) -> int:
                 ),
             )
             x_dq[id(dql)] = x_out
-        transposed = kind.endswith(":transB")
+        transposed = ":transB" in kind
         if transposed:
             _transpose_in_place(w_q)
         weight = _CODES_SUFFIX.sub("", w_q.name or "W")
