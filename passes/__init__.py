@@ -33,6 +33,8 @@ _PASSES = {
     "FixInputShapes": "fix_input_shapes",
     # quantization
     "InsertQDQ": "insert_qdq",
+    "DynamicMatMulInteger": "dynamic_matmul_integer",
+    "ToMatMulNBits": "matmul_nbits",
 }
 
 __all__ = ["QuarkPass", *_PASSES]

@@ -47,6 +47,14 @@ The forms written, for a tensor ``T`` (names are made unique by one
     are exact IEEE operations, so the runtime scale equals the numpy reference bit for bit.
 
   A dynamic constant is simply quantized ahead of time with ``dynamic_params`` of its values.
+  After the pairs are written, a MatMul reading a uint8 dynamic activation and a constant 2-D
+  weight becomes ``MatMulInteger`` + ``Cast`` + ``Mul`` by the product of the scales
+  (:class:`~quark_onnx.passes.dynamic_matmul_integer.DynamicMatMulInteger`), which onnxruntime
+  runs with integer kernels.
+* an embedding table read only by ``Gather`` (axis 0), quantized per row with zero points 0 (or
+  a Cast type): ``Gather(W_quantized, ids)`` and ``Gather(W_scale[:, None], ids)``, then
+  ``Cast(rows, float) * row_scales`` -- DequantizeLinear's arithmetic applied to the gathered
+  rows only (float8 tables, which Gather does not take, get the DequantizeLinear form).
 
 Opset. Each written node needs a default-domain opset: QuantizeLinear/DequantizeLinear 10 (13
 with ``axis``), DynamicQuantizeLinear 11, Cast to bfloat16 13, float8 e4m3fn 19, int16/uint16/
@@ -91,6 +99,8 @@ _OPSET_21_TYPES = frozenset(
 )
 _IR_FOR_TYPE = {QuantType.QFLOAT8E4M3FN: 9, QuantType.QInt4: 10, QuantType.QUInt4: 10}
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+#: doc_string prefix of the Cast of a gathered embedding table, followed by the table's name
+_GATHERED_MARK = "quark_onnx:gathered:"
 #: (op type, opset) whose meaning changed with no ``onnx.version_converter`` adapter that keeps
 #: it: converting a model that uses the op across that opset would silently change the model.
 #: GroupNormalization-21 takes per-channel scale/bias where 18 took per-group ones (measured with
@@ -198,8 +208,10 @@ class InsertQDQ(QuarkPass):
         self._names = NameGenerator(graph)
         self._first = next(iter(graph), None)
         self._order = {id(node): i for i, node in enumerate(graph)}
+        #: value -> the value that took its place (a Gather output rebuilt by _gathered_table)
+        self._moved: dict[int, ir.Value] = {}
         for entry in entries:
-            value, params = entry.value, entry.params
+            value, params = self._moved.get(id(entry.value), entry.value), entry.params
             if entry.array is not None:
                 if params.dynamic:  # a constant's own range is known now
                     params = qparams.dynamic_params(entry.array, params.qtype, params.symmetric)
@@ -211,6 +223,11 @@ class InsertQDQ(QuarkPass):
             else:
                 self._activation(graph, value, params)
         logger.info("InsertQDQ: %d tensor(s) quantized", len(entries))
+        if any(e.params.dynamic and not e.params.symmetric for e in entries):
+            # uint8 dynamic activations into MatMul layers: integer kernels, not float QDQ
+            from quark_onnx.passes.dynamic_matmul_integer import DynamicMatMulInteger
+
+            DynamicMatMulInteger()(model)
         return ir.passes.PassResult(model, True)
 
     def _entries(self, graph: ir.Graph) -> list[_Entry]:
@@ -523,6 +540,9 @@ class InsertQDQ(QuarkPass):
     ) -> None:
         name = value.name or ""
         codes = params.codes if params.codes is not None else qparams.quantize(array, params)
+        if _gathers_rows(value, array, params):
+            self._gathered_table(graph, value, codes, params)
+            return
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
         if params.is_cast:
             out = ir.Value(
@@ -571,6 +591,76 @@ class InsertQDQ(QuarkPass):
             self._first = node
         self._drop_if_unused(graph, value)
 
+    def _gathered_table(
+        self, graph: ir.Graph, value: ir.Value, codes: np.ndarray, params: QuantParams
+    ) -> None:
+        """An embedding table read only by ``Gather`` (axis 0): gather the rows' codes (and
+        their scales), then dequantize only the gathered rows. ``Cast(q) * scale`` is what
+        DequantizeLinear computes for a zero point of 0, so the values are the same as a
+        DequantizeLinear of the whole table followed by the Gather, without dequantizing the
+        whole table on every run."""
+        name = value.name or ""
+        quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
+        scale = None
+        if not params.is_cast:
+            assert params.scale is not None
+            rows = np.asarray(params.scale, dtype=np.float32).reshape(-1, 1)
+            scale = add_initializer(graph, self._names(f"{name}_scale"), rows)
+        for use in list(value.uses()):
+            gather = use.node
+            indices = gather.inputs[1]
+            out = gather.outputs[0]
+            base = gather.name or name
+            q_rows = ir.Value(name=self._names(f"{base}_quantized_rows"))
+            new_gather = ir.node(
+                "Gather",
+                [quantized, indices],
+                {"axis": 0},
+                outputs=[q_rows],
+                name=self._names(f"{base}_QuantizedGather"),
+            )
+            f32 = ir.TensorType(ir.DataType.FLOAT)
+            rows = ir.Value(name=self._names(f"{base}_rows"), type=f32)
+            cast = ir.node(
+                "Cast",
+                [q_rows],
+                {"to": ir.DataType.FLOAT},
+                outputs=[rows],
+                name=self._names(f"{base}_Cast"),
+            )
+            cast.doc_string = _GATHERED_MARK + name  # restore_gathered_tables reads it back
+            nodes = [new_gather, cast]
+            if scale is not None:
+                s_rows = ir.Value(name=self._names(f"{base}_row_scales"), type=f32)
+                scale_gather = ir.node(
+                    "Gather",
+                    [scale, indices],
+                    {"axis": 0},
+                    outputs=[s_rows],
+                    name=self._names(f"{base}_ScaleGather"),
+                )
+                values = ir.Value(name=self._names(f"{base}_dequantized"), type=f32)
+                mul = ir.node(
+                    "Mul",
+                    [rows, s_rows],
+                    outputs=[values],
+                    name=self._names(f"{base}_Dequantize"),
+                )
+                nodes += [scale_gather, mul]
+            last = nodes[-1]
+            graph.insert_after(gather, nodes)
+            if self._first is gather:
+                self._first = new_gather
+            # the last node takes over the Gather's output value (name, shape, consumers)
+            out_name = out.name
+            replacement = last.outputs[0]
+            out.replace_all_uses_with(replacement, replace_graph_outputs=True)
+            graph.remove(gather, safe=True)
+            replacement.name = out_name
+            replacement.shape = out.shape
+            self._moved[id(out)] = replacement
+        self._drop_if_unused(graph, value)
+
     def _drop_if_unused(self, graph: ir.Graph, value: ir.Value) -> None:
         if value.uses() or value.is_graph_output() or value.is_graph_input():
             return
@@ -586,6 +676,97 @@ class InsertQDQ(QuarkPass):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def restore_gathered_tables(graph: ir.Graph) -> int:
+    """Undo the gathered-rows form of embedding tables (``InsertQDQ._gathered_table``): each
+    table's codes get the DequantizeLinear (or Cast) form back, read by the original ``Gather``,
+    so a reader of QDQ models sees the standard pattern with the same parameters (per row, zero
+    points 0). Returns the number of Gather nodes restored."""
+    names = NameGenerator(graph)
+    tables: dict[str, ir.Value] = {}
+    row_scales: list[ir.Value] = []
+    restored = 0
+    for cast in list(graph):
+        if cast.op_type != "Cast" or not (cast.doc_string or "").startswith(_GATHERED_MARK):
+            continue
+        table = cast.doc_string[len(_GATHERED_MARK) :]
+        codes_gather = cast.inputs[0].producer()
+        codes, indices = codes_gather.inputs[0], codes_gather.inputs[1]
+        uses = list(cast.outputs[0].uses())
+        mul = uses[0].node if len(uses) == 1 and uses[0].node.op_type == "Mul" else None
+        final = (mul or cast).outputs[0]
+        if table not in tables:
+            f32 = ir.TensorType(ir.DataType.FLOAT)
+            if mul is not None:
+                scale_rows = mul.inputs[1].producer().inputs[0]
+                row_scales.append(scale_rows)
+                rows = constant_array(scale_rows).reshape(-1).astype(np.float32)
+                code_dtype = constant_array(codes).dtype
+                scale = add_initializer(graph, names(f"{table}_scale"), rows)
+                zero = add_initializer(
+                    graph, names(f"{table}_zero_point"), np.zeros(rows.shape, code_dtype)
+                )
+                out = ir.Value(name=names(f"{table}_DequantizeLinear_Output"), type=f32)
+                node = ir.Node(
+                    "",
+                    "DequantizeLinear",
+                    [codes, scale, zero],
+                    attributes=[ir.AttrInt64("axis", 0)],
+                    outputs=[out],
+                    name=names(f"{table}_DequantizeLinear"),
+                )
+            else:
+                out = ir.Value(name=names(f"{table}_CastFloat_Output"), type=f32)
+                node = ir.node(
+                    "Cast",
+                    [codes],
+                    {"to": ir.DataType.FLOAT},
+                    outputs=[out],
+                    name=names(f"{table}_CastFloat"),
+                )
+            graph.insert_before(codes_gather, node)
+            tables[table] = out
+        base = (codes_gather.name or "Gather").removesuffix("_QuantizedGather")
+        new_out = ir.Value(name=names(f"{base}_restored"), shape=final.shape)
+        gather = ir.node(
+            "Gather", [tables[table], indices], {"axis": 0}, outputs=[new_out], name=base
+        )
+        graph.insert_before(codes_gather, gather)
+        old_name = final.name
+        final.replace_all_uses_with(new_out, replace_graph_outputs=True)
+        scale_gather = mul.inputs[1].producer() if mul is not None else None
+        for dead in (mul, scale_gather, cast, codes_gather):
+            if dead is not None and not any(o.uses() for o in dead.outputs):
+                graph.remove(dead, safe=True)
+        new_out.name = old_name
+        restored += 1
+    for value in row_scales:  # the [V, 1] row scales of the gathered form
+        if not value.uses() and value.name in graph.initializers and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+    return restored
+
+
+def _gathers_rows(value: ir.Value, array: np.ndarray, params: QuantParams) -> bool:
+    """``value`` is a 2-D table read only by ``Gather`` (axis 0, slot 0), quantized per row
+    with zero points 0 (or a Cast type): its rows can be dequantized after the lookup."""
+    if array.ndim != 2 or value.is_graph_output() or params.block_size is not None:
+        return False
+    if params.qtype is QuantType.QFLOAT8E4M3FN:
+        return False  # Gather takes no float8 (onnx 1.23 schema): DequantizeLinear of the table
+    if not params.is_cast:
+        if params.axis not in (0, -2) or params.zero_point is None:
+            return False
+        if np.any(np.asarray(params.zero_point).astype(np.float32) != 0):
+            return False
+    uses = list(value.uses())
+    return bool(uses) and all(
+        use.node.op_type == "Gather"
+        and use.node.domain in _DEFAULT_DOMAINS
+        and use.idx == 0
+        and use.node.attributes.get_int("axis", 0) == 0
+        for use in uses
+    )
 
 
 def _value_index(graph: ir.Graph) -> dict[str, ir.Value]:

@@ -48,6 +48,7 @@ _LAZY = {
     "import_recipe": "quark_onnx.recipe",
     "read_qdq": "quark_onnx.importer",
     "export_gguf": "quark_onnx.gguf_export",
+    "export_matmul_nbits": "quark_onnx.nbits_export",
 }
 
 __all__ = [

@@ -184,6 +184,7 @@ class QuantizeSettings:
     overwrite: bool = False
     log_level: int = logging.WARNING
     require_fidelity: bool = False
+    require_ready: bool = False
 
     def build_config(self) -> Any:
         """The QuantizationConfig: the preset, then ``--set``, then the dedicated flags."""
@@ -544,6 +545,7 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         calibration_result=load,
         save_calibration=save,
         overwrite=settings.overwrite,
+        require_ready=settings.require_ready,
     )
     report = quantizer.report
     if report is None:  # pragma: no cover - quantize_model always sets it
@@ -898,6 +900,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         log_level=_log_level(args),
         require_fidelity=args.require_fidelity,
+        require_ready=args.require_ready,
     )
     settings.preprocess_spec()  # a bad spec is a usage error, before any model
     qconfig = settings.build_config()  # so is an unknown preset or option

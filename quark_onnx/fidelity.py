@@ -8,8 +8,8 @@ elements)::
     SQNR   = 10 log10( sum f^2 / sum (f - q)^2 )      [dB]
     cosine = sum f q / sqrt( sum f^2 * sum q^2 )
     top-1 agreement: share of rows (axis 0) whose argmax is the float model's; only for score
-        vectors, i.e. outputs whose rows are flat vectors of at least two scores ([N, C] or
-        [N, C, 1, 1]): an argmax over a box list or a feature map is not a decision.
+        vectors (:func:`quark_onnx.compare.agreement_kind`: [N, C] or [N, C, 1, 1]): an argmax
+        over a box list or a feature map is not a decision.
 
 An output is **faithful** when, for a score vector, its top-1 agreement is at least
 ``min_agreement``, and, for any other output, its SQNR is at least ``min_sqnr_db``. A score vector
@@ -46,15 +46,6 @@ DEFAULT_MIN_SQNR_DB = 10.0
 DEFAULT_MIN_AGREEMENT = 0.75
 
 
-def is_score_vector(shape: Sequence[int]) -> bool:
-    """True for ``[N, C]`` and ``[N, C, 1, 1]`` (``C >= 2``): one flat score vector per row."""
-    dims = [int(d) for d in shape]
-    if len(dims) < 2:
-        return False
-    rest = [d for d in dims[2:] if d != 1]
-    return not rest and dims[1] >= 2
-
-
 @dataclass(frozen=True)
 class OutputFidelity:
     """Fidelity of one graph output (see the module docstring)."""
@@ -71,13 +62,13 @@ class OutputFidelity:
     def from_comparison(
         cls,
         comparison: TensorComparison,
-        score_vector: bool,
         min_sqnr: float,
         min_agree: float,
         *,
         scores_by_decision: bool = True,
     ) -> OutputFidelity:
-        agreement = comparison.top1_agreement if score_vector else None
+        # a top-1 agreement exists for score vectors only (compare.agreement_kind)
+        agreement = comparison.top1_agreement
         sqnr_ok = not comparison.sqnr_db < min_sqnr  # NaN is not faithful
         if agreement is None:
             faithful = sqnr_ok
@@ -178,17 +169,14 @@ def compare_runs(
     ``scores_by_decision=False`` holds score vectors to the SQNR bound as well (a graph pass is
     judged by how much it moves the model, not only by whether decisions flip)."""
     accumulators: dict[str, _Accumulator] = {}
-    score: dict[str, bool] = {}
     for ref, got in zip(before, after, strict=True):
         for name, f in ref.items():
             if name not in got or np.shape(got[name]) != np.shape(f):
                 continue
             accumulators.setdefault(name, _Accumulator()).update(f, got[name], top1=True)
-            score[name] = is_score_vector(np.shape(f))
     return [
         OutputFidelity.from_comparison(
             acc.result(name, name),
-            score[name],
             min_sqnr_db,
             min_agreement,
             scores_by_decision=scores_by_decision,

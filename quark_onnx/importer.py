@@ -31,6 +31,12 @@ adds them in its mapping's order), then by node position for patterns without in
 ``InsertQDQ(params)`` on the float model rebuilds this project's models byte for byte (see
 :mod:`quark_onnx.recipe`) and foreign models up to node order (same outputs).
 
+This project's own integer forms are read as the QDQ form they were written from: the
+``MatMulInteger`` layers of dynamic quantization
+(:func:`~quark_onnx.passes.dynamic_matmul_integer.restore_qdq`) and embedding tables whose rows
+are gathered before dequantization (:func:`~quark_onnx.passes.insert_qdq.
+restore_gathered_tables`).
+
 Refused, with an error naming the node: QOperator-format and integer ops (``QLinearConv``,
 ``MatMulInteger``, ...), quantize/dequantize ops of custom domains (Quark's ``VitisQuantizeLinear``,
 ...), a QuantizeLinear read by anything but DequantizeLinear, a DequantizeLinear of a graph input,
@@ -159,6 +165,12 @@ def read_qdq(
         proto = model_io.load_model(model, upgrade_opset=False)
     work = model_io.to_ir(proto) if not float_model else model_io.to_ir(_copy(proto))
     graph = work.graph
+    from quark_onnx.passes.dynamic_matmul_integer import restore_qdq
+    from quark_onnx.passes.insert_qdq import restore_gathered_tables
+
+    # this project's integer MatMul layers (INT8_DYNAMIC) and gathered embedding rows read as QDQ
+    restore_qdq(graph)
+    restore_gathered_tables(graph)
     _refuse_unsupported(graph, label)
     reader = _Reader(graph, label)
     found = reader.scan()

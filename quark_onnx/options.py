@@ -228,8 +228,9 @@ class ExtraOptions:
         "Undo an optional numerics-changing pass (ReplaceClip6Relu, ConvertSigmoidToHardSigmoid, "
         "...) that takes the float outputs below 30 dB SQNR or 0.9 top-1 agreement on the "
         "fidelity samples (quark_onnx.pipeline.PASS_MIN_SQNR_DB, PASS_MIN_AGREEMENT), keeping "
-        "the original operations; a warning names the pass either way. DPU simulations are "
-        "never undone.",
+        "the original operations and recording the option as False in the report's settings "
+        "(a recipe exported with --report rebuilds it); a warning names the pass either way. "
+        "DPU simulations are never undone.",
     )
     FidelitySamples: int = _opt(16, "Calibration samples the fidelity guard runs (first ones).")
     FidelityMinSQNR: float = _opt(

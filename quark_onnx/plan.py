@@ -28,8 +28,11 @@ The strategy (:class:`~quark_onnx.config.QuantStrategy`) decides what is planned
 * static: every quantizable node's inputs and outputs (as above);
 * weight-only (``WeightsOnly``): only the weights of the linear layers (Conv, ConvTranspose, Gemm,
   MatMul with a constant B); activations and biases stay float;
-* dynamic (``use_dynamic_quant``): the linear layers' weights, and their activation inputs as
-  dynamic (``TensorSpec.dynamic``: scale computed at run time); outputs and biases stay float.
+* dynamic (``use_dynamic_quant``): the linear layers with a constant weight: the weights, and
+  their activation inputs as dynamic (``TensorSpec.dynamic``: scale computed at run time);
+  outputs and biases stay float, and so do layers whose weight is computed (attention MatMuls);
+* every float-scale strategy (not XINT8): ``Gather`` on a constant 2-D table (axis 0), the table
+  per row (axis 0), for weight types of 8 bits or more.
 
 Granularity of a linear layer's weight (``per_channel``; ``WeightBlockSize`` for groups):
 per channel along the output-channel axis (Conv 0, ConvTranspose 1, Gemm 0 with ``transB=1``
@@ -44,6 +47,10 @@ input's float8 grid anyway).
 With float scales an Erf-based Gelu (``x * 0.5 * (1 + Erf(x / sqrt 2))``, in any of the usual
 arrangements) is treated like the Gelu op: quantized at its input and output only, its inner nodes
 float.
+
+Mask-like tensors (:mod:`quark_onnx.masks`: an additive attention mask built from a fill such as
+``finfo.min``, and the scores it is added to) are never planned, and the nodes producing them stay
+float; ``saturating`` lists them with the reason.
 
 Graph inputs read by quantized nodes are quantized; graph outputs produced by quantized nodes get a
 Q/DQ pair whose DequantizeLinear keeps the output's name.
@@ -61,6 +68,7 @@ import onnx_ir as ir
 
 from quark_onnx.config import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
+from quark_onnx.masks import find_saturating
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes._graph import constant_array, single_consumer
 from quark_onnx.policy import OpPolicy, Share, policy_for
@@ -192,6 +200,8 @@ class QuantPlan:
     options: ExtraOptions = field(default_factory=ExtraOptions)
     strategy: QuantStrategy = QuantStrategy.STATIC
     bias_sources: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    #: mask-like tensor -> why (:mod:`quark_onnx.masks`): never quantized, producers float
+    saturating: dict[str, str] = field(default_factory=dict)
 
     def names_of(self, kind: TensorKind) -> list[str]:
         return [n for n, s in self.tensors.items() if s.kind is kind]
@@ -243,6 +253,7 @@ class QuantPlan:
             "groups": len(self.groups()),
             "fused_pairs": len(self.fused),
             "range_caps": len(self.range_caps),
+            "mask_like": len(self.saturating),
         }
 
 
@@ -512,6 +523,9 @@ def build_plan(
                     gelu_inner.update(id(n) for n in inner)
                     gelu_tail[id(tail)] = x
 
+    # masks and other fill-dominated tensors never set a scale (quark_onnx.masks)
+    saturating = find_saturating(graph)
+
     policies: dict[int, OpPolicy] = {}
     float_nodes: list[FloatNode] = []
     for node in nodes:
@@ -519,10 +533,33 @@ def build_plan(
             continue  # data, not computation: read as weights by the nodes that use it
         policy = policy_for(node.op_type, node.domain, power_of_two=power_of_two)
         reason = _float_reason(node, labels[id(node)], policy, qconfig)
+        if reason is None and node.outputs and node.outputs[0].name in saturating:
+            why = saturating[node.outputs[0].name]
+            reason = f"its output is mask-like ({why}); masks stay float"
         if reason is None and id(node) in gelu_inner:
             reason = "inside an Erf-based Gelu (quantized at its input and output)"
-        if reason is None and not static and policy is not None and not policy.linear:
-            reason = f"{strategy.value} quantization: only Conv/ConvTranspose/Gemm/MatMul layers"
+        if reason is None and policy is not None and policy.embedding:
+            reason = _embedding_float_reason(node, qconfig)
+        if (
+            reason is None
+            and not static
+            and policy is not None
+            and not (policy.linear or policy.embedding)
+        ):
+            reason = (
+                f"{strategy.value} quantization: only Conv/ConvTranspose/Gemm/MatMul layers "
+                "and Gather tables"
+            )
+        if (
+            reason is None
+            and strategy is QuantStrategy.DYNAMIC
+            and policy is not None
+            and policy.linear
+            and not _has_constant_weight(node, policy)
+        ):
+            # two run-time operands (attention): no integer kernel takes them, and a float
+            # MatMul between run-time Q/DQ pairs is slower than the float MatMul alone
+            reason = "dynamic quantization: a layer without a constant weight stays float"
         if reason is None and policy is not None:
             policies[id(node)] = _GELU_TAIL if id(node) in gelu_tail else policy
         else:
@@ -579,7 +616,7 @@ def build_plan(
         name = value.name
         if not name or not _is_float(value) or id(value) in fused_by_value:
             return None
-        if id(value) in unquantized:
+        if id(value) in unquantized or name in saturating:
             return None
         existing = tensors.get(name)
         if existing is not None:
@@ -655,14 +692,17 @@ def build_plan(
                 if bias is not None:
                     bias_sources[bias] = (slots[0] if slots else None, weight)
             elif _is_constant(value):
-                is_layer_weight = policy.linear and slot == policy.weight_input
+                is_layer_weight = (policy.linear or policy.embedding) and (
+                    slot == policy.weight_input
+                )
                 if not static and not is_layer_weight:
                     continue
-                axis, block = (
-                    _weight_granularity(node, value, per_channel, block_size)
-                    if is_layer_weight and not power_of_two
-                    else (None, None)
-                )
+                if policy.embedding:
+                    axis, block = 0, None  # one scale per row of the table
+                elif is_layer_weight and not power_of_two:
+                    axis, block = _weight_granularity(node, value, per_channel, block_size)
+                else:
+                    axis, block = None, None
                 slots[slot] = register(
                     value, TensorKind.WEIGHT, qconfig.weight_type, axis=axis, block=block
                 )
@@ -682,7 +722,7 @@ def build_plan(
                 output = act_out.name if _is_float(act_out) else None
                 act_consumer = single_consumer(act_out)
                 next_op = act_consumer.op_type if act_consumer is not None else None
-            elif static:
+            elif static and policy.quantize_output:
                 output = register(out, TensorKind.ACTIVATION, qconfig.activation_type)
         if not static and not any(slots):
             continue  # weight-only: a layer whose weight is not a constant (attention MatMul)
@@ -732,11 +772,33 @@ def build_plan(
         options=opts,
         strategy=strategy,
         bias_sources=bias_sources,
+        saturating=saturating,
     )
     for fnode in float_nodes:
         logger.info("node %s (%s) stays float: %s", fnode.name, fnode.op_type, fnode.reason)
     logger.debug("quantization plan: %s", plan.summary())
     return plan
+
+
+def _has_constant_weight(node: ir.Node, policy: OpPolicy) -> bool:
+    slot = policy.weight_input
+    if slot is None or slot >= len(node.inputs) or node.inputs[slot] is None:
+        return False
+    return _is_constant(node.inputs[slot])
+
+
+def _embedding_float_reason(node: ir.Node, qconfig: QuantizationConfig) -> str | None:
+    """Why a Gather's table stays float, or None: it is quantized per row."""
+    table = node.inputs[0] if node.inputs else None
+    if table is None or not _is_constant(table):
+        return "Gather on a computed tensor (only constant tables are quantized)"
+    if node.attributes.get_int("axis", 0) != 0:
+        return "Gather along an axis other than 0 (tables are quantized per row)"
+    if table.shape is None or len(table.shape) != 2:
+        return "Gather table is not 2-D"
+    if qconfig.weight_type in (QuantType.QInt4, QuantType.QUInt4):
+        return "4-bit weight type: embedding tables stay float"
+    return None
 
 
 def _matmul_bias_slot(

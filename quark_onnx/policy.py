@@ -30,6 +30,12 @@ An :class:`OpPolicy` says, for one op type:
 * ``linear``: a layer whose ``weight_input`` is a kernel or matrix (Conv, ConvTranspose, Gemm,
   MatMul). Weight-only and dynamic quantization quantize exactly these layers; per-channel and
   per-group scales apply to their weights only (other constants are per tensor).
+* ``embedding``: a lookup whose ``weight_input`` is a constant table (``Gather`` data, slot 0):
+  the table is quantized per row (axis 0, one scale per row, so a rare token's small row keeps
+  its precision) in every float-scale strategy, static, dynamic and weight-only, when the weight
+  type has 8 bits or more (4-bit tables stay float); the indices are never quantized and the
+  output is not requantized (it is exactly a dequantized row).
+* ``quantize_output``: the static flow quantizes the node's output (False: ``Gather``).
 * ``float_scale_only``: planned only with float scales (A8W8, A16W8, FP8, ... presets). The
   power-of-two (XINT8) flow leaves these ops float, as it always has: they are transformer ops
   (Div, LayerNormalization, Gelu) that the NPU's XINT8 CNN flow does not take.
@@ -66,6 +72,8 @@ class OpPolicy:
     fuse_option: str | None = None
     dpu_scale_mul: bool = False
     linear: bool = False
+    embedding: bool = False
+    quantize_output: bool = True
     float_scale_only: bool = False
 
     @property
@@ -135,6 +143,15 @@ _POLICIES: dict[str, OpPolicy] = {
     "HardSigmoid": OpPolicy(dpu_scale_mul=True),
     "HardSwish": _UNARY,
     "Softmax": _UNARY,
+    # embedding lookups (Gather on a constant table): the table per row; not in the XINT8 flow
+    # (Gather runs on the CPU there)
+    "Gather": OpPolicy(
+        activation_inputs=(),
+        weight_input=0,
+        embedding=True,
+        quantize_output=False,
+        float_scale_only=True,
+    ),
     # data movement: the output keeps the input's position
     "Resize": _MOVE,
     "Reshape": _MOVE,

@@ -22,6 +22,7 @@ quantization logic of its own.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -72,6 +73,16 @@ class ModelQuantizer:
     def qconfig(self) -> QuantizationConfig:
         return self.config.global_quant_config
 
+    @property
+    def config_in_force(self) -> QuantizationConfig:
+        """The configuration the last :meth:`quantize_model` applied: the given one with every
+        pass that ``RevertCostlyPasses`` undid switched off (a copy; the given config is not
+        changed). A recipe saved with it rebuilds the written model byte for byte."""
+        qconfig = copy.deepcopy(self.qconfig)
+        undone = [p["name"] for p in (self.report.passes if self.report else ()) if p["reverted"]]
+        qconfig.extra_options.update(dict.fromkeys(undone, False))
+        return qconfig
+
     def quantize_model(
         self,
         model_input: str | os.PathLike | onnx.ModelProto,
@@ -83,6 +94,7 @@ class ModelQuantizer:
         save_calibration: str | os.PathLike | None = None,
         overwrite: bool = False,
         progress: Any = None,
+        require_ready: bool = False,
     ) -> onnx.ModelProto:
         """Quantize ``model_input`` and write it to ``model_output`` (when given).
 
@@ -100,6 +112,8 @@ class ModelQuantizer:
             overwrite: allow ``model_output`` to be the input model's path.
             progress: calibration progress: None (a live line on a terminal, log lines
                 otherwise), True, False, or a callable ``(done, total, rate)``.
+            require_ready: refuse, before any work, a model the NPU settings cannot make
+                Vitis AI-ready (XINT8 on a model with no Conv) instead of warning.
 
         Returns:
             The quantized model. :attr:`report` holds what every stage did.
@@ -125,6 +139,7 @@ class ModelQuantizer:
                 model = model_io.load_ir(model_input)
                 proto = model_io.to_proto(model, keep_external=True)
 
+        _check_architecture(model, source, self.qconfig, require_ready)
         reader = _make_reader(
             calibration_data_reader,
             calibration_data_path,
@@ -140,6 +155,11 @@ class ModelQuantizer:
             # the original model's outputs: the reference of the pass costs and of the guard
             reference = self._reference_outputs(source, model, fidelity_samples)
             report.passes = self._prepare(model, fidelity_samples, reference)
+            extra = report.settings.get("extra_options", {})
+            for record in report.passes:
+                if record["reverted"] and record["name"] in extra:
+                    # the setting in force is the one a recipe must rebuild with
+                    extra[record["name"]] = False
 
         with _stage(report, "plan"):
             from quark_onnx.plan import build_plan
@@ -574,6 +594,26 @@ def _range_clips(
     return clips
 
 
+def _check_architecture(
+    model: Any, source: str, qconfig: QuantizationConfig, require_ready: bool
+) -> None:
+    """Warn (or, with ``require_ready``, refuse) before any work when NPU (XINT8) settings meet
+    a model without Conv: the Vitis AI CNN flow is built around Conv layers (the check wants at
+    least two) and leaves transformer ops float; float-scale presets fit such models."""
+    if not qconfig.enable_npu_cnn:
+        return
+    if any(node.op_type == "Conv" for node in model.graph):
+        return
+    message = (
+        f"{source}: the NPU (XINT8) settings are for CNNs and this model has no Conv node; "
+        "the result will not be Vitis AI-ready and its LayerNormalization/Gelu/Softmax-style "
+        "ops stay float. For transformers use A16W8 (accurate static), A8W8 or INT8_DYNAMIC"
+    )
+    if require_ready:
+        raise ConfigError(message + " (refused because readiness is required)")
+    logger.warning(message)
+
+
 def _materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
     """Read external weights into ``prepared`` (no-op without external data): the layer replays
     of AdaRound, bias correction and error analysis run onnxruntime on model bytes. Called after
@@ -628,12 +668,12 @@ def _make_reader(
     model: onnx.ModelProto,
     keep: int = 0,
 ) -> _PeekableReader | None:
-    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+    from quark_onnx.calibration import ArrayDataReader
 
     if reader is not None and npz_path is not None:
         raise ConfigError("give either calibration_data_reader or calibration_data_path, not both")
     if npz_path is not None:
-        reader = NpzDataReader(npz_path)
+        reader = _npz_reader(npz_path, model)
     elif isinstance(reader, dict):
         reader = ArrayDataReader(reader)
     if reader is not None and options.UseRandomData:
@@ -658,6 +698,32 @@ def _make_reader(
     if callable(getattr(reader, "bind", None)):
         reader.bind(model)  # readers that take their input name from the model (.npz files)
     return _PeekableReader(reader, keep=keep)
+
+
+def _npz_reader(path: str | os.PathLike, model: onnx.ModelProto) -> Any:
+    """A reader of a ``.npz``/``.npy`` file as the CLI's ``--calib`` reads it: a single-input
+    model takes the only array (or the one named like the input, or ``x``); a multi-input model
+    takes one array per input, named like the inputs (stacked over samples on axis 0)."""
+    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+    from quark_onnx.calibration.readers import input_specs
+    from quark_onnx.errors import CalibrationError
+
+    names = [spec.name for spec in input_specs(model)]
+    if len(names) <= 1:
+        return NpzDataReader(path, input_name=names[0] if names else None)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            keys = list(archive.files)
+            missing = [n for n in names if n not in keys]
+            if missing:
+                raise CalibrationError(
+                    f"{path}: the model has inputs {names}; the archive has arrays {keys} "
+                    f"(missing {missing}): save one array per input, named like the input"
+                )
+            arrays = {n: archive[n] for n in names}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CalibrationError(f"{path}: not a readable .npz file ({exc})") from exc
+    return ArrayDataReader(arrays)
 
 
 #: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed

@@ -76,8 +76,19 @@ class QuantizationReport:
         text = json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
         atomic_write_bytes(path, text.encode("utf-8"))
 
+    @property
+    def npu_preset(self) -> bool:
+        """The settings target the XINT8 NPU flow (``enable_npu_cnn``), to which the
+        Vitis AI readiness check and the NPU position adjustments apply."""
+        return bool(self.settings.get("enable_npu_cnn", True))
+
     def summary(self) -> str:
-        """A few human-readable lines."""
+        """A few human-readable lines.
+
+        The XINT8 check's findings are listed for NPU (XINT8) settings only; for float-scale
+        presets the check's rules (power-of-two scales, shifts) do not apply, so one line says
+        so and the findings stay in ``to_dict()["check"]``.
+        """
         plan = self.plan or {}
         lines = [
             f"model: {self.model}",
@@ -86,13 +97,23 @@ class QuantizationReport:
             f"{plan.get('float_nodes', 0)}",
             f"calibration: {self.calibration.get('samples', 0)} sample(s), "
             f"{self.calibration.get('method', '-')}",
-            f"NPU position adjustments: {len(self.adjustments)}, unfixable: {len(self.unfixable)}",
-            *(f"  range clipped: {c['message']}" for c in self.range_clips),
-            f"Vitis AI ready: {self.ready}",
         ]
-        # each finding once, errors first
-        findings = sorted(self.check.get("findings", []), key=lambda f: f["severity"] != "error")
-        lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+        if plan.get("mask_like"):
+            lines.append(f"mask-like tensors kept float: {plan['mask_like']}")
+        if self.npu_preset:
+            lines.append(
+                f"NPU position adjustments: {len(self.adjustments)}, "
+                f"unfixable: {len(self.unfixable)}"
+            )
+            lines += [f"  range clipped: {c['message']}" for c in self.range_clips]
+            lines.append(f"Vitis AI ready: {self.ready}")
+            # each finding once, errors first
+            findings = sorted(
+                self.check.get("findings", []), key=lambda f: f["severity"] != "error"
+            )
+            lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+        else:
+            lines.append("Vitis AI (XINT8) check: not applicable to float-scale settings")
         lines += self._fidelity_lines()
         lines += [f"note: {note}" for note in self.notes]
         lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx import qparams
+from quark_onnx import masks, qparams
 from quark_onnx.config import QuantizationConfig
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
 from quark_onnx.errors import QuantizationError
@@ -115,6 +115,7 @@ def activation_params(
             "given; pass a calibration_data_reader (or UseRandomData=True)"
         )
     lo, hi = result.range(spec.name, method=method, options=options)
+    masks.check_range(spec.name, lo, hi)
     if spec.range_max is not None:
         hi = min(hi, spec.range_max)
         lo = max(lo, -spec.range_max) if spec.symmetric else min(lo, hi)

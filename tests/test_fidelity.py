@@ -15,27 +15,11 @@ from onnx import helper as h
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.errors import FidelityError
-from quark_onnx.fidelity import compare_runs, is_score_vector
+from quark_onnx.fidelity import compare_runs
 from quark_onnx.passes import ReplaceClip6Relu
 from quark_onnx.pipeline import PASS_MIN_SQNR_DB, run_passes
 
 RNG = np.random.default_rng(0)
-
-
-@pytest.mark.parametrize(
-    "shape,expected",
-    [
-        ((8, 10), True),
-        ((1, 1000, 1, 1), True),
-        ((0, 2), True),
-        ((1, 756, 6), False),  # a box list
-        ((1, 21, 64, 64), False),  # a dense map
-        ((8, 1), False),  # one score per row
-        ((10,), False),
-    ],
-)
-def test_score_vectors(shape, expected):
-    assert is_score_vector(shape) is expected
 
 
 def test_compare_runs_matches_numpy():

@@ -369,10 +369,16 @@ def test_digits_recipe_is_byte_identical(tmp_path, preset):
     if preset not in preset_names():
         pytest.skip(f"preset {preset} not available")
     qc = get_default_config(preset)
-    quantized = ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
-        model_path, tmp_path / "q.onnx", {"image": x}
-    )
-    save_recipe(tmp_path / "rec", tmp_path / "q.onnx", preset, model_path)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantized = quantizer.quantize_model(model_path, tmp_path / "q.onnx", {"image": x})
+    # XINT8 undoes Sigmoid -> HardSigmoid on this model (RevertCostlyPasses): the recipe records
+    # the configuration in force
+    undone = {p["name"] for p in quantizer.report.passes if p["reverted"]}
+    assert undone == ({"ConvertSigmoidToHardSigmoid"} if preset == "XINT8" else set())
+    if preset == "XINT8":
+        assert quantizer.config_in_force.extra_options["ConvertSigmoidToHardSigmoid"] is False
+        assert qc.extra_options["ConvertSigmoidToHardSigmoid"] is True  # the given one unchanged
+    save_recipe(tmp_path / "rec", tmp_path / "q.onnx", quantizer.config_in_force, model_path)
     rebuilt = load_recipe(tmp_path / "rec", model_path, tmp_path / "rebuilt.onnx")
     assert rebuilt.SerializeToString() == quantized.SerializeToString()
     assert (tmp_path / "rebuilt.onnx").read_bytes() == (tmp_path / "q.onnx").read_bytes()

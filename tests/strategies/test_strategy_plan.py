@@ -23,7 +23,12 @@ def block_plan(qc: QuantizationConfig, gelu: str = "op"):
 
 
 def a8w8(**changes) -> QuantizationConfig:
+    """Static int8 on every op, symmetric, per tensor (the mechanism these tests pin; the A8W8
+    preset itself restricts the op types and uses per-channel weights, asymmetric activations)."""
     qc = get_default_config("A8W8")
+    qc.op_types_to_quantize = []
+    qc.per_channel = False
+    qc.extra_options["ActivationSymmetric"] = True
     for key, value in changes.items():
         if key in qc.extra_options or key[0].isupper():
             qc.extra_options[key] = value
@@ -90,7 +95,8 @@ def test_weight_only_plan_has_only_layer_weights():
 def test_dynamic_plan_quantizes_layer_inputs_at_run_time():
     _, plan = block_plan(get_default_config("INT8_DYNAMIC"))
     acts = plan.activation_names()
-    assert acts == ["x", "qh", "kt", "probs", "vh", "merged", "ln1", "gelu"]
+    # the attention MatMuls (both operands computed) stay float
+    assert acts == ["x", "merged", "ln1", "gelu"]
     assert all(plan.tensors[a].dynamic for a in acts)
     assert plan.weight_names() == LINEAR_WEIGHTS and plan.bias_names() == []
     assert all(n.output is None for n in plan.nodes)
