@@ -224,26 +224,20 @@ def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | N
     A single-input model reads the archive's only array, the array named like the input, or
     ``x``. A multi-input model needs one array per input, named like the inputs.
     """
-    import numpy as np
-
     from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+    from quark_onnx.calibration.readers import load_array, npz_keys
 
     names = [s.name for s in _model_inputs(model)]
     if len(names) == 1:
         return NpzDataReader(path, input_name=names[0], limit=limit)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = list(archive.files)
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise CalibrationError(
-                    f"{path}: the model has inputs {names}; the archive has arrays {keys} "
-                    f"(missing {missing}): save one array per input, named like the input"
-                )
-            arrays = {n: archive[n][:limit] if limit else archive[n] for n in names}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CalibrationError(f"{path}: not a readable .npz file ({exc})") from exc
-    return ArrayDataReader(arrays)
+    keys = npz_keys(path) or []
+    missing = [n for n in names if n not in keys]
+    if missing:
+        raise CalibrationError(
+            f"{path}: the model has inputs {names}; the archive has arrays {keys} "
+            f"(missing {missing}): save one array per input, named like the input"
+        )
+    return ArrayDataReader({n: load_array(path, n, limit or None) for n in names})
 
 
 def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, limit: int | None):

@@ -108,8 +108,21 @@ class ModelQuantizer:
         report = QuantizationReport(model=source, settings=self.qconfig.effective_settings())
         self.report = report
         input_path = None if isinstance(model_input, onnx.ModelProto) else Path(model_input)
+        # every output is checked against every input before any work (a calibration file
+        # written over the model, a model written over its own external data...)
+        inputs = [calibration_data_path, calibration_result]
+        if isinstance(calibration_data_reader, (str, os.PathLike)):
+            inputs.append(calibration_data_reader)
         if model_output is not None:
-            model_io.check_output_path(model_output, input_path, overwrite)
+            model_io.check_output_path(model_output, input_path, overwrite, inputs=inputs)
+        if save_calibration is not None:
+            model_io.check_output_path(
+                save_calibration,
+                input_path,
+                inputs=[*inputs, model_output],
+                external_data=False,
+                what="calibration result",
+            )
 
         with _stage(report, "load"):
             if isinstance(model_input, onnx.ModelProto):
