@@ -101,6 +101,13 @@ class ModelQuantizer:
         """
         from quark_onnx import model_io
 
+        _check_path_arguments(
+            model_input=model_input,
+            model_output=model_output,
+            calibration_data_path=calibration_data_path,
+            calibration_result=calibration_result,
+            save_calibration=save_calibration,
+        )
         options = self.qconfig.validate()
         self.options = options
         self.params = None
@@ -394,6 +401,20 @@ class _PeekableReader:
         return self._remember(self._reader.get_next())
 
 
+def _check_path_arguments(**arguments: Any) -> None:
+    """Refuse path arguments of the wrong type (a number, bytes, a list) with the argument named,
+    instead of a ``TypeError`` from deep inside."""
+    for name, value in arguments.items():
+        allowed: tuple[type, ...] = (str, os.PathLike)
+        if name == "model_input":
+            allowed = (str, os.PathLike, onnx.ModelProto)
+        elif value is None:
+            continue
+        if not isinstance(value, allowed):
+            expected = "a path or an onnx.ModelProto" if name == "model_input" else "a path"
+            raise ConfigError(f"{name} must be {expected}, got {type(value).__name__}")
+
+
 def _make_reader(
     reader: Any,
     npz_path: str | os.PathLike | None,
@@ -423,7 +444,9 @@ def _make_reader(
         )
     if callable(getattr(reader, "bind", None)):
         reader.bind(model)  # readers that take their input name from the model (.npz files)
-    return _PeekableReader(reader, keep=keep)
+    from quark_onnx.calibration.readers import GuardedReader
+
+    return _PeekableReader(GuardedReader(reader, options), keep=keep)
 
 
 #: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed

@@ -15,6 +15,7 @@ feed and sample index, and what was expected.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -468,19 +469,59 @@ class RandomDataReader:
                         f"{label}: {name!r} is not an input of the model{hint} "
                         f"(inputs: {', '.join(names)})"
                     )
+        for label, value in (("RandomDataSamples", num_samples), ("RandomDataSeed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise CalibrationError(f"{label} must be a non-negative integer, got {value!r}")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.shapes = {s.name: self._shape(s, (shapes or {}).get(s.name)) for s in self.specs}
-        self.ranges = {k: tuple(float(v) for v in r) for k, r in (ranges or {}).items()}
-        for name, r in self.ranges.items():
-            if len(r) != 2 or not r[0] < r[1]:
+        per_sample = 0
+        for spec in self.specs:
+            count = 1
+            for d in self.shapes[spec.name]:
+                count *= d
+            per_sample += count * spec.dtype.itemsize
+        bound = max_array_bytes()
+        if per_sample > bound:
+            raise CalibrationError(
+                f"random data: one sample of shapes {self.shapes} takes {per_sample} bytes, above "
+                f"the {bound}-byte bound (half the available memory); give smaller shapes with "
+                "RandomDataReaderInputShape"
+            )
+        self.ranges = {}
+        for name, r in (ranges or {}).items():
+            try:
+                values = tuple(float(v) for v in r)
+            except (TypeError, ValueError, OverflowError):
+                values = ()
+            if len(values) != 2 or not np.isfinite(values).all() or not values[0] < values[1]:
                 raise CalibrationError(
-                    f"random data range of {name!r} must be [low, high], got {r}"
+                    f"RandomDataReaderInputDataRange[{name!r}] must be [low, high] with finite "
+                    f"low < high, got {r!r}"
                 )
+            spec = next(sp for sp in self.specs if sp.name == name)
+            if np.issubdtype(spec.dtype, np.integer):
+                info = np.iinfo(spec.dtype)
+                if values[0] < info.min or values[1] > info.max + 1:
+                    raise CalibrationError(
+                        f"RandomDataReaderInputDataRange[{name!r}] = {list(r)} does not fit the "
+                        f"input's type {spec.dtype} ([{info.min}, {info.max + 1}))"
+                    )
+            self.ranges[name] = values
         self.rewind()
 
     @staticmethod
     def _shape(spec: InputSpec, given: Sequence[int] | None) -> tuple[int, ...]:
+        if given is not None:
+            ok = isinstance(given, Sequence) and not isinstance(given, (str, bytes))
+            if not ok or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and 1 <= d < 2**31
+                for d in given
+            ):
+                raise CalibrationError(
+                    f"RandomDataReaderInputShape[{spec.name!r}] = {given!r}: expected a list of "
+                    "positive integer dimensions (each below 2^31)"
+                )
         if spec.dims is None:
             if given is None:
                 raise CalibrationError(
@@ -529,6 +570,59 @@ class RandomDataReader:
         return feed
 
 
+#: Feeds read from a reader of unknown length when ``CalibDataSize`` is 0 ("all"): a reader that
+#: never returns None would otherwise be consumed forever. Raise it with ``CalibDataSize``.
+DEFAULT_MAX_FEEDS = 10_000
+
+
+class GuardedReader:
+    """A user's reader as calibration consumes it: exceptions from ``get_next()`` become
+    :class:`CalibrationError` naming the reader, and a reader of unknown length stops after
+    :data:`DEFAULT_MAX_FEEDS` feeds (with a warning naming ``CalibDataSize``) unless
+    ``CalibDataSize`` asks for a number of samples."""
+
+    def __init__(self, reader: Any, options: ExtraOptions) -> None:
+        self._reader = reader
+        self._feeds = 0
+        known = getattr(reader, "num_samples", None)
+        if not isinstance(known, int) and hasattr(reader, "__len__"):
+            with contextlib.suppress(Exception):  # a broken __len__: length unknown
+                known = len(reader)
+        self._cap = None if options.CalibDataSize or isinstance(known, int) else DEFAULT_MAX_FEEDS
+        self.num_samples = getattr(reader, "num_samples", None)
+
+    def __getattr__(self, name: str) -> Any:  # bind, rewind, ... of the wrapped reader
+        return getattr(self._reader, name)
+
+    def get_next(self) -> Any:
+        if self._cap is not None and self._feeds >= self._cap:
+            logger.warning(
+                "calibration data reader %s: stopped after %d feeds (it has no known length "
+                "and CalibDataSize is 0); set the extra option CalibDataSize to read more or "
+                "fewer samples",
+                type(self._reader).__name__,
+                self._cap,
+            )
+            self._cap = None
+            self._feeds = -1  # stopped: every later call returns None
+            return None
+        if self._feeds < 0:
+            return None
+        try:
+            feed = self._reader.get_next()
+        except (CalibrationError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise CalibrationError(
+                f"calibration data reader {type(self._reader).__name__}.get_next() raised "
+                f"{type(exc).__name__}: {str(exc)[:200]} (after {self._feeds} feeds); fix the "
+                "reader"
+            ) from exc
+        if feed is not None:
+            self._feeds += 1
+        return feed
+
+
 def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> CalibrationDataReader:
     """The reader calibration uses.
 
@@ -563,4 +657,4 @@ def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> Ca
     bind = getattr(reader, "bind", None)
     if callable(bind):
         bind(model)
-    return reader
+    return GuardedReader(reader, options)
