@@ -671,7 +671,9 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
         rows.append(
             (
                 o.name,
-                "ok" if o.ok else "failed",
+                "ok"
+                if o.ok
+                else ("interrupted" if o.message.startswith("interrupted") else "failed"),
                 f"{o.seconds:.1f}",
                 _fmt_optional(o.quantized_nodes, "d"),
                 ready,
