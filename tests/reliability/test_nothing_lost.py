@@ -608,3 +608,56 @@ def test_sigterm_stops_the_batch_at_once_with_a_summary(tmp_path):
         done = (out_dir / f"m{i}.onnx").exists()
         assert done == (out_dir / f"m{i}.report.json").exists()
     assert not list(out_dir.glob("*.partial"))
+
+
+@pytest.mark.parametrize("preset", ["XINT8", "A8W8", "INT8_DYNAMIC", "UINT4_WEIGHT_ONLY_G32"])
+@pytest.mark.parametrize("extra", ["x", "w1"])
+def test_a_graph_output_that_is_an_input_or_initializer_stays_float(preset, extra):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    model = conv_chain()
+    shape = [1, 3, 8, 8] if extra == "x" else [4, 4, 1, 1]
+    model.graph.output.append(helper.make_tensor_value_info(extra, TensorProto.FLOAT, shape))
+    qc = get_default_config(preset)
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=1)
+    quantized = ModelQuantizer(Config(global_quant_config=qc)).quantize_model(model)
+    x = np.random.default_rng(1).random((1, 3, 8, 8), dtype=np.float32)
+    session = ort.InferenceSession(
+        quantized.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    got = dict(
+        zip([o.name for o in session.get_outputs()], session.run(None, {"x": x}), strict=True)
+    )
+    if extra == "x":
+        expected = x
+    else:
+        init = next(t for t in model.graph.initializer if t.name == "w1")
+        expected = onnx.numpy_helper.to_array(init)
+    np.testing.assert_array_equal(got[extra], expected)  # the float value, bit for bit
+    assert any(
+        n.op_type in ("DequantizeLinear", "DynamicQuantizeLinear") for n in quantized.graph.node
+    )
+
+
+def test_fix_shapes_above_int64_is_a_config_error():
+    with pytest.raises(ConfigError, match="FixShapes entry"):
+        quantizer(FixShapes="x:[1,3,99999999999999999999999,8]").quantize_model(conv_chain())
+
+
+def test_image_folder_links_out_of_the_folder_are_not_read(tmp_path, caplog):
+    from quark_onnx.images import list_image_files
+
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(b"\x89PNG")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"\x89PNG")
+    (folder / "b.png").symlink_to(outside)
+    (folder / "c.png").symlink_to(folder / "a.png")  # a link inside the folder is fine
+    with caplog.at_level("WARNING"):
+        files = list_image_files(folder)
+    assert [f.name for f in files] == ["a.png", "c.png"]
+    assert "b.png" in caplog.text and "outside the folder" in caplog.text
