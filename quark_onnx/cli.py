@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import multiprocessing
@@ -754,6 +756,22 @@ def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
             proc.join()
 
 
+def _stop_resource_tracker() -> None:
+    """Stop and reap multiprocessing's resource tracker (started for the pool's semaphores).
+
+    Left running it outlives this process, and where the process that adopts orphans does not
+    reap them (a container's init) it stays behind as a defunct process. Called once the pool is
+    garbage: its semaphores are unregistered first, so the tracker has nothing left to clean.
+    Python < 3.11 has no ``_stop``: nothing is done there.
+    """
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+
+
 def run_batch(jobs: Sequence[Job], workers: int, console: _Console, debug: bool) -> list[Outcome]:
     """Quantize every job (in ``workers`` spawned processes when > 1); outcomes in job order.
 
@@ -800,7 +818,8 @@ def run_batch(jobs: Sequence[Job], workers: int, console: _Console, debug: bool)
                 _stop_pool(pool)
                 _remove_staging([j for j in jobs if j.index not in done])
                 raise
-            pool.shutdown(wait=True)
+            finally:
+                pool.shutdown(wait=True)
     except KeyboardInterrupt as exc:
         console.close()
         name = "SIGTERM" if isinstance(exc, model_io.Terminated) else "SIGINT"
@@ -898,20 +917,23 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         for i, (m, n) in enumerate(zip(models, names, strict=True))
     ]
     console = _Console(len(jobs))
+    stopped_by = None
     try:
         outcomes = run_batch(jobs, args.jobs, console, args.debug)
     except BatchInterrupted as stop:
-        print(summary_table(stop.outcomes))
-        finished = sum(o.ok for o in stop.outcomes)
+        outcomes, stopped_by = stop.outcomes, stop.signal_name
+    # (outside the handler: the pool, referenced by the interrupted frames, is gone by now)
+    gc.collect()
+    _stop_resource_tracker()
+    print(summary_table(outcomes))
+    if stopped_by is not None:
+        finished = sum(o.ok for o in outcomes)
         print(
-            f"stopped by {stop.signal_name}: {finished} model(s) finished and written, "
-            f"{len(stop.outcomes) - finished} not (nothing of them was left)",
+            f"stopped by {stopped_by}: {finished} model(s) finished and written, "
+            f"{len(outcomes) - finished} not (nothing of them was left)",
             file=sys.stderr,
         )
-        if stop.signal_name == "SIGTERM":
-            raise model_io.Terminated(stop.signal_name) from None
-        raise KeyboardInterrupt from None
-    print(summary_table(outcomes))
+        raise model_io.Terminated(stopped_by) if stopped_by == "SIGTERM" else KeyboardInterrupt
     if args.require_ready and any(o.ok and o.ready is False for o in outcomes):
         return EXIT_FAILED
     return EXIT_FAILED if any(not o.ok for o in outcomes) else EXIT_OK

@@ -562,7 +562,11 @@ def test_cli_random_calib_huge_is_refused(tmp_path):
     assert "RandomDataSamples=1000000000000" in one_error_line(proc)
 
 
-def test_sigterm_stops_the_batch_at_once_with_a_summary(tmp_path):
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_batch_at_once_with_a_summary(tmp_path, signame, code):
+    """SIGTERM to the main process (``kill``), or SIGINT to the whole process group (Ctrl-C in a
+    terminal): queued jobs never start, running ones stop, a summary is printed, no process and
+    no partial output is left."""
     import signal
     import time
 
@@ -585,7 +589,12 @@ def test_sigterm_stops_the_batch_at_once_with_a_summary(tmp_path):
         "2",
     ]
     proc = subprocess.Popen(
-        args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 30
     out_dir = tmp_path / "out"
@@ -595,12 +604,15 @@ def test_sigterm_stops_the_batch_at_once_with_a_summary(tmp_path):
         time.sleep(0.05)
     time.sleep(0.5)
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if signame == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     elapsed = time.monotonic() - sent
-    assert proc.returncode == 143, stderr
+    assert proc.returncode == code, stderr
     assert elapsed < 10, elapsed
-    assert "stopped by SIGTERM" in stderr
+    assert f"stopped by {signame}" in stderr
     assert "interrupted" in stdout  # the summary lists what was not done
     assert "Traceback" not in stderr
     assert not list(out_dir.glob(".*.partial"))  # no staging folder left
@@ -608,6 +620,10 @@ def test_sigterm_stops_the_batch_at_once_with_a_summary(tmp_path):
         done = (out_dir / f"m{i}.onnx").exists()
         assert done == (out_dir / f"m{i}.report.json").exists()
     assert not list(out_dir.glob("*.partial"))
+    # every worker was joined: nothing of the process group is left
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
 
 
 @pytest.mark.parametrize("preset", ["XINT8", "A8W8", "INT8_DYNAMIC", "UINT4_WEIGHT_ONLY_G32"])
