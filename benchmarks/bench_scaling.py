@@ -9,8 +9,9 @@ Run from the repository root::
 Models (built here with ``onnx.helper``, weights from a fixed seed):
 
 * ``conv N``: ``x[1,4,8,8]`` through N 1x1 Convs (4 -> 4 channels, orthogonal weights so values
-  stay in range at any depth, small bias): the plan, the calibration outputs, the constraint solver and Q/DQ insertion all
-  grow with N while every node stays tiny, so any cost above O(N) shows as a growing time/node.
+  stay in range at any depth, small bias): the plan, the calibration outputs, the constraint
+  solver and Q/DQ insertion all grow with N while every node stays tiny, so any cost above O(N)
+  shows as a growing time/node.
 * ``add N``: ``x[1,16]`` through N ``Add`` nodes, each adding a constant ``[16]`` vector: the
   model is small on disk (~1.7 MB at 50k) and peak memory measures per-node bookkeeping.
 

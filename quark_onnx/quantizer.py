@@ -22,6 +22,7 @@ quantization logic of its own.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -214,6 +215,10 @@ class ModelQuantizer:
                 "passes"
             ]
             quantized = model_io.to_proto(model)
+        # the graph objects of the working model and the float copy are the largest things held
+        # per node: dropped before the check builds its own view of the quantized model
+        del model, prepared
+        gc.collect()
 
         with _stage(report, "check"):
             from quark_onnx.check import check
