@@ -908,10 +908,16 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             "--load-calibration with several models expects a folder holding "
             "NAME.calibration.json files (as written by --save-calibration)"
         )
-    out_dir = Path(args.output)
+    out_dir = model_io.check_path_text(args.output, "-o", ConfigError)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"-o {out_dir}: exists and is not a folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"-o {out_dir}: cannot create the output folder ({exc.strerror or exc}); choose a "
+            "writable folder"
+        ) from exc
     jobs = [
         Job(index=i, model=str(m), name=n, out_dir=str(out_dir.resolve()), settings=settings)
         for i, (m, n) in enumerate(zip(models, names, strict=True))

@@ -359,6 +359,8 @@ def resolve_external_location(location: str, base: Path, *, what: str) -> Path:
     Raises:
         UnsafePathError: naming ``what`` (model and tensor) and the offending location.
     """
+    if location:
+        check_path_text(location, f"{what} has external data location", UnsafePathError)
     if not location or os.path.isabs(location) or Path(location).drive:
         raise UnsafePathError(
             f"{what} has external data location {location!r}; only paths relative to the "

@@ -677,3 +677,25 @@ def test_image_folder_links_out_of_the_folder_are_not_read(tmp_path, caplog):
         files = list_image_files(folder)
     assert [f.name for f in files] == ["a.png", "c.png"]
     assert "b.png" in caplog.text and "outside the folder" in caplog.text
+
+
+@pytest.mark.parametrize("location", ["w\0.bin", "x" * 300 + ".bin"])
+def test_unusable_external_locations_are_unsafe_path_errors(tmp_path, location):
+    from quark_onnx.errors import UnsafePathError
+
+    path = external_model(tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = location
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(UnsafePathError, match="external data location"):
+        model_io.load_model(path)
+
+
+@pytest.mark.parametrize("out", ["/proc/quark_out", "/dev/null/x"])
+def test_cli_unwritable_output_folder_is_one_error_line(tmp_path, out):
+    path = external_model(tmp_path)
+    proc = run_cli("quantize", path, "-o", out, "--random-calib", "1", cwd=tmp_path)
+    assert proc.returncode in (1, 2)
+    assert out in one_error_line(proc)
