@@ -281,7 +281,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
     "Percentile": (0.0, 100.0, "a percentile"),
     "NumBins": (1, 1 << 20, "a number of histogram bins"),
     "WeightScaleBits": (0, 23, "significant bits of a float32 scale"),
-    "WeightBlockSize": (0, 1 << 16, "a group size (weights per scale)"),
+    "WeightBlockSize": (0, 1 << 16, "0 (per channel) or a group size >= 1 (weights per scale)"),
     "CLESteps": (-1, 10_000, "a number of iterations (-1: until converged)"),
     "AccuracySamples": (0, 100_000, "a number of samples kept in memory"),
 }
@@ -295,8 +295,7 @@ def check_bounds(key: str, value: Any) -> None:
     low, high, meaning = bounds
     if not low <= value <= high:  # NaN fails both
         raise ConfigError(
-            f"extra option {key}={value!r} is out of range: expected {meaning} between {low} and "
-            f"{high}"
+            f"extra option {key}={value!r} is out of range [{low}, {high}]: expected {meaning}"
         )
 
 

@@ -61,16 +61,24 @@ def external_model(folder: Path, data_name: str = "w.bin", length: int | None = 
     return path
 
 
+#: Runs the measured script as its own child and reports that child's ``ru_maxrss`` (from
+#: ``os.wait4``). Linux carries a process's peak across ``execve``, so a script started straight
+#: from pytest would report pytest's own peak; this small launcher is what the child inherits.
+_LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+_, status, usage = os.wait4(child.pid, 0)
+child.returncode = os.waitstatus_to_exitcode(status)
+print("PEAK_KB", usage.ru_maxrss, flush=True)
+sys.exit(child.returncode)
+"""
+
+
 def run_measured(code: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``code`` in a fresh interpreter; returns the process and its peak memory in MB."""
-    script = textwrap.dedent(code) + textwrap.dedent(
-        """
-        import resource as _r
-        print("PEAK_KB", _r.getrusage(_r.RUSAGE_SELF).ru_maxrss)
-        """
-    )
+    """Run ``code`` in a fresh interpreter; returns the process and its peak memory in MB
+    (``resource.getrusage`` of that process, through :data:`_LAUNCHER`)."""
     proc = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", _LAUNCHER, textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,
