@@ -39,8 +39,10 @@ def parse_fix_shapes(text: str) -> dict[str, list[int]]:
                 f"FixShapes entry {part!r} is not of the form 'input_name:[1,3,224,224]'"
             )
         dims = [int(d) for d in match.group(2).split(",") if d.strip()]
-        if any(d <= 0 for d in dims):
-            raise ConfigError(f"FixShapes entry {part!r}: dimensions must be positive")
+        if any(not 0 < d < 2**31 for d in dims):  # (above int64 nothing downstream can hold it)
+            raise ConfigError(
+                f"FixShapes entry {part!r}: dimensions must be positive (and below 2^31)"
+            )
         shapes[match.group(1)] = dims
     return shapes
 

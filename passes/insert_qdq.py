@@ -159,6 +159,14 @@ class _Entry:
     array: np.ndarray | None
 
 
+def _replace_node_uses(value: ir.Value, out: ir.Value) -> None:
+    """Point every node input reading ``value`` at ``out``; a graph output that is ``value``
+    itself (a graph input or initializer listed as an output) keeps reading the float value
+    (onnx_ir's ``replace_all_uses_with`` refuses graph outputs)."""
+    for use in list(value.uses()):
+        use.node.replace_input_with(use.idx, out)
+
+
 class InsertQDQ(QuarkPass):
     """Write quantization parameters into the graph (see the module docstring for the forms).
 
@@ -390,6 +398,9 @@ class InsertQDQ(QuarkPass):
 
     def _rewire(self, value: ir.Value, out: ir.Value) -> None:
         as_output = value.is_graph_output() and not value.is_graph_input()
+        if value.is_graph_output() and not as_output:
+            _replace_node_uses(value, out)
+            return
         value.replace_all_uses_with(out, replace_graph_outputs=as_output)
 
     def _place_after(self, graph: ir.Graph, value: ir.Value, nodes: list[ir.Node]) -> None:
@@ -580,7 +591,7 @@ class InsertQDQ(QuarkPass):
                 name=self._names(f"{name}_DequantizeLinear"),
             )
         consumers = [use.node for use in value.uses()]
-        value.replace_all_uses_with(out)
+        _replace_node_uses(value, out)  # an initializer that is also a graph output stays float
         local = [c for c in consumers if id(c) in self._order]
         anchor = min(local, key=lambda c: self._order[id(c)]) if local else self._first
         if anchor is not None:

@@ -52,12 +52,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -95,6 +99,10 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         pass
+    except RecursionError:
+        raise ConfigError(
+            f"--set value {text[:40]!r}...: nested deeper than the JSON parser accepts"
+        ) from None
     python_literals = {"true": True, "false": False, "none": None}
     if text.strip().lower() in python_literals:
         return python_literals[text.strip().lower()]
@@ -238,26 +246,20 @@ def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | N
     A single-input model reads the archive's only array, the array named like the input, or
     ``x``. A multi-input model needs one array per input, named like the inputs.
     """
-    import numpy as np
-
     from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+    from quark_onnx.calibration.readers import load_array, npz_keys
 
     names = [s.name for s in _model_inputs(model)]
     if len(names) == 1:
         return NpzDataReader(path, input_name=names[0], limit=limit)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = list(archive.files)
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise CalibrationError(
-                    f"{path}: the model has inputs {names}; the archive has arrays {keys} "
-                    f"(missing {missing}): save one array per input, named like the input"
-                )
-            arrays = {n: archive[n][:limit] if limit else archive[n] for n in names}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CalibrationError(f"{path}: not a readable .npz file ({exc})") from exc
-    return ArrayDataReader(arrays)
+    keys = npz_keys(path) or []
+    missing = [n for n in names if n not in keys]
+    if missing:
+        raise CalibrationError(
+            f"{path}: the model has inputs {names}; the archive has arrays {keys} "
+            f"(missing {missing}): save one array per input, named like the input"
+        )
+    return ArrayDataReader({n: load_array(path, n, limit or None) for n in names})
 
 
 def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, limit: int | None):
@@ -506,37 +508,102 @@ def quantize_one(job: Job) -> Outcome:
     except Exception as exc:
         outcome.message = error_message(job.model, exc)
         outcome.traceback = traceback.format_exc()
+        # nothing of a failed job is kept: the summary shows no output, readiness or accuracy
+        outcome.output = outcome.ready = outcome.faithful = outcome.quantized_nodes = None
+        outcome.agreement = outcome.agreement_kind = None
+        outcome.output_sqnr_db = outcome.output_cosine = None
+        outcome.compared_samples = 0
     outcome.seconds = time.perf_counter() - start
     return outcome
 
 
+def _job_outputs(job: Job) -> list[Path]:
+    """Every file a job writes into the output folder, data file before its model."""
+    out_dir = Path(job.out_dir)
+    names = [
+        f"{job.name}.onnx.data",
+        f"{job.name}.onnx",
+        f"{job.name}.report.json",
+        f"{job.name}.compare.json",
+        f"{job.name}.report.txt",
+    ]
+    if job.settings.save_calibration:
+        names.append(f"{job.name}.calibration.json")
+    return [out_dir / n for n in names]
+
+
+def _guard_job_outputs(job: Job, load: Path | None) -> None:
+    """Before any work: no output of the job may be an input (the model, its external data, the
+    calibration data or result), a device or FIFO, or (without --overwrite) an existing model."""
+    settings = job.settings
+    inputs: list[Any] = [settings.calib, load]
+    for path in _job_outputs(job):
+        if path.name.endswith(".onnx.data"):
+            continue  # checked as the model's data file just below
+        model_io.check_output_path(
+            path,
+            job.model,
+            False,
+            inputs=inputs,
+            external_data=path.suffix == ".onnx",
+            what=f"output {path.name}",
+        )
+
+
 def _quantize_one(job: Job, outcome: Outcome) -> None:
-    from quark_onnx.config import Config
     from quark_onnx.errors import ModelLoadError
-    from quark_onnx.model_io import atomic_write_bytes
-    from quark_onnx.quantizer import ModelQuantizer
 
     settings = job.settings
     model_path = Path(job.model)
     if not model_path.is_file():
         raise ModelLoadError(f"{job.model}: no such model file")
-    output = job.output
-    if output.exists() and not settings.overwrite:
+    final = job.output
+    if final.exists() and not settings.overwrite:
         raise ModelSaveError(
-            f"{output} exists; pass --overwrite to replace it, or choose another output folder"
+            f"{final} exists; pass --overwrite to replace it, or choose another output folder"
         )
-    out_dir = Path(job.out_dir)
-    qconfig = settings.build_config()
-    fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
-    quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
-    if settings.load_calibration is None:  # calibration reads the samples the comparison needs
-        quantizer.keep_samples = _compare_count(settings)
-    reader = calibration_reader(settings, model_path, settings.calib_limit)
     load = None
     if settings.load_calibration is not None:
         load = Path(settings.load_calibration)
         if load.is_dir():
             load = load / f"{job.name}.calibration.json"
+    _guard_job_outputs(job, load)
+    # Every file is written into a private folder beside the outputs and moved into place only
+    # when the whole job succeeded: a job that fails (or is interrupted) leaves nothing behind.
+    staging = Path(tempfile.mkdtemp(prefix=f".{job.name}.", suffix=".partial", dir=job.out_dir))
+    try:
+        _quantize_into(job, outcome, staging, load, reader_limit=settings.calib_limit)
+        for path in _job_outputs(job):
+            staged = staging / path.name
+            if staged.exists():
+                os.replace(staged, path)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"{job.out_dir}: cannot write the outputs of {job.name} ({exc.strerror or exc}); "
+            "check free space and permissions"
+        ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    outcome.output = str(final)
+
+
+def _quantize_into(
+    job: Job, outcome: Outcome, out_dir: Path, load: Path | None, reader_limit: int | None
+) -> None:
+    """Quantize ``job`` writing every output into ``out_dir`` (the job's staging folder)."""
+    from quark_onnx.config import Config
+    from quark_onnx.model_io import atomic_write_bytes
+    from quark_onnx.quantizer import ModelQuantizer
+
+    settings = job.settings
+    model_path = Path(job.model)
+    output = out_dir / job.output.name
+    qconfig = settings.build_config()
+    fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
+    quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
+    if settings.load_calibration is None:  # calibration reads the samples the comparison needs
+        quantizer.keep_samples = _compare_count(settings)
+    reader = calibration_reader(settings, model_path, reader_limit)
     save = out_dir / f"{job.name}.calibration.json" if settings.save_calibration else None
     quantizer.quantize_model(
         model_path,
@@ -544,16 +611,15 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
         reader,
         calibration_result=load,
         save_calibration=save,
-        overwrite=settings.overwrite,
         require_ready=settings.require_ready,
     )
     report = quantizer.report
     if report is None:  # pragma: no cover - quantize_model always sets it
         raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
+    report.output = str(job.output)
     _exclude_warnings(job, report)
     if fixed_shapes:
         report.notes.append(fixed_shapes)
-    outcome.output = str(output)
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
     outcome.faithful = report.faithful
@@ -629,7 +695,18 @@ def _worker(job: Job) -> Outcome:
         stream=sys.stderr,
         force=True,
     )
-    return quantize_one(job)
+    # SIGTERM (sent by the main process when the batch is interrupted) unwinds the job, so its
+    # staging folder is removed; outside a job the default action just ends the worker.
+    with model_io.sigterm_as_interrupt():
+        return quantize_one(job)
+
+
+def _worker_init() -> None:
+    """Workers ignore Ctrl-C (the terminal sends it to the whole process group): the main process
+    decides, and stops running jobs with SIGTERM."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -760,7 +837,9 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
         rows.append(
             (
                 o.name,
-                "ok" if o.ok else "failed",
+                "ok"
+                if o.ok
+                else ("interrupted" if o.message.startswith("interrupted") else "failed"),
                 f"{o.seconds:.1f}",
                 _fmt_optional(o.quantized_nodes, "d"),
                 ready,
@@ -809,41 +888,126 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     return "\n".join(lines)
 
 
+class BatchInterrupted(KeyboardInterrupt):
+    """The batch was stopped by Ctrl-C or SIGTERM; :attr:`outcomes` holds every job's outcome
+    (those not finished are failed with "interrupted")."""
+
+    def __init__(self, outcomes: list[Outcome], signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.outcomes = outcomes
+        self.signal_name = signal_name
+
+
+#: Seconds a running worker gets to unwind after SIGTERM before it is killed.
+_STOP_GRACE = 5.0
+
+
+def _interrupted(job: Job) -> Outcome:
+    return Outcome(
+        index=job.index,
+        model=job.model,
+        name=job.name,
+        ok=False,
+        seconds=0.0,
+        message="interrupted: not quantized, nothing written",
+    )
+
+
+def _remove_staging(jobs: Sequence[Job]) -> None:
+    """Remove the staging folders of jobs whose worker had to be killed."""
+    for job in jobs:
+        for leftover in Path(job.out_dir).glob(f".{job.name}.*.partial"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Cancel the queued jobs and stop the running ones now (SIGTERM, then SIGKILL after
+    :data:`_STOP_GRACE` s); every worker is joined, so no process is left behind."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _STOP_GRACE
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _stop_resource_tracker() -> None:
+    """Stop and reap multiprocessing's resource tracker (started for the pool's semaphores).
+
+    Left running it outlives this process, and where the process that adopts orphans does not
+    reap them (a container's init) it stays behind as a defunct process. Called once the pool is
+    garbage: its semaphores are unregistered first, so the tracker has nothing left to clean.
+    Python < 3.11 has no ``_stop``: nothing is done there.
+    """
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+
+
 def run_batch(jobs: Sequence[Job], workers: int, console: _Console, debug: bool) -> list[Outcome]:
-    """Quantize every job (in ``workers`` spawned processes when > 1); outcomes in job order."""
-    outcomes: list[Outcome] = []
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            console.started(job)
-            outcome = quantize_one(job)
-            console.finished(outcome, debug)
-            outcomes.append(outcome)
-    else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            max_workers=min(workers, len(jobs)), mp_context=context
-        ) as pool:
-            console.line(f"quantizing {len(jobs)} models in {min(workers, len(jobs))} processes")
-            futures = {pool.submit(_worker, job): job for job in jobs}
-            for future in concurrent.futures.as_completed(futures):
-                job = futures[future]
-                try:
-                    outcome = future.result()
-                except Exception as exc:  # the worker process died (out of memory, killed, ...)
-                    outcome = Outcome(
-                        index=job.index,
-                        model=job.model,
-                        name=job.name,
-                        ok=False,
-                        seconds=0.0,
-                        message="the worker process failed: "
-                        + (_one_line(str(exc)) or type(exc).__name__),
-                        traceback=traceback.format_exc(),
-                    )
+    """Quantize every job (in ``workers`` spawned processes when > 1); outcomes in job order.
+
+    Raises:
+        BatchInterrupted: on Ctrl-C or SIGTERM: queued jobs are not started, running ones are
+            stopped at once (their files removed), and the outcomes so far are attached.
+    """
+    done: dict[int, Outcome] = {}
+    try:
+        if workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                console.started(job)
+                outcome = quantize_one(job)
                 console.finished(outcome, debug)
-                outcomes.append(outcome)
+                done[job.index] = outcome
+        else:
+            context = multiprocessing.get_context("spawn")
+            pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=min(workers, len(jobs)), mp_context=context, initializer=_worker_init
+            )
+            try:
+                console.line(
+                    f"quantizing {len(jobs)} models in {min(workers, len(jobs))} processes"
+                )
+                futures = {pool.submit(_worker, job): job for job in jobs}
+                for future in concurrent.futures.as_completed(futures):
+                    job = futures[future]
+                    try:
+                        outcome = future.result()
+                    except Exception as exc:  # the worker process died (out of memory, ...)
+                        outcome = Outcome(
+                            index=job.index,
+                            model=job.model,
+                            name=job.name,
+                            ok=False,
+                            seconds=0.0,
+                            message="the worker process failed: "
+                            + (_one_line(str(exc)) or type(exc).__name__),
+                            traceback=traceback.format_exc(),
+                        )
+                    console.finished(outcome, debug)
+                    done[job.index] = outcome
+            except BaseException:
+                _stop_pool(pool)
+                _remove_staging([j for j in jobs if j.index not in done])
+                raise
+            finally:
+                pool.shutdown(wait=True)
+    except KeyboardInterrupt as exc:
+        console.close()
+        name = "SIGTERM" if isinstance(exc, model_io.Terminated) else "SIGINT"
+        outcomes = [done.get(job.index) or _interrupted(job) for job in jobs]
+        raise BatchInterrupted(outcomes, name) from None
     console.close()
-    return sorted(outcomes, key=lambda o: o.index)
+    return [done[job.index] for job in jobs]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -883,6 +1047,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError(f"--random-calib {args.random_calib}: expected a positive number")
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
+    if args.calib_limit is not None and args.calib_limit < 1:
+        raise ConfigError(f"--calib-limit {args.calib_limit}: expected a positive number")
+    if args.compare_samples < 0:
+        raise ConfigError(
+            f"--compare-samples {args.compare_samples}: expected 0 (no comparison) or more"
+        )
     exclude = tuple(n for item in args.exclude or () for n in item.split(",") if n)
     settings = QuantizeSettings(
         preset=args.config,
@@ -923,17 +1093,38 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             "--load-calibration with several models expects a folder holding "
             "NAME.calibration.json files (as written by --save-calibration)"
         )
-    out_dir = Path(args.output)
+    out_dir = model_io.check_path_text(args.output, "-o", ConfigError)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"-o {out_dir}: exists and is not a folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"-o {out_dir}: cannot create the output folder ({exc.strerror or exc}); choose a "
+            "writable folder"
+        ) from exc
     jobs = [
         Job(index=i, model=str(m), name=n, out_dir=str(out_dir.resolve()), settings=settings)
         for i, (m, n) in enumerate(zip(models, names, strict=True))
     ]
     console = _Console(len(jobs))
-    outcomes = run_batch(jobs, args.jobs, console, args.debug)
+    stopped_by = None
+    try:
+        outcomes = run_batch(jobs, args.jobs, console, args.debug)
+    except BatchInterrupted as stop:
+        outcomes, stopped_by = stop.outcomes, stop.signal_name
+    # (outside the handler: the pool, referenced by the interrupted frames, is gone by now)
+    gc.collect()
+    _stop_resource_tracker()
     print(summary_table(outcomes))
+    if stopped_by is not None:
+        finished = sum(o.ok for o in outcomes)
+        print(
+            f"stopped by {stopped_by}: {finished} model(s) finished and written, "
+            f"{len(outcomes) - finished} not (nothing of them was left)",
+            file=sys.stderr,
+        )
+        raise model_io.Terminated(stopped_by) if stopped_by == "SIGTERM" else KeyboardInterrupt
     if args.require_ready and any(o.ok and o.ready is False for o in outcomes):
         return EXIT_FAILED
     return EXIT_FAILED if any(not o.ok for o in outcomes) else EXIT_OK
@@ -975,6 +1166,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("--preprocess applies to an image folder given with --data DIR")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: expected a positive number")
+    if args.json is not None:  # before any work: never over an input
+        model_io.check_output_path(
+            args.json,
+            args.float_model,
+            inputs=[args.quant_model, args.data],
+            external_data=False,
+            what="--json report",
+        )
     if args.random is not None:
         import onnx
 
@@ -1009,9 +1208,12 @@ def _settings_from_report(path: str | os.PathLike) -> Any:
     """The QuantizationConfig recorded in a ``quantize`` report (``MODEL.report.json``)."""
     from quark_onnx.recipe import config_from_json
 
+    text = model_io.read_regular_file(
+        path, limit=64 << 20, what="JSON report", error=ConfigError, option="--report"
+    )
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"--report {path}: not a readable JSON report ({exc})") from exc
     settings = data.get("settings") if isinstance(data, dict) else None
     if not isinstance(settings, dict) or not isinstance(settings.get("extra_options"), dict):
@@ -1639,4 +1841,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader of stdout went away (`quark-onnx options | head`): stop quietly.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    except Exception as exc:
+        # Not an error quark_onnx names itself: still one line, the traceback with --debug.
+        print(
+            f"error: {type(exc).__name__}: {_one_line(str(exc))[:400]} (internal error; rerun "
+            "with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        if args.debug:
+            traceback.print_exc()
         return EXIT_FAILED

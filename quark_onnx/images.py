@@ -1050,11 +1050,18 @@ def list_image_files(
     wanted = {e.lower() if e.startswith(".") else "." + e.lower() for e in extensions}
     candidates = root.rglob("*") if recursive else root.iterdir()
     found = []
+    real_root = root.resolve()
     for path in candidates:
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
         if path.suffix.lower() in wanted and path.is_file():
+            target = path.resolve()
+            if real_root not in target.parents:  # a link out of the folder: never read
+                logger.warning(
+                    "%s: skipped, a symbolic link to %s outside the folder %s", path, target, root
+                )
+                continue
             found.append(path)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 

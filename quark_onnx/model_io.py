@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import threading
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -171,6 +172,7 @@ def _load_header(path: str | os.PathLike, *, upgrade_opset: bool) -> tuple[onnx.
     if not model.opset_import:
         raise ModelLoadError(f"{p}: the model declares no opset_import; not a valid ONNX model")
     _check_text(model, str(p))
+    _check_tensor_types(model, str(p))
     external = _external_tensors(model)
     _check_external_locations(external, p)
     try:
@@ -267,6 +269,7 @@ def validate_proto(model: onnx.ModelProto, *, source: str = "<model>") -> onnx.M
     if not model.opset_import:
         raise ModelLoadError(f"{source}: the model declares no opset_import; not a valid model")
     _check_text(model, source)
+    _check_tensor_types(model, source)
     unloaded = _unloaded_external(model)
     if unloaded:
         raise ModelLoadError(
@@ -356,6 +359,8 @@ def resolve_external_location(location: str, base: Path, *, what: str) -> Path:
     Raises:
         UnsafePathError: naming ``what`` (model and tensor) and the offending location.
     """
+    if location:
+        check_path_text(location, f"{what} has external data location", UnsafePathError)
     if not location or os.path.isabs(location) or Path(location).drive:
         raise UnsafePathError(
             f"{what} has external data location {location!r}; only paths relative to the "
@@ -381,6 +386,60 @@ def resolve_external_location(location: str, base: Path, *, what: str) -> Path:
     return target
 
 
+#: Data types stored in half a byte per element (two elements per byte, rounded up).
+_NIBBLE_TYPES = frozenset(
+    getattr(onnx.TensorProto, name)
+    for name in ("INT4", "UINT4", "FLOAT4E2M1")
+    if hasattr(onnx.TensorProto, name)
+)
+_CRUMB_TYPES = frozenset(
+    getattr(onnx.TensorProto, name) for name in ("INT2", "UINT2") if hasattr(onnx.TensorProto, name)
+)
+#: Packed types whose byte layout is not checked here (their size is left to onnx).
+_UNSIZED_TYPES = frozenset(
+    getattr(onnx.TensorProto, name)
+    for name in ("STRING", "FLOAT6E2M3", "FLOAT6E3M2")
+    if hasattr(onnx.TensorProto, name)
+)
+_KNOWN_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
+
+
+def tensor_nbytes(tensor: onnx.TensorProto, what: str = "") -> int | None:
+    """Bytes the raw data of ``tensor`` must hold from its type and dims (None: STRING, FLOAT6).
+
+    Raises:
+        ModelLoadError: an unknown data type or a negative dimension.
+    """
+    if tensor.data_type not in _KNOWN_TYPES:
+        raise ModelLoadError(
+            f"{what or 'tensor ' + repr(tensor.name)}: unknown tensor data type "
+            f"{tensor.data_type}; the model file is corrupt or from a newer ONNX: re-export it"
+        )
+    if tensor.data_type in _UNSIZED_TYPES:
+        return None
+    count = 1
+    for d in tensor.dims:
+        if d < 0:
+            raise ModelLoadError(
+                f"{what or 'tensor ' + repr(tensor.name)}: negative dimension in "
+                f"{list(tensor.dims)}; the model file is corrupt: re-export it"
+            )
+        count *= d
+    if tensor.data_type in _NIBBLE_TYPES:
+        return (count + 1) // 2
+    if tensor.data_type in _CRUMB_TYPES:
+        return (count + 3) // 4
+    itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return count * itemsize
+
+
+def _check_tensor_types(model: onnx.ModelProto, source: str) -> None:
+    """Refuse tensors of an unknown data type (onnx_ir cannot even read such a model)."""
+    for tensor in _tensors(model):
+        if tensor.data_type not in _KNOWN_TYPES:
+            tensor_nbytes(tensor, f"{source}: tensor {tensor.name!r}")
+
+
 def _check_external_locations(tensors: list[onnx.TensorProto], path: Path) -> None:
     """Validate every external reference before anything is read (see the module docstring)."""
     sizes: dict[Path, int] = {}
@@ -400,6 +459,17 @@ def _check_external_locations(tensors: list[onnx.TensorProto], path: Path) -> No
             length = int(info["length"]) if info.get("length") else None
         except ValueError as exc:
             raise ModelLoadError(f"{what}: malformed external data offset/length") from exc
+        needed = tensor_nbytes(tensor, what)
+        if length is not None and needed is not None and length != needed:
+            # checked before any byte is read: a declared length of gigabytes for a tensor of a
+            # few hundred bytes would otherwise be read (and copied) whole
+            raise ModelLoadError(
+                f"{what}: external data length {length} does not match the tensor's "
+                f"{onnx.TensorProto.DataType.Name(tensor.data_type)}{list(tensor.dims)} "
+                f"({needed} bytes); the model file is corrupt: re-export it"
+            )
+        if length is None and needed is not None:
+            length = needed
         end = offset + (length if length is not None else 0)
         if offset < 0 or (length is not None and length < 0) or end > sizes[target]:
             raise ModelLoadError(
@@ -543,48 +613,204 @@ def _input_files(input_path: Path) -> list[Path]:
     """The input model and the external data files it refers to (best effort)."""
     files = [input_path]
     try:
-        proto = onnx.ModelProto()
-        proto.ParseFromString(input_path.read_bytes())
-    except (OSError, DecodeError, RuntimeError, ValueError):
+        if not stat.S_ISREG(os.stat(input_path).st_mode):
+            return files
+        proto = onnx.load(str(input_path), load_external_data=False)
+    except Exception:  # an unreadable input adds no data file; loading it reports why
         return files
     for tensor in _external_tensors(proto):
         location = _external_info(tensor).get("location", "")
-        if location and not os.path.isabs(location):
-            files.append(input_path.parent / location)
+        if location and not os.path.isabs(location) and "\0" not in location:
+            path = input_path.parent / location
+            if path not in files:
+                files.append(path)
     return files
 
 
-def check_output_path(
-    output: str | os.PathLike, input_path: str | os.PathLike | None, overwrite: bool = False
-) -> Path:
-    """Refuse to write over the input model (or its external data) unless ``overwrite``.
+#: Longest file name component most file systems accept, in bytes.
+_NAME_MAX = 255
 
-    Also refuses a folder as output, a missing output folder, and output names that are
-    temporary names of this module (``*.partial``).
+
+def check_path_text(path: str | os.PathLike, what: str, error: type[Exception]) -> Path:
+    """``path`` as a Path, refusing a NUL byte or a name component above 255 bytes (which the
+    operating system refuses with an error that names neither the path nor the option)."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\0" in text:
+        raise error(f"{what} {text!r}: a path cannot contain a NUL character")
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > _NAME_MAX:
+            raise error(
+                f"{what} {text[:80]!r}...: the name {part[:40]!r}... is {len(os.fsencode(part))} "
+                f"bytes long; file systems accept at most {_NAME_MAX}: choose a shorter name"
+            )
+    return Path(text)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name the same file (same inode, or the same resolved path)."""
+    if _same_file(a, b):
+        return True
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def _probe_folder(folder: Path, out: Path) -> None:
+    """Create and remove a temporary file in ``folder``: a read-only mount, ``/proc`` or a folder
+    without write permission is refused before any work, naming the output."""
+    try:
+        fd, tmp = temp_file_beside(out)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"{out}: cannot write in folder {folder} ({exc.strerror or exc}); choose a writable "
+            "output folder"
+        ) from exc
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+    temp_file_done(tmp)
+
+
+def check_output_path(
+    output: str | os.PathLike,
+    input_path: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    *,
+    inputs: Collection[str | os.PathLike | None] = (),
+    external_data: bool = True,
+    what: str = "output",
+) -> Path:
+    """The one guard every writer calls before any work: refuse an output that would destroy an
+    input or is not a plain file.
+
+    Refused (``ModelSaveError`` naming the output and the file it would replace):
+
+    * an output that is (by any spelling: ``./``, ``..``, symbolic or hard link) the input model,
+      unless ``overwrite`` (replacing the input is then asked for), or any of the input model's
+      external data files or of ``inputs`` (calibration data, a saved calibration result, a
+      recipe...), even with ``overwrite``;
+    * with ``external_data``, the data file ``<output>.data`` a model is written with being one of
+      those input files;
+    * an existing output that is not a regular file (a folder, a device such as ``/dev/null``, a
+      FIFO, a socket): a rename would replace the node itself;
+    * a NUL character or a name above 255 bytes; a missing output folder or one that is not a
+      folder (``/dev/null/x``); a folder that cannot be written (read-only mount, ``/proc``);
+    * names ending in ``.partial`` (temporary names of this module).
     """
-    out = Path(output)
+    out = check_path_text(output, what, ModelSaveError)
     if out.name.endswith(_PARTIAL_SUFFIX):
         raise ModelSaveError(f"{out}: names ending in {_PARTIAL_SUFFIX} are reserved; rename it")
-    if input_path is not None and not overwrite:
+    protected: list[tuple[Path, str]] = []
+    if input_path is not None:
         inp = Path(input_path)
-        data = out.parent / external_data_name(out)
-        if _same_file(out, inp) or out.resolve() == inp.resolve():
-            raise ModelSaveError(
-                f"{out}: output path is the input model; choose another output "
-                "path (or pass overwrite=True to replace the input)"
-            )
-        if data.exists() and inp.is_file():
-            for f in _input_files(inp)[1:]:
-                if _same_file(data, f):
-                    raise ModelSaveError(
-                        f"{out}: its external data file {data.name} would replace the input "
-                        f"model's external data {f}; choose another output name"
-                    )
-    if out.exists() and out.is_dir():
-        raise ModelSaveError(f"{out}: is a folder; give a file path for the output model")
-    if not out.parent.exists():
-        raise ModelSaveError(f"{out}: folder {out.parent} does not exist; create it first")
+        replacing = overwrite and _same_path(out, inp)
+        if not overwrite:
+            protected.append((inp, "the input model"))
+        if not replacing:  # replacing the model (asked for) replaces its data file too
+            protected += [(f, "the input model's external data") for f in _input_files(inp)[1:]]
+    for extra in inputs:
+        if extra is not None:
+            path = Path(extra)
+            if path.is_dir():
+                continue
+            protected.append((path, "an input file"))
+            if path.suffix.lower() == ".onnx":
+                protected += [(f, "an input model's external data") for f in _input_files(path)[1:]]
+    data = out.parent / external_data_name(out)
+    for target, label in ((out, what), (data, f"{what}'s external data file")):
+        if target is data and not external_data:
+            continue
+        for source, kind in protected:
+            if _same_path(target, source):
+                hint = (
+                    " (or pass overwrite=True to replace the input)"
+                    if kind == "the input model"
+                    else ""
+                )
+                raise ModelSaveError(
+                    f"{out}: the {label} {target} is {kind} {source}; writing it would destroy "
+                    f"that file: choose another output path{hint}"
+                )
+    try:
+        mode = os.stat(out).st_mode
+    except FileNotFoundError:
+        mode = None
+    except NotADirectoryError:
+        raise ModelSaveError(
+            f"{out}: {out.parent} is not a folder; give a path inside an existing folder"
+        ) from None
+    except OSError as exc:
+        raise ModelSaveError(f"{out}: cannot be inspected ({exc.strerror or exc})") from exc
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ModelSaveError(f"{out}: is a folder; give a file path for the {what}")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ModelSaveError(
+            f"{out}: exists and is not a regular file (a device, FIFO or socket); it is never "
+            f"replaced: choose a file path for the {what}"
+        )
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.exists():
+        raise ModelSaveError(f"{out}: folder {folder} does not exist; create it first")
+    if not folder.is_dir():
+        raise ModelSaveError(f"{out}: {folder} is not a folder; give a path inside a folder")
+    _probe_folder(folder, out)
     return out
+
+
+def read_regular_file(
+    path: str | os.PathLike,
+    *,
+    limit: int,
+    what: str,
+    error: type[Exception] = ModelLoadError,
+    option: str | None = None,
+) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file of at most ``limit`` bytes.
+
+    Opened without blocking (a FIFO never waits for a writer) and checked with ``fstat`` on the
+    open descriptor, so a device (``/dev/zero``), FIFO or a link to a huge file is refused before
+    one byte is read; at most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
+
+    Raises:
+        ``error``: naming ``what``, the file and ``option`` (the flag or setting it came from).
+    """
+    p = Path(path)
+    label = f"{option} {p}" if option else str(p)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise error(f"{label}: no such file ({what})") from None
+    except OSError as exc:
+        raise error(f"{label}: cannot be read ({exc.strerror or exc}); check the path") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
+            raise error(f"{label}: is {kind}, not a regular file; give the path of the {what}")
+        if info.st_size > limit:
+            raise error(
+                f"{label}: {info.st_size} bytes, above the {limit}-byte limit for a {what}; "
+                "this is not the file you meant (or it is corrupt)"
+            )
+        chunks = []
+        left = limit + 1
+        while left > 0:
+            piece = os.read(fd, min(left, _COPY_CHUNK))
+            if not piece:
+                break
+            chunks.append(piece)
+            left -= len(piece)
+    except OSError as exc:
+        raise error(f"{label}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise error(f"{label}: grew above the {limit}-byte limit for a {what} while being read")
+    return data
 
 
 # --- atomic writing --------------------------------------------------------------------------
@@ -638,19 +864,42 @@ atexit.register(remove_temporary_files)
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
     p = Path(path)
-    fd, tmp = temp_file_beside(p)
+    _refuse_special(p)
+    try:
+        fd, tmp = temp_file_beside(p)
+    except OSError as exc:
+        raise ModelSaveError(f"{p}: cannot be written ({exc.strerror or exc})") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ModelSaveError(
+            f"{p}: cannot be written ({exc.strerror or exc}); check free space and permissions"
+        ) from exc
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     finally:
         temp_file_done(tmp)
+
+
+def _refuse_special(p: Path) -> None:
+    """Every rename onto ``p`` goes through here: a device, FIFO or folder is never replaced."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ModelSaveError(
+            f"{p}: exists and is not a regular file (a folder, device, FIFO or socket); it is "
+            "never replaced: choose a file path"
+        )
 
 
 def fits_in_protobuf(proto: onnx.ModelProto) -> bool:
@@ -892,6 +1141,8 @@ def _save_with_external_data(
     is removed again and an older data file of the same name restored.
     """
     data_path = out.parent / external_data_name(out)
+    _refuse_special(out)
+    _refuse_special(data_path)
     fd_data, tmp_data = temp_file_beside(data_path)
     fd_model, tmp_model = temp_file_beside(out)
     backup: Path | None = None

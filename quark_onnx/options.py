@@ -323,6 +323,39 @@ def check_value_type(key: str, value: Any, expected: type) -> Any:
     return float(value) if expected is float else value
 
 
+#: Sane bounds (inclusive) of the numeric options: a value outside is a typo or a unit mistake
+#: that would otherwise allocate without bound (a block of 10^9 weights) or run for days.
+OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "FixDynamicBatch": (0, 1 << 16, "a batch size"),
+    "RandomDataSeed": (0, 2**64 - 1, "a non-negative seed"),
+    "RandomDataSamples": (1, 100_000, "a number of random samples (each runs the model)"),
+    "CalibDataSize": (0, 10_000_000, "a number of samples (0: all)"),
+    "CalibMovingAverageConstant": (0.0, 1.0, "a weight in [0, 1]"),
+    "Percentile": (0.0, 100.0, "a percentile"),
+    "NumBins": (1, 1 << 20, "a number of histogram bins"),
+    "WeightScaleBits": (0, 23, "significant bits of a float32 scale"),
+    "WeightBlockSize": (0, 1 << 16, "0 (per channel) or a group size >= 1 (weights per scale)"),
+    "CLESteps": (-1, 10_000, "a number of iterations (-1: until converged)"),
+    "AccuracySamples": (0, 100_000, "a number of samples kept in memory"),
+    "FidelitySamples": (1, 100_000, "a number of samples (FidelityCheck=False skips the guard)"),
+    "FidelityMinSQNR": (-200.0, 200.0, "an SQNR in dB"),
+    "FidelityMinAgreement": (0.0, 1.0, "a share of rows in [0, 1]"),
+    "FoldConstantChannelsTolerance": (0.0, 1.0, "a relative bound in [0, 1]"),
+}
+
+
+def check_bounds(key: str, value: Any) -> None:
+    """Refuse a numeric option outside :data:`OPTION_BOUNDS`, naming it and its range."""
+    bounds = OPTION_BOUNDS.get(key)
+    if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high, meaning = bounds
+    if not low <= value <= high:  # NaN fails both
+        raise ConfigError(
+            f"extra option {key}={value!r} is out of range [{low}, {high}]: expected {meaning}"
+        )
+
+
 def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
     """Validate a user's ``extra_options`` dict and return the effective typed options."""
     values: dict[str, Any] = {}
@@ -331,6 +364,7 @@ def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
             raise ConfigError(f"extra option names must be strings, got {key!r}")
         if key in _TYPES:
             values[key] = check_value_type(key, value, _TYPES[key])
+            check_bounds(key, values[key])
             continue
         if key in UNSUPPORTED_QUARK_OPTIONS:
             logger.warning(

@@ -23,6 +23,7 @@ quantization logic of its own.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import os
@@ -120,6 +121,13 @@ class ModelQuantizer:
         """
         from quark_onnx import model_io
 
+        _check_path_arguments(
+            model_input=model_input,
+            model_output=model_output,
+            calibration_data_path=calibration_data_path,
+            calibration_result=calibration_result,
+            save_calibration=save_calibration,
+        )
         options = self.qconfig.validate()
         self.options = options
         self.params = None
@@ -127,8 +135,21 @@ class ModelQuantizer:
         report = QuantizationReport(model=source, settings=self.qconfig.effective_settings())
         self.report = report
         input_path = None if isinstance(model_input, onnx.ModelProto) else Path(model_input)
+        # every output is checked against every input before any work (a calibration file
+        # written over the model, a model written over its own external data...)
+        inputs = [calibration_data_path, calibration_result]
+        if isinstance(calibration_data_reader, (str, os.PathLike)):
+            inputs.append(calibration_data_reader)
         if model_output is not None:
-            model_io.check_output_path(model_output, input_path, overwrite)
+            model_io.check_output_path(model_output, input_path, overwrite, inputs=inputs)
+        if save_calibration is not None:
+            model_io.check_output_path(
+                save_calibration,
+                input_path,
+                inputs=[*inputs, model_output],
+                external_data=False,
+                what="calibration result",
+            )
 
         with _stage(report, "load"):
             if isinstance(model_input, onnx.ModelProto):
@@ -236,6 +257,10 @@ class ModelQuantizer:
                 "passes"
             ]
             quantized = model_io.to_proto(model)
+        # the graph objects of the working model and the float copy are the largest things held
+        # per node: dropped before the check builds its own view of the quantized model
+        del model, prepared
+        gc.collect()
 
         with _stage(report, "check"):
             from quark_onnx.check import check
@@ -328,12 +353,7 @@ class ModelQuantizer:
         """How many samples the pass measurement and the fidelity guard run (0: none)."""
         if not self.options.FidelityCheck:
             return 1  # numerics-changing passes are still measured on one sample
-        if self.options.FidelitySamples < 1:
-            raise ConfigError(
-                f"extra option FidelitySamples must be >= 1, got {self.options.FidelitySamples} "
-                "(set FidelityCheck=False to skip the fidelity guard)"
-            )
-        return self.options.FidelitySamples
+        return self.options.FidelitySamples  # >= 1 (options.OPTION_BOUNDS)
 
     def _reference_outputs(
         self, source: str, model: Any, samples: list[dict[str, np.ndarray]]
@@ -660,6 +680,20 @@ class _PeekableReader:
         return self._remember(self._reader.get_next())
 
 
+def _check_path_arguments(**arguments: Any) -> None:
+    """Refuse path arguments of the wrong type (a number, bytes, a list) with the argument named,
+    instead of a ``TypeError`` from deep inside."""
+    for name, value in arguments.items():
+        allowed: tuple[type, ...] = (str, os.PathLike)
+        if name == "model_input":
+            allowed = (str, os.PathLike, onnx.ModelProto)
+        elif value is None:
+            continue
+        if not isinstance(value, allowed):
+            expected = "a path or an onnx.ModelProto" if name == "model_input" else "a path"
+            raise ConfigError(f"{name} must be {expected}, got {type(value).__name__}")
+
+
 def _make_reader(
     reader: Any,
     npz_path: str | os.PathLike | None,
@@ -697,7 +731,9 @@ def _make_reader(
         )
     if callable(getattr(reader, "bind", None)):
         reader.bind(model)  # readers that take their input name from the model (.npz files)
-    return _PeekableReader(reader, keep=keep)
+    from quark_onnx.calibration.readers import GuardedReader
+
+    return _PeekableReader(GuardedReader(reader, options), keep=keep)
 
 
 def _npz_reader(path: str | os.PathLike, model: onnx.ModelProto) -> Any:

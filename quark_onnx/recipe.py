@@ -67,6 +67,9 @@ PARAMS_FILE = "params.safetensors"
 FLOAT_MODEL_FILE = "float_model.onnx"
 FORMAT = "quark_onnx.recipe"
 FORMAT_VERSION = 1
+#: Largest ``recipe.json`` read (it lists each quantized tensor in a few lines; arrays are in the
+#: safetensors file): a bigger file is not a recipe, and is refused before it is read.
+MAX_RECIPE_BYTES = 64 << 20
 _ARRAYS = ("scale", "zero_point", "codes")
 
 
@@ -367,6 +370,19 @@ def _params_from_entries(
 # ------------------------------------------------------------------------------------------------
 
 
+def _check_outputs(directory: str | os.PathLike, inputs: list[Any]) -> None:
+    """Refuse, before any work, a recipe folder whose files would replace an input (the models
+    it is made from) or are not regular files (:func:`quark_onnx.model_io.check_output_path`)."""
+    from quark_onnx import model_io
+
+    out = model_io.check_path_text(directory, "recipe folder", ModelSaveError)
+    paths = [m for m in inputs if isinstance(m, (str, os.PathLike))]
+    if not out.is_dir():
+        return  # created later; only new files go into it
+    for name in (RECIPE_FILE, PARAMS_FILE, FLOAT_MODEL_FILE):
+        model_io.check_output_path(out / name, inputs=paths, what=f"recipe file {name}")
+
+
 def _prepare_directory(directory: str | os.PathLike, overwrite: bool) -> Path:
     out = Path(directory)
     if out.exists() and not out.is_dir():
@@ -481,6 +497,7 @@ def save_recipe(
     """
     from quark_onnx.importer import extract_params
 
+    _check_outputs(directory, [quantized_model, float_model])
     qconfig, named = _as_qconfig(config)
     preset = preset or named
     qproto, qlabel = _load_quantized(quantized_model)
@@ -537,6 +554,7 @@ def import_recipe(
     from quark_onnx.importer import read_qdq
 
     source_path = None if isinstance(qdq_model, onnx.ModelProto) else Path(qdq_model)
+    _check_outputs(directory, [qdq_model])
     imported = read_qdq(qdq_model)
     if not imported.params:
         raise RecipeError(f"{imported.source}: holds no quantized tensor; nothing to import")
@@ -547,7 +565,7 @@ def import_recipe(
     model_io.save_model(fproto, out / FLOAT_MODEL_FILE, input_path=source_path, overwrite=False)
     source = {"model": imported.source}
     if source_path is not None:
-        source["sha256"] = hashlib.sha256(source_path.read_bytes()).hexdigest()
+        source["sha256"] = _file_sha256(source_path)
     shapes = {n: imported.shapes.get(n) for n in imported.params}
     document = _document(
         qconfig=None,
@@ -562,6 +580,15 @@ def import_recipe(
 # ------------------------------------------------------------------------------------------------
 # reading
 # ------------------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    """SHA-256 of a file read in pieces (a model of gigabytes is never held whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def read_recipe(directory: str | os.PathLike) -> Recipe:
@@ -580,13 +607,21 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
             f"{path}: missing; {folder} is not a recipe folder (write one with save_recipe or "
             "`quark-onnx export --format recipe`)"
         )
+    from quark_onnx import model_io
+
     source = str(path)
+    text = model_io.read_regular_file(
+        path, limit=MAX_RECIPE_BYTES, what="recipe file", error=RecipeError
+    )
     try:
         doc = json.loads(
-            path.read_text(encoding="utf-8"), object_pairs_hook=safetensors_io.reject_duplicate_keys
+            text.decode("utf-8"), object_pairs_hook=safetensors_io.reject_duplicate_keys
         )
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RecipeError(f"{source}: not a readable JSON recipe ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # (RecursionError: nested deeper than the JSON parser's recursion limit)
+        raise RecipeError(
+            f"{source}: not a readable JSON recipe ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise RecipeError(f"{source}: not a quark_onnx recipe (format must be {FORMAT!r})")
     version = doc.get("format_version")
@@ -704,6 +739,14 @@ def load_recipe(
     """
     from quark_onnx import model_io
 
+    if output is not None:  # before any work: never over the float model or the recipe
+        folder = Path(directory)
+        model_io.check_output_path(
+            output,
+            float_model if isinstance(float_model, (str, os.PathLike)) else None,
+            overwrite,
+            inputs=[folder / RECIPE_FILE, folder / PARAMS_FILE, folder / FLOAT_MODEL_FILE],
+        )
     recipe = read_recipe(directory)
     if float_model is None:
         if not recipe.imported:

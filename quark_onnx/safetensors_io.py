@@ -43,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -190,9 +191,11 @@ def deserialize(
         header = json.loads(
             data[8 : 8 + length].decode("utf-8"), object_pairs_hook=reject_duplicate_keys
         )
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # (RecursionError: JSON nested deeper than the parser's recursion limit)
         raise SafetensorsError(
-            f"{source}: the header is not UTF-8 JSON ({exc}); the file is corrupt"
+            f"{source}: the header is not UTF-8 JSON ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); the file is corrupt"
         ) from exc
     if not isinstance(header, dict):
         raise SafetensorsError(f"{source}: the header is JSON but not an object; corrupt file")
@@ -327,6 +330,60 @@ def save_file(
     return hashlib.sha256(data).hexdigest()
 
 
+def _declared_size(p: Path) -> int:
+    """The size the header of ``p`` declares (8 + header + tensor data), read before the data.
+
+    Only the header is read: a file that is not a regular file, or whose size differs from what
+    its header declares (a link to some huge file, a truncated file), is refused before its data
+    is read into memory.
+    """
+    from quark_onnx.model_io import read_regular_file
+
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise SafetensorsError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            read_regular_file(p, limit=0, what="safetensors file", error=SafetensorsError)
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            return info.st_size  # deserialize names the short file
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES or 8 + length > info.st_size:
+            return info.st_size  # deserialize names the bad header length
+        head = os.pread(fd, length, 8)
+    except OSError as exc:
+        raise SafetensorsError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        header = None
+    if not isinstance(header, dict):
+        # the full parse names the problem; never read more than the header for it
+        deserialize(prefix + head, str(p))
+        return info.st_size
+    ends = [
+        e["data_offsets"][1]
+        for k, e in header.items()
+        if k != _METADATA
+        and isinstance(e, dict)
+        and isinstance(e.get("data_offsets"), list)
+        and len(e["data_offsets"]) == 2
+        and isinstance(e["data_offsets"][1], int)
+    ]
+    declared = 8 + length + max(ends, default=0)
+    if declared != info.st_size:
+        raise SafetensorsError(
+            f"{p}: the header declares {declared} bytes but the file holds {info.st_size}; "
+            "the file is truncated, padded or not the parameter file that was written"
+        )
+    return declared
+
+
 def load_file(
     path: str | os.PathLike, *, sha256: str | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -339,11 +396,11 @@ def load_file(
         SafetensorsError: missing/unreadable file, digest mismatch, or any check of
             :func:`deserialize`.
     """
+    from quark_onnx.model_io import read_regular_file
+
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise SafetensorsError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    size = _declared_size(p)
+    data = read_regular_file(p, limit=size, what="safetensors file", error=SafetensorsError)
     if sha256 is not None:
         digest = hashlib.sha256(data).hexdigest()
         if digest != sha256:

@@ -80,6 +80,10 @@ REG_WEIGHT = 10.0
 DAMPING = 0.01
 
 
+#: Upper bounds of the count settings: above them AdaRound would run for days.
+_MAX_SETTING = {"NumIterations": 1_000_000, "NumBatches": 100_000}
+
+
 @dataclass(frozen=True)
 class AdaRoundSettings:
     """Typed ``FastFinetune`` settings (see the module docstring)."""
@@ -106,6 +110,11 @@ class AdaRoundSettings:
             if isinstance(value, bool) or not ok:
                 raise ConfigError(
                     f"FastFinetune setting {key!r} expects {want.__name__}, got {value!r}"
+                )
+            if key in _MAX_SETTING and value > _MAX_SETTING[key]:
+                raise ConfigError(
+                    f"FastFinetune setting {key}={value!r} is out of range: at most "
+                    f"{_MAX_SETTING[key]} (it sets how long AdaRound runs)"
                 )
             if value < 0 or (key == "LearningRate" and value == 0):
                 raise ConfigError(f"FastFinetune setting {key!r} must be positive, got {value!r}")

@@ -15,8 +15,11 @@ feed and sample index, and what was expected.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,40 +233,24 @@ class NpzDataReader(ArrayDataReader):
         p = Path(path)
         if not p.is_file():
             raise CalibrationError(f"{p}: calibration data file not found")
-        try:
-            loaded = np.load(p, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise CalibrationError(f"{p}: not a readable .npz/.npy file ({exc})") from exc
-        if isinstance(loaded, np.ndarray):
-            array = loaded
-        else:
-            with loaded:
-                keys = list(loaded.files)
-                chosen = key
-                if chosen is None:
-                    if len(keys) == 1:
-                        chosen = keys[0]
-                    elif input_name in keys:
-                        chosen = input_name
-                    elif "x" in keys:
-                        chosen = "x"
-                    else:
-                        raise CalibrationError(
-                            f"{p}: holds arrays {keys}; say which one with key=..."
-                        )
-                if chosen not in keys:
-                    close = closest_name(chosen, keys)
-                    hint = f"; did you mean {close!r}?" if close else ""
-                    raise CalibrationError(f"{p}: no array {chosen!r}{hint} (arrays: {keys})")
-                try:
-                    array = loaded[chosen]
-                except ValueError as exc:  # object arrays need pickle, which is never allowed
-                    raise CalibrationError(
-                        f"{p}: array {chosen!r} holds Python objects (it would need pickle, "
-                        "which quark_onnx never loads); save plain numeric arrays"
-                    ) from exc
-        if limit is not None:
-            array = array[:limit]
+        keys = npz_keys(p)
+        chosen = key
+        if keys is None:
+            chosen = None  # a .npy file holds one array
+        elif chosen is None:
+            if len(keys) == 1:
+                chosen = keys[0]
+            elif input_name in keys:
+                chosen = input_name
+            elif "x" in keys:
+                chosen = "x"
+            else:
+                raise CalibrationError(f"{p}: holds arrays {keys}; say which one with key=...")
+        if keys is not None and chosen not in keys:
+            close = closest_name(chosen, keys)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise CalibrationError(f"{p}: no array {chosen!r}{hint} (arrays: {keys})")
+        array = load_array(p, chosen, limit)
         self.path = p
         self.input_name = input_name
         self._array = array
@@ -288,6 +275,168 @@ class NpzDataReader(ArrayDataReader):
                 "through quark_onnx (which binds it to the model's input)"
             )
         return super().get_next()
+
+
+# ------------------------------------------------------------------------------------------------
+# .npz / .npy files, read lazily within a memory bound
+# ------------------------------------------------------------------------------------------------
+
+
+def max_array_bytes() -> int:
+    """The most bytes one calibration array may take in memory: half the memory available now
+    (a file declaring more is refused from its header, before anything is allocated)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        available = 8 << 30
+    return max(available // 2, 64 << 20)
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _regular(p: Path) -> None:
+    """Refuse anything but a regular file before opening it (a FIFO would block, a device never
+    ends)."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as exc:
+        raise CalibrationError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    if not stat.S_ISREG(mode):
+        raise CalibrationError(
+            f"{p}: is not a regular file (a folder, device, FIFO or socket); give a .npz/.npy file"
+        )
+
+
+def npz_keys(path: str | os.PathLike) -> list[str] | None:
+    """The array names of a ``.npz`` archive; None for a ``.npy`` file.
+
+    Raises:
+        CalibrationError: not a regular file, empty, truncated, or neither format.
+    """
+    p = Path(path)
+    _regular(p)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+        if magic == _NPY_MAGIC:
+            return None
+        with zipfile.ZipFile(p) as archive:
+            return [n[: -len(".npy")] for n in archive.namelist() if n.endswith(".npy")]
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+        size = p.stat().st_size if p.exists() else 0
+        what = "the file is empty" if size == 0 else f"{type(exc).__name__}: {exc}"
+        raise CalibrationError(
+            f"{p}: not a readable .npz/.npy file ({what}); save it with numpy.savez or numpy.save"
+        ) from exc
+
+
+def _read_header(f: Any, source: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(f)
+        if version == (1, 0):
+            return npy.read_array_header_1_0(f)
+        return npy.read_array_header_2_0(f)
+    except (ValueError, OSError, EOFError) as exc:
+        raise CalibrationError(
+            f"{source}: not a valid .npy array header ({exc}); the file is corrupt or truncated"
+        ) from exc
+
+
+def _checked_shape(
+    shape: tuple[int, ...], dtype: np.dtype, source: str, limit: int | None
+) -> tuple[int, int]:
+    """(rows to read, bytes per row) after checking the header's claims against the bound."""
+    if dtype.hasobject:
+        raise CalibrationError(
+            f"{source} holds Python objects (it would need pickle, which quark_onnx never "
+            "loads); save plain numeric arrays"
+        )
+    if len(shape) == 0:
+        raise CalibrationError(
+            f"{source} is a 0-d array (a single number); calibration arrays hold samples on "
+            "axis 0: save shape (N, ...)"
+        )
+    row = dtype.itemsize
+    for d in shape[1:]:
+        row *= d
+    rows = shape[0] if limit is None else min(shape[0], max(limit, 0))
+    bound = max_array_bytes()
+    if rows * row > bound:
+        raise CalibrationError(
+            f"{source} declares shape {list(shape)} {dtype} ({shape[0] * row} bytes); reading "
+            f"{rows} samples needs {rows * row} bytes, above the {bound}-byte bound (half the "
+            "available memory): use fewer samples with --calib-limit N (CalibDataSize) or a "
+            "smaller file"
+        )
+    return rows, row
+
+
+def load_array(path: str | os.PathLike, key: str | None, limit: int | None = None) -> np.ndarray:
+    """The first ``limit`` samples (all when None) of array ``key`` of a ``.npz`` (``key`` None:
+    a ``.npy`` file), allocating only those.
+
+    The array header (shape and type) is read first and checked against the bytes the member
+    holds and against :func:`max_array_bytes`; only then are the rows that are needed read (a
+    ``.npy`` is memory-mapped: rows are read when used). Fortran-ordered arrays are read whole
+    (their first rows are not contiguous), within the same bound.
+
+    Raises:
+        CalibrationError: naming the file and array: unreadable, truncated, 0-d, object arrays,
+            or a declared size above the bound.
+    """
+    p = Path(path)
+    _regular(p)
+    if key is None:
+        source = str(p)
+        try:
+            with open(p, "rb") as f:
+                shape, fortran, dtype = _read_header(f, source)
+                offset = f.tell()
+            rows, row = _checked_shape(shape, dtype, source, limit)
+            total = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if offset + total > p.stat().st_size:
+                raise CalibrationError(
+                    f"{source}: its header declares {total} bytes of data but the file holds "
+                    f"{p.stat().st_size - offset}; the file is truncated"
+                )
+            array = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CalibrationError(f"{source}: not a readable .npy file ({exc})") from exc
+        return array[:rows]
+    source = f"{p}: array {key!r}"
+    try:
+        with zipfile.ZipFile(p) as archive:
+            info = archive.getinfo(f"{key}.npy")
+            with archive.open(info) as f:
+                shape, fortran, dtype = _read_header(f, source)
+                header = f.tell()
+                rows, row = _checked_shape(shape, dtype, source, limit)
+                total = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if header + total != info.file_size:
+                    raise CalibrationError(
+                        f"{source}: its header declares {total} bytes of data but the archive "
+                        f"member holds {info.file_size - header}; the file is corrupt"
+                    )
+                if fortran and rows < shape[0]:
+                    rows, row = _checked_shape(shape, dtype, source, None)
+                want = rows * row
+                data = f.read(want)
+    except CalibrationError:
+        raise
+    except (OSError, KeyError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+        raise CalibrationError(
+            f"{source}: cannot be read ({type(exc).__name__}: {exc}); the file is corrupt or "
+            "truncated"
+        ) from exc
+    if len(data) != want:
+        raise CalibrationError(f"{source}: the archive ends early; the file is truncated")
+    if fortran:
+        array = np.frombuffer(data, dtype=dtype).reshape(shape[::-1]).T
+        return array[:limit] if limit is not None else array
+    return np.frombuffer(data, dtype=dtype).reshape((rows, *shape[1:]))
 
 
 class RandomDataReader:
@@ -320,19 +469,59 @@ class RandomDataReader:
                         f"{label}: {name!r} is not an input of the model{hint} "
                         f"(inputs: {', '.join(names)})"
                     )
+        for label, value in (("RandomDataSamples", num_samples), ("RandomDataSeed", seed)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise CalibrationError(f"{label} must be a non-negative integer, got {value!r}")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
         self.shapes = {s.name: self._shape(s, (shapes or {}).get(s.name)) for s in self.specs}
-        self.ranges = {k: tuple(float(v) for v in r) for k, r in (ranges or {}).items()}
-        for name, r in self.ranges.items():
-            if len(r) != 2 or not r[0] < r[1]:
+        per_sample = 0
+        for spec in self.specs:
+            count = 1
+            for d in self.shapes[spec.name]:
+                count *= d
+            per_sample += count * spec.dtype.itemsize
+        bound = max_array_bytes()
+        if per_sample > bound:
+            raise CalibrationError(
+                f"random data: one sample of shapes {self.shapes} takes {per_sample} bytes, above "
+                f"the {bound}-byte bound (half the available memory); give smaller shapes with "
+                "RandomDataReaderInputShape"
+            )
+        self.ranges = {}
+        for name, r in (ranges or {}).items():
+            try:
+                values = tuple(float(v) for v in r)
+            except (TypeError, ValueError, OverflowError):
+                values = ()
+            if len(values) != 2 or not np.isfinite(values).all() or not values[0] < values[1]:
                 raise CalibrationError(
-                    f"random data range of {name!r} must be [low, high], got {r}"
+                    f"RandomDataReaderInputDataRange[{name!r}] must be [low, high] with finite "
+                    f"low < high, got {r!r}"
                 )
+            spec = next(sp for sp in self.specs if sp.name == name)
+            if np.issubdtype(spec.dtype, np.integer):
+                info = np.iinfo(spec.dtype)
+                if values[0] < info.min or values[1] > info.max + 1:
+                    raise CalibrationError(
+                        f"RandomDataReaderInputDataRange[{name!r}] = {list(r)} does not fit the "
+                        f"input's type {spec.dtype} ([{info.min}, {info.max + 1}))"
+                    )
+            self.ranges[name] = values
         self.rewind()
 
     @staticmethod
     def _shape(spec: InputSpec, given: Sequence[int] | None) -> tuple[int, ...]:
+        if given is not None:
+            ok = isinstance(given, Sequence) and not isinstance(given, (str, bytes))
+            if not ok or not all(
+                isinstance(d, (int, np.integer)) and not isinstance(d, bool) and 1 <= d < 2**31
+                for d in given
+            ):
+                raise CalibrationError(
+                    f"RandomDataReaderInputShape[{spec.name!r}] = {given!r}: expected a list of "
+                    "positive integer dimensions (each below 2^31)"
+                )
         if spec.dims is None:
             if given is None:
                 raise CalibrationError(
@@ -381,6 +570,59 @@ class RandomDataReader:
         return feed
 
 
+#: Feeds read from a reader of unknown length when ``CalibDataSize`` is 0 ("all"): a reader that
+#: never returns None would otherwise be consumed forever. Raise it with ``CalibDataSize``.
+DEFAULT_MAX_FEEDS = 10_000
+
+
+class GuardedReader:
+    """A user's reader as calibration consumes it: exceptions from ``get_next()`` become
+    :class:`CalibrationError` naming the reader, and a reader of unknown length stops after
+    :data:`DEFAULT_MAX_FEEDS` feeds (with a warning naming ``CalibDataSize``) unless
+    ``CalibDataSize`` asks for a number of samples."""
+
+    def __init__(self, reader: Any, options: ExtraOptions) -> None:
+        self._reader = reader
+        self._feeds = 0
+        known = getattr(reader, "num_samples", None)
+        if not isinstance(known, int) and hasattr(reader, "__len__"):
+            with contextlib.suppress(Exception):  # a broken __len__: length unknown
+                known = len(reader)
+        self._cap = None if options.CalibDataSize or isinstance(known, int) else DEFAULT_MAX_FEEDS
+        self.num_samples = getattr(reader, "num_samples", None)
+
+    def __getattr__(self, name: str) -> Any:  # bind, rewind, ... of the wrapped reader
+        return getattr(self._reader, name)
+
+    def get_next(self) -> Any:
+        if self._cap is not None and self._feeds >= self._cap:
+            logger.warning(
+                "calibration data reader %s: stopped after %d feeds (it has no known length "
+                "and CalibDataSize is 0); set the extra option CalibDataSize to read more or "
+                "fewer samples",
+                type(self._reader).__name__,
+                self._cap,
+            )
+            self._cap = None
+            self._feeds = -1  # stopped: every later call returns None
+            return None
+        if self._feeds < 0:
+            return None
+        try:
+            feed = self._reader.get_next()
+        except (CalibrationError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            raise CalibrationError(
+                f"calibration data reader {type(self._reader).__name__}.get_next() raised "
+                f"{type(exc).__name__}: {str(exc)[:200]} (after {self._feeds} feeds); fix the "
+                "reader"
+            ) from exc
+        if feed is not None:
+            self._feeds += 1
+        return feed
+
+
 def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> CalibrationDataReader:
     """The reader calibration uses.
 
@@ -417,4 +659,4 @@ def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> Ca
     bind = getattr(reader, "bind", None)
     if callable(bind):
         bind(model)
-    return reader
+    return GuardedReader(reader, options)

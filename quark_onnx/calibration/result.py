@@ -22,7 +22,7 @@ import onnx
 
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
 from quark_onnx.errors import CalibrationError
-from quark_onnx.model_io import atomic_write_bytes
+from quark_onnx.model_io import atomic_write_bytes, read_regular_file
 from quark_onnx.options import ExtraOptions, closest_name
 
 from .observers import (
@@ -35,6 +35,9 @@ from .observers import (
 
 #: Version 2: histograms hold exact integer offset statistics (version 1 held float sums).
 FORMAT = "quark_onnx.calibration/2"
+#: Largest saved result read: a few KB per calibrated tensor (histograms hold only nonzero
+#: buckets), so even 20k tensors stay below; anything bigger is refused unread.
+MAX_RESULT_BYTES = 256 << 20
 
 
 def model_hash(model: onnx.ModelProto) -> str:
@@ -71,6 +74,8 @@ def model_hash(model: onnx.ModelProto) -> str:
             put(*(f"{e.key}={e.value}" for e in init.external_data))
         elif init.HasField("raw_data"):
             put(init.raw_data)
+        elif init.data_type == onnx.TensorProto.STRING:
+            put(*init.string_data)  # bytes as stored: not necessarily UTF-8 text
         else:
             put(onnx.numpy_helper.to_array(init).tobytes())
     for sparse in graph.sparse_initializer:
@@ -280,12 +285,18 @@ class CalibrationResult:
     def load(cls, path: str | os.PathLike, model: onnx.ModelProto) -> CalibrationResult:
         """Read a saved result, refusing one made for a model other than ``model``."""
         p = Path(path)
+        if not p.exists():
+            raise CalibrationError(f"{p}: calibration result not found")
+        data = read_regular_file(
+            p, limit=MAX_RESULT_BYTES, what="calibration result", error=CalibrationError
+        )
         try:
-            d = json.loads(p.read_bytes())
-        except FileNotFoundError:
-            raise CalibrationError(f"{p}: calibration result not found") from None
-        except (OSError, ValueError) as exc:
-            raise CalibrationError(f"{p}: cannot read the calibration result ({exc})") from exc
+            d = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            # (RecursionError: nested deeper than the JSON parser's recursion limit)
+            raise CalibrationError(
+                f"{p}: cannot read the calibration result ({type(exc).__name__}: {str(exc)[:200]})"
+            ) from exc
         result = cls.from_dict(d, str(p))
         expected = model_hash(model)
         if result.model_hash != expected:

@@ -19,8 +19,10 @@ case can be replayed from its seed outside hypothesis:
 from __future__ import annotations
 
 import copy
+import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -374,3 +376,103 @@ class ListReader:
 
     def get_next(self) -> dict[str, object] | None:
         return next(self._feeds, None)
+
+
+# --- generators of the second reliability round: external data, readers, output paths --------
+
+
+def write_external(model: onnx.ModelProto, folder: Path, rnd: random.Random) -> list[Path]:
+    """Write ``model`` as ``folder/m.onnx`` with every initializer in ``folder/w.bin``; with
+    probability 3/4 one reference is corrupted: a length that disagrees with the dims (by a few
+    bytes or by a declared size of up to 2^62), no length, or an offset past the end; the data
+    file is sometimes extended (sparse) so the declared range exists. Returns the input files."""
+    blob = bytearray()
+    tensors = list(model.graph.initializer)
+    for tensor in tensors:
+        data = tensor.raw_data or onnx.numpy_helper.to_array(tensor).tobytes()
+        tensor.ClearField("raw_data")
+        del tensor.float_data[:]
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", "w.bin"), ("offset", len(blob)), ("length", len(data))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(value)
+        blob += data
+    extend = 0
+    if tensors and rnd.random() < 0.75:
+        victim = rnd.choice(tensors)
+        info = {e.key: e for e in victim.external_data}
+        kind = rnd.choice(["delta", "bomb", "no_length", "offset"])
+        if kind == "delta":
+            info["length"].value = str(
+                max(0, int(info["length"].value) + rnd.choice([-4, -1, 1, 8]))
+            )
+        elif kind == "bomb":
+            declared = 1 << rnd.randint(20, 62)
+            info["length"].value = str(declared)
+            if declared <= 1 << 34 and rnd.random() < 0.5:
+                extend = int(info["offset"].value) + declared
+        elif kind == "no_length":
+            victim.external_data.remove(info["length"])
+        else:
+            info["offset"].value = str(len(blob) + rnd.randint(1, 1 << 40))
+    folder.mkdir(parents=True, exist_ok=True)
+    data_path = folder / "w.bin"
+    data_path.write_bytes(bytes(blob))
+    if extend > len(blob):
+        with open(data_path, "r+b") as f:
+            f.truncate(extend)  # sparse: the declared bytes exist but take no disk
+    path = folder / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    return [path, data_path]
+
+
+class WrongReader:
+    """A reader whose feeds go wrong in one of the ways users' readers do: a list, an array, a
+    string, an int instead of a dict, an exception from ``get_next``, or (1 in 4) nothing wrong."""
+
+    KINDS = ("ok", "list", "array", "str", "int", "raise", "dict_of_lists", "wrong_dtype")
+
+    def __init__(self, rnd: random.Random, samples: int) -> None:
+        self.kind = rnd.choice(self.KINDS)
+        self.left = samples
+        self.rnd = rnd
+
+    def get_next(self) -> object:
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        x = np.asarray(self.rnd.random(), np.float32) * np.ones(IMAGE, np.float32)
+        return {
+            "ok": {"x": x},
+            "list": [x],
+            "array": x,
+            "str": "x",
+            "int": 7,
+            "dict_of_lists": {"x": x.tolist()},
+            "wrong_dtype": {"x": x.astype(np.float64)},
+        }.get(self.kind) or self._raise()
+
+    def _raise(self) -> None:
+        raise RuntimeError("the user's reader broke")
+
+
+def output_spelling(path: Path, data: Path, rnd: random.Random) -> Path:
+    """A path naming one of the inputs (model or its data file) in another spelling, or a FIFO."""
+    folder = path.parent
+    target = rnd.choice([path, data])
+    kind = rnd.choice(["same", "dotdot", "dot", "symlink", "hardlink", "fifo"])
+    if kind == "same":
+        return target
+    if kind == "dotdot":
+        (folder / "sub").mkdir(exist_ok=True)
+        return folder / "sub" / ".." / target.name
+    if kind == "dot":
+        return folder / "." / target.name
+    link = folder / f"{kind}.{rnd.randrange(1 << 30)}.onnx"
+    if kind == "symlink":
+        link.symlink_to(target.name)
+    elif kind == "hardlink":
+        os.link(target, link)
+    else:
+        os.mkfifo(link)
+    return link

@@ -25,17 +25,29 @@ from __future__ import annotations
 
 import collections
 import faulthandler
+import hashlib
 import json
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
 import onnx
 import onnxruntime as ort
 import pytest
-from fuzz_models import SEEDS, ListReader, mutate_bytes, mutate_feeds, mutate_structure, quantizer
+from fuzz_models import (
+    SEEDS,
+    ListReader,
+    WrongReader,
+    mutate_bytes,
+    mutate_feeds,
+    mutate_structure,
+    output_spelling,
+    quantizer,
+    write_external,
+)
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -45,7 +57,20 @@ from quark_onnx.model_io import load_model
 CASES = int(os.environ.get("QUARK_FUZZ_CASES", "2000"))
 CASE_TIMEOUT = float(os.environ.get("QUARK_FUZZ_CASE_TIMEOUT", "120"))
 LAST_CASE = os.environ.get("QUARK_FUZZ_LAST")
-FAMILIES = ("bytes", "structure", "feeds")
+FAMILIES = ("bytes", "structure", "feeds", "external", "readers", "outputs")
+#: Families whose every case must be refused (no case can get through).
+_ALWAYS_REFUSED = frozenset({"outputs"})
+
+
+def _digests(paths: list[Path]) -> dict[Path, tuple[int, int, bytes]]:
+    """Size, modification time and the hash of the first MiB: the data files of the size-bomb
+    cases are sparse files of up to 16 GiB that must not be read whole."""
+    out = {}
+    for p in paths:
+        info = p.stat()
+        with open(p, "rb") as f:
+            out[p] = (info.st_size, info.st_mtime_ns, hashlib.sha256(f.read(1 << 20)).digest())
+    return out
 
 
 def run_case(family: str, model_name: str, case_seed: int, steps: int, folder: Path) -> str:
@@ -59,6 +84,35 @@ def run_case(family: str, model_name: str, case_seed: int, steps: int, folder: P
     out = folder / f"{family}.quant.onnx" if rnd.random() < 0.25 else None
     reader = None
     optimize = rnd.random() < 0.1
+    inputs: list[Path] = []
+    if family in ("external", "outputs"):
+        # a fresh folder per case: links and FIFOs of earlier cases never linger
+        sub = folder / f"{family}-{case_seed}"
+        shutil.rmtree(sub, ignore_errors=True)  # (a case replayed while shrinking)
+        inputs = write_external(model, sub, rnd if family == "external" else random.Random(-1))
+        path = inputs[0]
+        if family == "outputs":
+            out = output_spelling(path, inputs[1], rnd)
+    elif family == "readers":
+        path.write_bytes(model.SerializeToString())
+        reader = WrongReader(rnd, samples=steps)
+    if family in ("external", "outputs", "readers"):
+        before = _digests(inputs)
+        special = out is not None and (out.is_symlink() or out.is_fifo() or out.exists())
+        q = quantizer(samples=rnd.choice([1, 2]), optimize=optimize, UseRandomData=reader is None)
+        try:
+            result = q.quantize_model(path, out, reader)
+        except QuarkOnnxError as exc:
+            assert str(exc), "a QuarkOnnxError must carry a message"
+            assert not special or out.is_symlink() or out.is_fifo() or out.exists()
+            if family == "outputs":
+                assert type(exc).__name__ == "ModelSaveError", exc
+            return type(exc).__name__
+        finally:
+            assert _digests(inputs) == before, "an input file changed"
+        assert family != "outputs", f"{out} (an input) was accepted as the output"
+        onnx.checker.check_model(result)
+        return "ok"
     if family == "bytes":
         path.write_bytes(mutate_bytes(model.SerializeToString(), rnd, steps))
     elif family == "structure":
@@ -184,4 +238,7 @@ def test_fuzz_quantize_model(tmp_path):
     assert total >= CASES, f"only {total} of {CASES} cases ran"
     # every family reaches quantization sometimes, so the fuzz is not all load failures
     for family in FAMILIES:
+        if family in _ALWAYS_REFUSED:
+            assert outcomes[(family, "ok")] == 0
+            continue
         assert outcomes[(family, "ok")] > 0 or CASES < 100, f"no {family} case got through"

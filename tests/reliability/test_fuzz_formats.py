@@ -135,3 +135,58 @@ def test_edited_recipe_json_loads_or_raises_a_project_error(tmp_path_factory, ed
         path.write_text(json.dumps(document), encoding="utf-8")
         with contextlib.suppress(QuarkOnnxError):  # any other exception fails the test
             read_recipe(folder)
+
+
+# --- declared-size bombs: headers that claim far more than the file holds --------------------
+
+
+@settings(max_examples=max(40, CASES // 5), deadline=None, derandomize=True)
+@given(
+    st.integers(0, 62),
+    st.sampled_from(["I8", "F32", "F64"]),
+    st.integers(0, 3),
+    st.booleans(),
+)
+def test_safetensors_declaring_huge_tensors_are_refused_unread(exponent, code, rank, sparse):
+    shape = [1 << exponent] + [1] * rank
+    end = (1 << exponent) * safetensors_io.DTYPES[code].itemsize
+    head = json.dumps({"t": {"dtype": code, "shape": shape, "data_offsets": [0, end]}}).encode()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "p.safetensors"
+        path.write_bytes(len(head).to_bytes(8, "little") + head + b"\0" * min(end, 64))
+        if sparse and end <= 1 << 30:
+            with open(path, "r+b") as f:
+                f.truncate(8 + len(head) + end)  # the declared bytes exist (sparse)
+        try:
+            tensors, _ = safetensors_io.load_file(path)
+        except QuarkOnnxError:
+            return
+        assert tensors["t"].nbytes == end <= 1 << 30
+
+
+@settings(max_examples=max(40, CASES // 5), deadline=None, derandomize=True)
+@given(st.integers(0, 62), st.integers(0, 3), st.sampled_from([None, 1, 3]), st.booleans())
+def test_npz_headers_declaring_huge_arrays_are_refused_or_read_within_bound(
+    exponent, extra_dims, limit, npy
+):
+    import zipfile
+
+    from quark_onnx.calibration.readers import load_array
+
+    shape = (1 << exponent, *([2] * extra_dims))
+    header = {"descr": "<f4", "fortran_order": False, "shape": shape}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / ("c.npy" if npy else "c.npz")
+        if npy:
+            with open(path, "wb") as f:
+                np.lib.format.write_array_header_1_0(f, header)
+                f.write(b"\0" * 64)
+        else:
+            with zipfile.ZipFile(path, "w") as archive, archive.open("x.npy", "w") as f:
+                np.lib.format.write_array_header_1_0(f, header)
+                f.write(b"\0" * 64)
+        try:
+            array = load_array(path, None if npy else "x", limit)
+        except QuarkOnnxError:
+            return
+        assert array.nbytes <= 64

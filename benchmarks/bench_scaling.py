@@ -1,0 +1,149 @@
+"""Node-count scaling of the XINT8 quantizer: time per node and peak memory as graphs grow.
+
+Run from the repository root::
+
+    python benchmarks/bench_scaling.py                      # Conv 1k..20k, Add 50k
+    python benchmarks/bench_scaling.py --conv 1000 5000 --add 0
+    python benchmarks/bench_scaling.py --json benchmarks/results/scaling.json
+
+Models (built here with ``onnx.helper``, weights from a fixed seed):
+
+* ``conv N``: ``x[1,4,8,8]`` through N 1x1 Convs (4 -> 4 channels, orthogonal weights so values
+  stay in range at any depth, small bias): the plan, the calibration outputs, the constraint
+  solver and Q/DQ insertion all grow with N while every node stays tiny, so any cost above O(N)
+  shows as a growing time/node.
+* ``add N``: ``x[1,16]`` through N ``Add`` nodes, each adding a constant ``[16]`` vector: the
+  model is small on disk (~1.7 MB at 50k) and peak memory measures per-node bookkeeping.
+
+Each size runs in a fresh interpreter (``python -c``) so that its peak resident memory
+(``ru_maxrss``) is its own; the quantizer's per-stage timings come from its report. XINT8 preset,
+2 random calibration samples, ``optimize_model=False`` (onnxsim would fold the chain).
+
+Targets: time/node at 20k Convs at most 1.5x that at 1k; peak RSS of 50k Adds at most 400 MB.
+This is a measurement, not a test: numbers move by a few percent between runs on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys, tempfile, time
+    from pathlib import Path
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    kind, n = sys.argv[1], int(sys.argv[2])
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    if kind == "conv":
+        c = 4
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 8, 8])
+        y = helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [1, c, 8, 8])
+        for i in range(n):
+            # an orthogonal matrix: activations keep their norm through any depth
+            w = np.linalg.qr(rng.standard_normal((c, c)))[0][:, :, None, None]
+            inits.append(onnx.numpy_helper.from_array(w.astype(np.float32), f"w{i}"))
+            b = rng.standard_normal(c).astype(np.float32) * 0.1
+            inits.append(onnx.numpy_helper.from_array(b, f"b{i}"))
+            nodes.append(helper.make_node(
+                "Conv", ["x" if i == 0 else f"t{i}", f"w{i}", f"b{i}"], [f"t{i + 1}"],
+                name=f"conv{i}", kernel_shape=[1, 1], strides=[1, 1], pads=[0, 0, 0, 0],
+                dilations=[1, 1], group=1))
+    else:
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])
+        y = helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [1, 16])
+        for i in range(n):
+            v = (rng.standard_normal(16) * 0.01).astype(np.float32)
+            inits.append(onnx.numpy_helper.from_array(v, f"c{i}"))
+            nodes.append(helper.make_node(
+                "Add", ["x" if i == 0 else f"t{i}", f"c{i}"], [f"t{i + 1}"], name=f"add{i}"))
+    graph = helper.make_graph(nodes, "chain", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder = Path(tempfile.mkdtemp())
+    path = folder / "chain.onnx"
+    onnx.save(model, path)
+    del model, graph, nodes, inits
+    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+    qc = get_default_config("XINT8")
+    qc.optimize_model = False
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=2)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    start = time.perf_counter()
+    quantizer.quantize_model(path, folder / "q.onnx", progress=False)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({
+        "kind": kind, "nodes": n, "seconds": seconds, "us_per_node": seconds / n * 1e6,
+        "peak_rss_mb": round(peak, 1), "rss_after_build_mb": round(built, 1),
+        "model_mb": round(path.stat().st_size / 2**20, 2),
+        "stages": quantizer.report.timings,
+    }))
+    """
+)
+
+
+def run(kind: str, n: int, profile: str | None = None) -> dict:
+    """Quantize one chain in a fresh interpreter; its measurements as a dict."""
+    if profile:
+        cmd = [sys.executable, "-m", "pyinstrument", "-o", profile, "-r", "text", "-c", _CHILD]
+    else:
+        cmd = [sys.executable, "-c", _CHILD]
+    proc = subprocess.run(
+        [*cmd, kind, str(n)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} {n}: failed\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conv", type=int, nargs="*", default=[1000, 2000, 5000, 10000, 20000])
+    parser.add_argument("--add", type=int, nargs="*", default=[50000])
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--profile", metavar="DIR", type=Path, help="write a pyinstrument text profile per size"
+    )
+    args = parser.parse_args()
+    rows = []
+    for kind, sizes in (("conv", args.conv), ("add", [n for n in args.add if n])):
+        for n in sizes:
+            profile = str(args.profile / f"{kind}{n}.txt") if args.profile else None
+            row = run(kind, n, profile)
+            rows.append(row)
+            stages = ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(row["stages"].items(), key=lambda kv: -kv[1])[:4]
+            )
+            print(
+                f"{kind:4} {n:6d} nodes: {row['seconds']:7.1f} s  {row['us_per_node']:7.0f} us/node"
+                f"  peak {row['peak_rss_mb']:6.0f} MB  ({stages})",
+                flush=True,
+            )
+    conv = {r["nodes"]: r for r in rows if r["kind"] == "conv"}
+    if conv:
+        small, large = min(conv), max(conv)
+        ratio = conv[large]["us_per_node"] / conv[small]["us_per_node"]
+        print(f"time/node at {large} vs {small} Convs: {ratio:.2f}x (target <= 1.5x)")
+    for r in rows:
+        if r["kind"] == "add":
+            print(f"peak RSS of {r['nodes']} Adds: {r['peak_rss_mb']:.0f} MB (target <= 400 MB)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
