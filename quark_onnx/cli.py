@@ -1049,7 +1049,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
     if args.calib_limit is not None and args.calib_limit < 1:
         raise ConfigError(f"--calib-limit {args.calib_limit}: expected a positive number")
-    if args.compare_samples < 0:
+    if args.compare_samples is not None and args.compare_samples < 0:
         raise ConfigError(
             f"--compare-samples {args.compare_samples}: expected 0 (no comparison) or more"
         )

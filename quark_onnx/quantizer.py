@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ import onnx
 
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.enums import PowerOfTwoMethod
-from quark_onnx.errors import ConfigError, FidelityError, QuantizationError
+from quark_onnx.errors import CalibrationError, ConfigError, FidelityError, QuantizationError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.report import QuantizationReport
 
@@ -649,8 +649,9 @@ class _PeekableReader:
     first ``keep`` samples are kept (bounded memory) for the stages that run after calibration
     (bias correction, AdaRound, error analysis)."""
 
-    def __init__(self, reader: Any, keep: int = 0) -> None:
+    def __init__(self, reader: Any, keep: int = 0, specs: Sequence[Any] = ()) -> None:
         self._reader = reader
+        self._specs = list(specs)  # the model's inputs: peeked feeds are checked against them
         self._ahead: list[dict[str, np.ndarray]] = []  # read by peek, not yet by get_next
         self._ended = False
         self._keep = keep
@@ -663,12 +664,25 @@ class _PeekableReader:
 
     def peek(self, count: int = 1) -> list[dict[str, np.ndarray]]:
         """Copies of the first ``count`` samples (fewer if the reader has fewer); get_next still
-        returns them, in order."""
+        returns them, in order.
+
+        Raises:
+            CalibrationError: a peeked feed is not a dict of the model's inputs (the message
+                calibration would give for it).
+        """
+        from quark_onnx.calibration.readers import validate_feed
+
         while len(self._ahead) < count and not self._ended:
             feed = self._reader.get_next()
             if feed is None:
                 self._ended = True
             else:
+                if self._specs:
+                    try:
+                        validate_feed(feed, self._specs, len(self._ahead), len(self._ahead))
+                    except CalibrationError as exc:
+                        name = getattr(self._reader, "reader_name", type(self._reader).__name__)
+                        raise CalibrationError(f"calibration data reader {name}: {exc}") from exc
                 self._ahead.append(feed)
         return [{k: np.array(v, copy=True) for k, v in f.items()} for f in self._ahead[:count]]
 
@@ -731,9 +745,9 @@ def _make_reader(
         )
     if callable(getattr(reader, "bind", None)):
         reader.bind(model)  # readers that take their input name from the model (.npz files)
-    from quark_onnx.calibration.readers import GuardedReader
+    from quark_onnx.calibration.readers import GuardedReader, input_specs
 
-    return _PeekableReader(GuardedReader(reader, options), keep=keep)
+    return _PeekableReader(GuardedReader(reader, options), keep=keep, specs=input_specs(model))
 
 
 def _npz_reader(path: str | os.PathLike, model: onnx.ModelProto) -> Any:

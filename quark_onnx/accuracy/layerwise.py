@@ -670,7 +670,14 @@ class Replay:
         data = model.SerializeToString()
         # the proto holds a copy of the segment's weights: gone before onnxruntime makes its own
         del model, graph
-        return ort.InferenceSession(data, session_options(), providers=["CPUExecutionProvider"])
+        try:
+            return ort.InferenceSession(data, session_options(), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise QuantizationError(
+                f"{self.label}: onnxruntime cannot load the segment ending at "
+                f"{seg.outputs[-1] if seg.outputs else '?'}: {first[:300]}"
+            ) from exc
 
 
 def session_options() -> Any:

@@ -583,6 +583,8 @@ class GuardedReader:
 
     def __init__(self, reader: Any, options: ExtraOptions) -> None:
         self._reader = reader
+        #: the user's reader class, for messages about what it returned
+        self.reader_name = type(reader).__name__
         self._feeds = 0
         known = getattr(reader, "num_samples", None)
         if not isinstance(known, int) and hasattr(reader, "__len__"):
