@@ -740,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if technique:
                 err = row.get("error", "")[-200:]
-                print(f"  no-{technique}: SQNR {row.get('min_sqnr_db')} {err}", flush=True)
+                label = "preset" if technique == REFERENCE else f"no-{technique}"
+                print(f"  {label}: SQNR {row.get('min_sqnr_db')} {err}", flush=True)
             else:
                 print(table([row], []).splitlines()[-1], flush=True)
     tpath, jpath = write_results(args.name, rows, meta)
