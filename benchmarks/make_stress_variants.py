@@ -582,6 +582,7 @@ def write_atomic(model: onnx.ModelProto, out: Path) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the variant is an ordinary model file
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
