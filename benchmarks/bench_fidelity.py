@@ -535,6 +535,7 @@ def _atomic_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are ordinary files
     os.replace(tmp, path)
 
 
@@ -740,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if technique:
                 err = row.get("error", "")[-200:]
-                print(f"  no-{technique}: SQNR {row.get('min_sqnr_db')} {err}", flush=True)
+                label = "preset" if technique == REFERENCE else f"no-{technique}"
+                print(f"  {label}: SQNR {row.get('min_sqnr_db')} {err}", flush=True)
             else:
                 print(table([row], []).splitlines()[-1], flush=True)
     tpath, jpath = write_results(args.name, rows, meta)

@@ -93,6 +93,7 @@ class _Graph:
         self.outputs = {o.name for o in g.output}
         self.inits = {t.name: t for t in g.initializer}
         self._names = {n for node in g.node for n in (*node.input, *node.output)} | set(self.inits)
+        self.widened: set[str] = set()  # tensors that gained channels (stale value_info)
         self.channels: dict[str, int] = {}
         inferred = onnx.shape_inference.infer_shapes(model)
         for vi in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output):
@@ -417,6 +418,7 @@ def _add_out_channels(g: _Graph, chain: _Chain, w_rows: np.ndarray, biases: np.n
     conv = chain.conv
     w = g.array(conv.input[1])
     n = len(biases)
+    g.widened.update(node.output[0] for node in (conv, chain.bn, chain.act) if node is not None)
     g.set_array(conv.input[1], np.concatenate([w, w_rows.astype(w.dtype)]))
     _extend(g, _bias_name(g, conv, w.shape[0]), biases)
     if _attr(conv, "group", 1) > 1:  # depthwise: one more group
@@ -497,8 +499,11 @@ def deadconst(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, int
             const += int(np.sum(dw_values != 0))
             for sub_reader in sub.readers:
                 _add_in_channels(g, sub_reader, dw_values, rng)
-    # Shapes of the widened tensors changed: let shape inference redo them.
+    # The widened tensors' recorded shapes are stale: drop them (shape inference redoes them);
+    # every other tensor keeps its recorded type and shape, as in the original.
+    kept = [vi for vi in model.graph.value_info if vi.name not in g.widened]
     del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
     return {"sites": len(plans), "dead_channels": dead, "constant_channels": const}
 
 
@@ -577,6 +582,7 @@ def write_atomic(model: onnx.ModelProto, out: Path) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the variant is an ordinary model file
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
