@@ -247,7 +247,8 @@ def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     if node.domain not in _STANDARD or len(node.inputs) < 2:
         return None
     weight = _const(node.inputs[1])
-    if weight is None or weight.dtype not in _FLOAT_DTYPES:
+    # a layer with non-finite weights is left alone: no constant is exact through it
+    if weight is None or weight.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(weight)):
         return None
     if node.op_type == "Conv" and weight.ndim < 3:
         return None
@@ -256,7 +257,7 @@ def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     bias = None
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         bias = _const(node.inputs[2])
-        if bias is None or bias.dtype not in _FLOAT_DTYPES:
+        if bias is None or bias.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(bias)):
             return None
         if node.op_type == "Conv" and bias.shape != (weight.shape[0],):
             return None
