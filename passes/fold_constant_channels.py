@@ -58,11 +58,12 @@ different input channels, whose magnitudes cannot be compared this way.)
 Clamped channels (with samples). A dead channel (tiny weights, a negative bias, then Relu) is
 exactly 0 for every input with ``||W1[c]||_1 * max|x| < -b1[c]``, however large its readers'
 weights; the same holds for a channel a Clip saturates. Given sample inputs, the pass measures
-``X = max|x|`` at each ungrouped Conv's input and propagates the interval ``b1[c] +- ||W1[c]||_1
-* margin * X`` (default ``margin = 10``) through the ops above (interval arithmetic; a depthwise
-Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a single point at every
-consumer is *clamped*: constant for every input up to ``margin`` times the largest the samples
-showed, so folding it changes nothing there.
+``X_i = max|x_i|`` per input channel of each ungrouped Conv (floored at 1e-2 of the largest, so
+a channel one sample leaves at 0 still counts) and propagates the interval ``b1[c] +- margin *
+sum_i ||W1[c, i]||_1 X_i`` (default ``margin = 10``) through the ops above (interval
+arithmetic; a depthwise Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a
+single point at every consumer is *clamped*: constant for every input up to ``margin`` times the
+largest the samples showed, so folding it changes nothing there.
 
 A negligible or clamped channel is folded only when every reader is foldable (all paths end in
 Conv/Gemm consumers where the fold is exact and no value on the way is a graph output); its
@@ -98,10 +99,15 @@ DEFAULT_TOLERANCE = 1e-4
 #: Default of :attr:`FoldConstantChannels.margin` (see the module docstring).
 DEFAULT_MARGIN = 10.0
 FOLD_KINDS = ("zero", "clamped", "negligible")
+#: A sample input channel's ``max |x_i|`` counts as at least this times the largest channel's.
+INPUT_FLOOR = 1e-2
 
 
-def _max_abs(model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]) -> dict[str, float]:
-    """``max |v|`` of the named values of ``model`` on ``feeds`` (onnxruntime, CPU)."""
+def _max_abs(
+    model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]
+) -> dict[str, np.ndarray]:
+    """Per-channel (axis 1) ``max |v|`` of the named values of ``model`` on ``feeds``
+    (onnxruntime, CPU)."""
     import onnx
     import onnxruntime as ort
 
@@ -119,7 +125,12 @@ def _max_abs(model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]) ->
         proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     arrays = session.run(names, feeds)
-    return {n: float(np.max(np.abs(a))) for n, a in zip(names, arrays, strict=True) if a.size}
+    ranges = {}
+    for name, array in zip(names, arrays, strict=True):
+        if array.ndim >= 2 and array.size:
+            flat = np.moveaxis(np.abs(array), 1, 0).reshape(array.shape[1], -1)
+            ranges[name] = flat.max(axis=1).astype(np.float64)
+    return ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +247,8 @@ def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     if node.domain not in _STANDARD or len(node.inputs) < 2:
         return None
     weight = _const(node.inputs[1])
-    if weight is None or weight.dtype not in _FLOAT_DTYPES:
+    # a layer with non-finite weights is left alone: no constant is exact through it
+    if weight is None or weight.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(weight)):
         return None
     if node.op_type == "Conv" and weight.ndim < 3:
         return None
@@ -245,7 +257,7 @@ def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
     bias = None
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         bias = _const(node.inputs[2])
-        if bias is None or bias.dtype not in _FLOAT_DTYPES:
+        if bias is None or bias.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(bias)):
             return None
         if node.op_type == "Conv" and bias.shape != (weight.shape[0],):
             return None
@@ -548,15 +560,16 @@ class FoldConstantChannels(QuarkPass):
         per_input = np.abs(layer.weight.reshape(channels, cpg, -1)).sum(axis=2)  # [C, cpg]
         exact = ~np.any(per_input, axis=1)
         bias = layer.effective_bias()
-        # ||W[c]||_1 * max|x| bounds the channel's variation around its bias. The samples'
-        # max|x| is used only for ungrouped producers, whose channels all read every input
-        # channel: a depthwise channel reads one, which a few samples may show near 0 although
-        # other inputs drive it
+        # sum_i ||W[c, i]||_1 * max|x_i| bounds the channel's variation around its bias. The
+        # samples' per-channel max|x_i| (floored at INPUT_FLOOR of the largest, so a channel a
+        # sample leaves at 0 still counts) is used only for ungrouped producers, whose channels
+        # all read every input channel: a depthwise channel reads just one
         variation = per_input.sum(axis=1)
         x_max = self._input_max.get(producer.inputs[0].name) if layer.group == 1 else None
-        with np.errstate(invalid="ignore", over="ignore"):
-            scale = np.inf if x_max is None else x_max * self.margin
-            radius = np.where(exact, 0.0, variation * scale)
+        radius = np.where(exact, 0.0, np.inf)
+        if x_max is not None and x_max.size == cpg:
+            x_in = np.maximum(x_max, INPUT_FLOOR * float(np.max(x_max)))
+            radius = np.where(exact, 0.0, (per_input @ x_in) * self.margin)
         leaves: list[_Leaf] = []
         start = _Path(
             idx=np.arange(channels),
@@ -642,9 +655,9 @@ class FoldConstantChannels(QuarkPass):
             self.report.kept.append(f"{_label(producer)}[{int(c)}]")
         return modified
 
-    def _measure_inputs(self, model: ir.Model) -> dict[str, float]:
-        """``max |x|`` over the samples of every ungrouped Conv's input (empty without samples,
-        or when onnxruntime cannot run the model: then the pass works data-free)."""
+    def _measure_inputs(self, model: ir.Model) -> dict[str, np.ndarray]:
+        """Per-channel ``max |x|`` over the samples of every ungrouped Conv's input (empty
+        without samples, or when onnxruntime cannot run the model: then the pass is data-free)."""
         if not self.sample_feeds:
             return {}
         names = sorted(
