@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,8 @@ from quark_onnx.errors import ConfigError, QuarkOnnxError
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'quark_onnx[ray]'"
+#: How long a ``HOST:PORT`` cluster address may take to accept a connection.
+CONNECT_TIMEOUT_SECONDS = 10.0
 #: How long Ctrl-C waits for interrupted tasks to remove their temporary files.
 CANCEL_WAIT_SECONDS = 30.0
 
@@ -61,6 +64,8 @@ def connected(address: str | None = None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    if address:
+        _check_reachable(address)
     try:
         ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
     except (ConnectionError, TimeoutError, ValueError) as exc:
@@ -73,6 +78,20 @@ def connected(address: str | None = None) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a ``HOST:PORT`` nothing listens on (Ray itself retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # ``auto``, ``ray://`` (Ray Client has its own timeout), or not a socket address
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_SECONDS).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"--ray {address}: nothing answers there ({exc}); give the address printed by "
+            "`ray start --head` (HOST:6379), `auto`, or ray://HOST:10001"
+        ) from exc
 
 
 def _quantize_task(job: Any, cwd: str) -> Any:

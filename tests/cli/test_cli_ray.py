@@ -92,7 +92,9 @@ def test_ray_batch_gives_the_outputs_reports_and_summary_of_one_process(cluster,
         cli.Job(index=i, model=str(m), name=n, out_dir=str(one), settings=settings)
         for i, (m, n) in enumerate(zip(models, names, strict=True))
     ]
-    reference = cli.run_batch(jobs, 1, cli._Console(len(jobs), io.StringIO()), False)
+    # the reference runs in fresh processes too (--jobs 2): the text of a protobuf parse error
+    # depends on what the process imported before, not on the runner
+    reference = cli.run_batch(jobs, 2, cli._Console(len(jobs), io.StringIO()), False)
 
     # the same batch as Ray tasks, each calibrated in 2 shards run as Ray tasks too
     sharded = cli.QuantizeSettings(
@@ -210,3 +212,15 @@ def _blank_seconds(line: str) -> str:
     if len(cells) >= 3 and cells[1] in ("ok", "failed"):
         cells[2] = "-"
     return "  ".join(cells)
+
+
+def test_an_address_nothing_answers_at_is_a_usage_error(work, tmp_path):
+    result = run_cli(
+        "quantize", work / "models" / "tiny0.onnx", "-o", tmp_path / "out", "--random-calib", "2",
+        "--ray", "127.0.0.1:1", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "error: --ray 127.0.0.1:1: nothing answers there"
+    )
+    assert not list((tmp_path / "out").glob("*.onnx"))
