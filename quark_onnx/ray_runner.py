@@ -24,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from quark_onnx import model_io
 from quark_onnx.errors import ConfigError, QuarkOnnxError
 
 logger = logging.getLogger(__name__)
@@ -66,18 +69,34 @@ def connected(address: str | None = None) -> Iterator[Any]:
         return
     if address:
         _check_reachable(address)
-    try:
-        ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
-    except (ConnectionError, TimeoutError, ValueError) as exc:
-        where = f"--ray {address}" if address else "--ray (RAY_ADDRESS or a local cluster)"
-        raise ConfigError(
-            f"{where}: cannot connect to a Ray cluster ({' '.join(str(exc).split())}); give the "
-            "address printed by `ray start --head` (host:6379), `auto`, or ray://HOST:10001"
-        ) from exc
+    with _keep_sigterm_handler():
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
+        except (ConnectionError, TimeoutError, ValueError) as exc:
+            where = f"--ray {address}" if address else "--ray (RAY_ADDRESS or a local cluster)"
+            raise ConfigError(
+                f"{where}: cannot connect to a Ray cluster ({' '.join(str(exc).split())}); give "
+                "the address printed by `ray start --head` (host:6379), `auto`, or "
+                "ray://HOST:10001"
+            ) from exc
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """Undo the ``SIGTERM`` handler ``ray.init`` installs in the driver (``sys.exit``), which it
+    does not remove on shutdown: the command line's own handler (temporary outputs removed,
+    exit code 143) stays in force."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main and hasattr(signal, "SIGTERM") else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _check_reachable(address: str) -> None:
@@ -155,28 +174,65 @@ def run_batch_ray(
         refs = {remote.remote(job, cwd): job for job in jobs}
         pending = list(refs)
         outcomes = []
+        terminated: list[int] = []
         try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                for ref in done:
-                    job = refs[ref]
-                    try:
-                        outcome = ray.get(ref)
-                    except Exception as exc:  # the worker died (killed, out of memory, ...)
-                        text = " ".join(str(getattr(exc, "cause", None) or exc).split())
-                        outcome = _failed(
-                            job,
-                            "the Ray task failed: " + (text[:300] or type(exc).__name__),
-                            traceback.format_exc(),
-                        )
-                    console.finished(outcome, debug)
-                    outcomes.append(outcome)
-        except KeyboardInterrupt:
+            with _recording_sigterm(terminated):
+                _collect(ray, refs, pending, outcomes, console, debug)
+        except KeyboardInterrupt as exc:
             _cancel(ray, pending)
+            if terminated and not isinstance(exc, model_io.Terminated):
+                # Ray turns any exception of a signal handler run inside its wait into a
+                # KeyboardInterrupt: SIGTERM stays SIGTERM for the command line (exit 143)
+                raise model_io.Terminated(f"received signal {terminated[0]}") from None
             raise
         finally:
             console.close()
     return sorted(outcomes, key=lambda o: o.index)
+
+
+def _collect(
+    ray: Any, refs: dict, pending: list, outcomes: list, console: Any, debug: bool
+) -> None:
+    """Wait for the tasks one by one; ``pending`` shrinks in place (what Ctrl-C cancels)."""
+    while pending:
+        done, rest = ray.wait(pending, num_returns=1)
+        pending[:] = rest
+        for ref in done:
+            job = refs[ref]
+            try:
+                outcome = ray.get(ref)
+            except Exception as exc:  # the worker died (killed, out of memory, ...)
+                text = " ".join(str(getattr(exc, "cause", None) or exc).split())
+                outcome = _failed(
+                    job,
+                    "the Ray task failed: " + (text[:300] or type(exc).__name__),
+                    traceback.format_exc(),
+                )
+            console.finished(outcome, debug)
+            outcomes.append(outcome)
+
+
+@contextlib.contextmanager
+def _recording_sigterm(received: list[int]) -> Iterator[None]:
+    """While the command line's ``SIGTERM`` handler is in force, also note the signal in
+    ``received`` (see :func:`run_batch_ray`)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "SIGTERM")
+        or signal.getsignal(signal.SIGTERM) is not model_io._raise_terminated
+    ):
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        received.append(signum)
+        model_io._raise_terminated(signum, frame)
+
+    previous = signal.signal(signal.SIGTERM, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cancel(ray: Any, refs: Sequence[Any]) -> None:
