@@ -8,10 +8,12 @@ positions chosen from it (NonOverflow from min/max; MinMSE from the integer buck
 are those of a single-process run: the quantized model is byte for byte the same. The only
 float statistic, a histogram's sum of squares, enters MinMSE as a constant added to every
 candidate's error (the spread of the values about their bucket midpoints); it merges up to
-float64 rounding, which does not move the argmin. The shards return the observers of the
-tensors they read (graph inputs and node outputs), which are merged, and of the initializers
-(observed once, from shard 0); the tensors derived from those (a Relu output from its input, a
-Concat output from its inputs) are derived once, after the merge, as in one process.
+float64 rounding (about 1e-16 of the sum), which could only move the argmin between two
+positions whose errors agree to that precision (the tests check the bytes on real models).
+The shards return the observers of the tensors they read (graph inputs and node outputs),
+which are merged, and of the initializers (observed once, from shard 0); the tensors derived
+from those (a Relu output from its input, a Concat output from its inputs) are derived once,
+after the merge, as in one process.
 
 The shards are contiguous in the reader's order, so every observer sees the same runs as in one
 process. A model whose batch axis is dynamic is run on up to
