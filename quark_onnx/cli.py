@@ -193,6 +193,9 @@ class QuantizeSettings:
     log_level: int = logging.WARNING
     require_fidelity: bool = False
     require_ready: bool = False
+    # how calibration is spread (not what is computed): the output does not depend on these
+    calib_shards: int = 1
+    shard_backend: str = "processes"
 
     def build_config(self) -> Any:
         """The QuantizationConfig: the preset, then ``--set``, then the dedicated flags."""
@@ -600,7 +603,11 @@ def _quantize_into(
     output = out_dir / job.output.name
     qconfig = settings.build_config()
     fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
-    quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
+    quantizer = ModelQuantizer(
+        Config(global_quant_config=qconfig),
+        calibration_shards=settings.calib_shards,
+        shard_backend=settings.shard_backend,
+    )
     if settings.load_calibration is None:  # calibration reads the samples the comparison needs
         quantizer.keep_samples = _compare_count(settings)
     reader = calibration_reader(settings, model_path, reader_limit)
@@ -1053,6 +1060,14 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--compare-samples {args.compare_samples}: expected 0 (no comparison) or more"
         )
+    if args.calib_shards < 1:
+        raise ConfigError(f"--calib-shards {args.calib_shards}: expected a positive number")
+    if args.ray is not None:
+        from quark_onnx.ray_runner import import_ray
+
+        if args.jobs > 1:
+            raise ConfigError("--ray runs every model as a Ray task: leave out --jobs")
+        import_ray()  # not installed: say how to install it, before any model
     exclude = tuple(n for item in args.exclude or () for n in item.split(",") if n)
     settings = QuantizeSettings(
         preset=args.config,
@@ -1071,6 +1086,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         log_level=_log_level(args),
         require_fidelity=args.require_fidelity,
         require_ready=args.require_ready,
+        calib_shards=args.calib_shards,
+        shard_backend="ray" if args.ray is not None else "processes",
     )
     settings.preprocess_spec()  # a bad spec is a usage error, before any model
     qconfig = settings.build_config()  # so is an unknown preset or option
@@ -1109,10 +1126,18 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     ]
     console = _Console(len(jobs))
     stopped_by = None
-    try:
-        outcomes = run_batch(jobs, args.jobs, console, args.debug)
-    except BatchInterrupted as stop:
-        outcomes, stopped_by = stop.outcomes, stop.signal_name
+    if args.ray is not None:
+        from quark_onnx.ray_runner import run_batch_ray
+
+        # Ray's own wait turns Ctrl-C / SIGTERM into KeyboardInterrupt / Terminated
+        outcomes = run_batch_ray(
+            jobs, console, args.debug, address=args.ray or None, task_cpus=args.ray_cpus
+        )
+    else:
+        try:
+            outcomes = run_batch(jobs, args.jobs, console, args.debug)
+        except BatchInterrupted as stop:
+            outcomes, stopped_by = stop.outcomes, stop.signal_name
     # (outside the handler: the pool, referenced by the interrupted frames, is gone by now)
     gc.collect()
     _stop_resource_tracker()
@@ -1511,6 +1536,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz\n"
         "  quark-onnx quantize models/ -o out --random-calib 16 --jobs 2\n"
+        "  quark-onnx quantize models/ -o out --calib calib.npz --ray auto --calib-shards 4\n"
         "  quark-onnx quantize squeezenet.onnx -o out --calib images/ \\\n"
         "      --preprocess 'resize=256,crop=224,mean=104;117;123,order=BGR'\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz --set include_cle=true \\\n"
@@ -1574,6 +1600,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="use calibration statistics saved by --save-calibration instead of running the "
         "model: a file (one model) or a folder holding MODEL.calibration.json",
     )
+    data.add_argument(
+        "--calib-shards",
+        type=int,
+        default=1,
+        metavar="K",
+        help="calibrate K contiguous parts of the data in parallel (K processes, or K Ray tasks "
+        "with --ray) and merge their statistics; the output is byte-identical (default 1)",
+    )
     q.add_argument(
         "--exclude",
         action="extend",
@@ -1590,6 +1624,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="quantize N models at once in separate processes (default 1); the outputs do not "
         "depend on N",
+    )
+    q.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="quantize every model as a Ray task (needs: pip install 'quark_onnx[ray]'): on the "
+        "cluster at ADDRESS (host:6379 from `ray start --head`, `auto`, or ray://HOST:10001), "
+        "else RAY_ADDRESS, else a local cluster started for this run; the outputs are those of "
+        "--jobs; models, data and OUT_DIR must be on paths every node sees",
+    )
+    q.add_argument(
+        "--ray-cpus",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="CPUs Ray reserves for each model's task (default 1)",
     )
     q.add_argument(
         "--compare-samples",

@@ -50,13 +50,27 @@ class ModelQuantizer:
 
     The config is validated here: unknown or mistyped ``extra_options`` raise
     :class:`~quark_onnx.errors.ConfigError` before any model is read.
+
+    ``calibration_shards=K`` (> 1) calibrates K contiguous parts of the calibration data in
+    parallel, in spawned processes or, with ``shard_backend="ray"``, Ray tasks, and merges their
+    statistics (:func:`quark_onnx.calibration.shards.calibrate_sharded`); the quantized model is
+    the same byte for byte. How the work is spread is not a quantization setting: it is not in the
+    config and not in the report's settings.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self, config: Config, *, calibration_shards: int = 1, shard_backend: str = "processes"
+    ) -> None:
         if not isinstance(config, Config):
             raise ConfigError(
                 f"ModelQuantizer expects a quark_onnx.Config, got {type(config).__name__}"
             )
+        if calibration_shards < 1:
+            raise ConfigError(
+                f"calibration_shards={calibration_shards}: expected a positive number"
+            )
+        self.calibration_shards = calibration_shards
+        self.shard_backend = shard_backend
         self.config = config
         self.options: ExtraOptions = config.global_quant_config.validate()
         #: The report of the last :meth:`quantize_model` call.
@@ -497,6 +511,19 @@ class ModelQuantizer:
 
         if saved is not None:
             return CalibrationResult.load(saved, prepared)
+        if self.calibration_shards > 1:
+            from quark_onnx.calibration.shards import calibrate_sharded
+
+            return calibrate_sharded(
+                prepared,
+                names,
+                reader,
+                method=self.qconfig.calibrate_method,
+                options=self.options,
+                shards=self.calibration_shards,
+                backend=self.shard_backend,  # type: ignore[arg-type]
+                external_data_dir=external_dir,
+            )
         return calibrate(
             prepared,
             names,

@@ -243,6 +243,27 @@ def _inference_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
+def validated_feeds(
+    reader: CalibrationDataReader, specs: Sequence[Any], limit: int
+) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """The reader's feeds, validated against the model inputs, up to ``limit`` samples (0: all):
+    ``(feed, rows)``. A feed that crosses the limit is cut when the batch axis is dynamic."""
+    samples = 0
+    index = 0
+    while not limit or samples < limit:
+        raw = reader.get_next()
+        if raw is None:
+            return
+        feed, rows = validate_feed(raw, specs, index, samples)
+        if limit and samples + rows > limit and specs and specs[0].batch_dynamic:
+            keep = limit - samples
+            feed = {k: v[:keep] for k, v in feed.items()}
+            rows = keep
+        samples += rows
+        index += 1
+        yield feed, rows
+
+
 class Collector:
     """The session, the observers and the streaming loop of one calibration."""
 
@@ -500,8 +521,6 @@ class Collector:
         pending: list[dict[str, np.ndarray]] = []
         pending_rows = 0
         pending_first = 0
-        samples = 0
-        index = 0
         self.input_nonfinite: dict[str, int] = {}
 
         def flush() -> tuple[dict, int, int]:
@@ -512,17 +531,8 @@ class Collector:
             )
             return feed, pending_rows, pending_first
 
-        while not limit or samples < limit:
-            raw = reader.get_next()
-            if raw is None:
-                break
-            feed, rows = validate_feed(raw, self.specs, index, samples)
-            if limit and samples + rows > limit and self.specs and self.specs[0].batch_dynamic:
-                keep = limit - samples
-                feed = {k: v[:keep] for k, v in feed.items()}
-                rows = keep
+        for index, (feed, rows) in enumerate(validated_feeds(reader, self.specs, limit)):
             self._count_input_nonfinite(feed)
-            samples += rows
             if not self.combine:
                 yield feed, rows, index
             else:
@@ -536,7 +546,6 @@ class Collector:
                     pending_first = index
                 pending.append(feed)
                 pending_rows += rows
-            index += 1
         if pending:
             yield flush()
 
@@ -626,8 +635,15 @@ class Collector:
         self,
         reader: CalibrationDataReader,
         progress: bool | Callable[[int, int | None, float], None] | None = None,
+        *,
+        final: bool = True,
     ) -> CalibrationResult:
-        """Stream the reader through the session and return the result."""
+        """Stream the reader through the session and return the result.
+
+        ``final=False`` (one shard of :func:`quark_onnx.calibration.shards.calibrate_sharded`):
+        the non-finite warnings and the empty-tensor check are left to whoever merges the shards,
+        since they are about all the data, not one part of it.
+        """
         limit = max(0, int(self.options.CalibDataSize))
         total = getattr(reader, "num_samples", None)
         if not isinstance(total, int):
@@ -692,7 +708,8 @@ class Collector:
             if isinstance(obs, HistogramObserver):
                 obs.flush()  # bin what is buffered, release the staging arrays
         self._derive()
-        self._report_nonfinite(samples)
+        if final:
+            report_nonfinite(self.names, self.observers, self.input_nonfinite, samples)
         result = CalibrationResult(
             model_hash(self.model),
             self.method.name,
@@ -709,41 +726,55 @@ class Collector:
         return result
 
     def _derive(self) -> None:
-        for name, rule, srcs in self.derived:
-            if rule == "same":
-                self.observers[name] = copy.deepcopy(self.observers[srcs[0]])
-            elif rule == "relu":
-                self.observers[name] = self.observers[srcs[0]].relu()
-            else:
-                merged = self.observers[srcs[0]]
-                for s in srcs[1:]:
-                    merged = merged.merge(self.observers[s])
-                self.observers[name] = merged
+        derive_observers(self.observers, self.derived)
 
-    def _report_nonfinite(self, samples: int) -> None:
-        for name, bad in self.input_nonfinite.items():
+
+def derive_observers(
+    observers: dict[str, Observer], derived: Sequence[tuple[str, str, list[str]]]
+) -> None:
+    """Add the observers of the derived tensors (``(name, rule, sources)``, in graph order)."""
+    for name, rule, srcs in derived:
+        if rule == "same":
+            observers[name] = copy.deepcopy(observers[srcs[0]])
+        elif rule == "relu":
+            observers[name] = observers[srcs[0]].relu()
+        else:
+            merged = observers[srcs[0]]
+            for s in srcs[1:]:
+                merged = merged.merge(observers[s])
+            observers[name] = merged
+
+
+def report_nonfinite(
+    names: Sequence[str],
+    observers: dict[str, Observer],
+    input_nonfinite: dict[str, int],
+    samples: int,
+) -> None:
+    """Warn about non-finite values; raise when a tensor saw no finite value at all."""
+    for name, bad in input_nonfinite.items():
+        logger.warning(
+            "calibration input %r: %d non-finite values (NaN/Inf) in the feeds; they are "
+            "ignored by every observer, check the data",
+            name,
+            bad,
+        )
+    empty = []
+    for name in names:
+        obs = observers[name]
+        if obs.nonfinite:
             logger.warning(
-                "calibration input %r: %d non-finite values (NaN/Inf) in the feeds; they are "
-                "ignored by every observer, check the data",
+                "tensor %r: %d non-finite values (NaN/Inf) ignored over %d samples; its range "
+                "comes from the finite values only",
                 name,
-                bad,
+                obs.nonfinite,
+                samples,
             )
-        empty = []
-        for name in self.names:
-            obs = self.observers[name]
-            if obs.nonfinite:
-                logger.warning(
-                    "tensor %r: %d non-finite values (NaN/Inf) ignored over %d samples; its range "
-                    "comes from the finite values only",
-                    name,
-                    obs.nonfinite,
-                    samples,
-                )
-            if obs.count == 0:
-                empty.append(name)
-        if empty:
-            raise CalibrationError(
-                f"tensor {empty[0]!r} had no finite value in {samples} calibration samples"
-                + (f" (and {len(empty) - 1} more tensors)" if len(empty) > 1 else "")
-                + "; check the data and the model"
-            )
+        if obs.count == 0:
+            empty.append(name)
+    if empty:
+        raise CalibrationError(
+            f"tensor {empty[0]!r} had no finite value in {samples} calibration samples"
+            + (f" (and {len(empty) - 1} more tensors)" if len(empty) > 1 else "")
+            + "; check the data and the model"
+        )
