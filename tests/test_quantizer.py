@@ -125,7 +125,7 @@ def test_model_without_quantizable_op_is_an_error_and_writes_nothing(tmp_path):
     qc.extra_options["ConvertSigmoidToHardSigmoid"] = False
     with pytest.raises(QuantizationError, match="no node can be quantized"):
         ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
-            str(src), str(tmp_path / "out.onnx"), ArrayDataReader({"x": np.ones((2, 1, 4), "f")})
+            str(src), str(tmp_path / "out.onnx"), ArrayDataReader({"x": np.ones((2, 4), "f")})
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
