@@ -36,10 +36,11 @@ in ``benchmarks/.work/fidelity/`` (never in the repository).
 Option sets (``--configs``): ``preset`` is ``get_default_config("XINT8")`` as shipped; ``seed`` is
 the Vitis AI documentation's snippet as written (``shared/seeds/004``): the preset with
 ``activation_type = QInt8``, ``optimize_model = False`` and its extra options (``UseRandomData``
-included), with the real calibration reader passed as well. ``UseRandomData`` means "random data
-instead of a data reader" (README), so ``seed`` calibrates on random inputs; ``seed_real`` is the
-same snippet with ``UseRandomData = False``, calibrating on the real images (how
-``bench_peers.py`` runs Quark with the snippet, ``common.XINT8_EXTRA_OPTIONS``).
+included), with the real calibration reader passed as well. A given reader wins over
+``UseRandomData`` (README: random data only when no data is given), so ``seed`` calibrates on the
+real images, with a warning; ``seed_real`` is the same snippet with ``UseRandomData = False``
+(how ``bench_peers.py`` runs Quark with the snippet, ``common.XINT8_EXTRA_OPTIONS``) and should
+measure the same.
 
 Measured per model and option set: top-1 of the quantized model and its drop in points from the
 original float model (labelled models), per graph output the SQNR ``10 log10(sum f^2 / sum (f -

@@ -1,0 +1,89 @@
+"""Fidelity guard verdicts: does ``report.faithful`` flag the broken models and only those?
+
+Run from the repository root after ``bench_fidelity.py`` (it writes the stress variants and the
+person/OCR calibration arrays under ``benchmarks/.work/fidelity/``)::
+
+    python benchmarks/bench_guard.py
+
+For every shared model and stress variant, the XINT8 preset quantizes it on its calibration data
+(as ``bench_fidelity.py`` loads it) and the guard's verdict is printed as one JSON line: faithful
+or not, each output's SQNR and top-1 agreement on the guard's samples, and the layer that loses the
+most. Stress variants run twice, the second time with ``FoldConstantChannels`` off ("repairs
+off"). Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from bench_accuracy import SHARED, dataset  # noqa: E402
+
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config  # noqa: E402
+
+WORK = BENCH / ".work" / "fidelity"
+ORIGINALS = {
+    "digits": "digits_cnn.onnx",
+    "squeezenet": "squeezenet1.1.onnx",
+    "mobilenetv2": "mobilenetv2_rebuilt.onnx",
+}
+VARIANTS = ("rescale", "deadconst", "both")
+
+
+def cases() -> dict[str, tuple[str, Path]]:
+    """Case name -> (data set, model path)."""
+    out: dict[str, tuple[str, Path]] = {}
+    for model, file in ORIGINALS.items():
+        out[model] = (model, SHARED / "models" / file)
+        for kind in VARIANTS:
+            out[f"{model}_{kind}"] = (model, WORK / f"{model}_{kind}_seed0.onnx")
+    out["person"] = ("person", SHARED / "models" / "person_detector_192.onnx")
+    out["ppocr"] = ("ppocr", WORK / "ppocr_direction_cls_1x3x48x192.onnx")
+    return out
+
+
+def calibration(data: str) -> np.ndarray:
+    if data in ("person", "ppocr"):
+        return np.load(WORK / f"{data}_calib.npy")
+    return dataset(data)[0]
+
+
+def verdict(path: Path, x: np.ndarray, repairs_off: bool) -> dict:
+    config = get_default_config("XINT8")
+    if repairs_off:
+        config.extra_options["FoldConstantChannels"] = False
+    quantizer = ModelQuantizer(Config(global_quant_config=config))
+    name = onnx.load(str(path), load_external_data=False).graph.input[0].name
+    quantizer.quantize_model(str(path), None, ArrayDataReader({name: x}))
+    fid = quantizer.report.fidelity
+    return {
+        "faithful": fid["faithful"],
+        "outputs": [(o["name"], o["sqnr_db"], o["top1_agreement"]) for o in fid["outputs"]],
+        "worst_layer": next((w["node"] for w in fid.get("worst_layers", [])), None),
+    }
+
+
+def main() -> int:
+    logging.disable(logging.WARNING)
+    data: dict[str, np.ndarray] = {}
+    for name, (source, path) in cases().items():
+        if not path.exists():
+            print(json.dumps({"model": name, "missing": str(path)}))
+            continue
+        x = data.setdefault(source, calibration(source))
+        for repairs_off in (False, True) if name.endswith(VARIANTS) else (False,):
+            row = {"model": name, "repairs_off": repairs_off, **verdict(path, x, repairs_off)}
+            print(json.dumps(row, default=float), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
