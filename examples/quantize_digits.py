@@ -4,7 +4,7 @@ Runs with only the files in this repository:
     python examples/quantize_digits.py [--out OUT.onnx]
 
 Prints the float and quantized top-1 on the 719 test images, the time taken and the Vitis AI
-readiness verdict of the written model.
+readiness verdict of the written model and the fidelity guard's verdict.
 """
 
 from __future__ import annotations
@@ -57,6 +57,16 @@ def main() -> None:
     print(
         f"top-1 on {len(test['y'])} test images: float {float_acc:.4f}, "
         f"XINT8 {quant_acc:.4f} (drop {100 * (float_acc - quant_acc):.2f} points)"
+    )
+    fidelity = quantizer.report.fidelity
+    outputs = ", ".join(
+        f"{o['name']} SQNR {o['sqnr_db']:.1f} dB, top-1 agreement {o['top1_agreement']:.3f}"
+        for o in fidelity["outputs"]
+    )
+    verdict_text = "yes" if fidelity["faithful"] else "NO"
+    print(
+        f"faithful to the float model: {verdict_text} "
+        f"({outputs}; {fidelity['samples']} calibration samples)"
     )
     print(f"Vitis AI readiness: {verdict.summary()}")
 
