@@ -909,15 +909,21 @@ class BatchInterrupted(KeyboardInterrupt):
 _STOP_GRACE = 5.0
 
 
-def _interrupted(job: Job) -> Outcome:
+def failed_outcome(job: Job, message: str, tb: str = "") -> Outcome:
+    """The outcome of a job that did not run to the end (nothing of it is written)."""
     return Outcome(
         index=job.index,
         model=job.model,
         name=job.name,
         ok=False,
         seconds=0.0,
-        message="interrupted: not quantized, nothing written",
+        message=message,
+        traceback=tb,
     )
+
+
+def _interrupted(job: Job) -> Outcome:
+    return failed_outcome(job, "interrupted: not quantized, nothing written")
 
 
 def _remove_staging(jobs: Sequence[Job]) -> None:

@@ -134,17 +134,9 @@ def _quantize_task(job: Any, cwd: str) -> Any:
 
 
 def _failed(job: Any, message: str, tb: str = "") -> Any:
-    from quark_onnx.cli import Outcome
+    from quark_onnx.cli import failed_outcome
 
-    return Outcome(
-        index=job.index,
-        model=job.model,
-        name=job.name,
-        ok=False,
-        seconds=0.0,
-        message=message,
-        traceback=tb,
-    )
+    return failed_outcome(job, message, tb)
 
 
 def run_batch_ray(
