@@ -76,3 +76,20 @@ def add_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     )
     graph.register_initializer(value)
     return value
+
+
+def is_standard(node: ir.Node | None, op: str) -> bool:
+    """True when ``node`` is the standard-domain op ``op``."""
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
+
+
+def remove_unread_dequantize(graph: ir.Graph) -> None:
+    """Drop the DequantizeLinear nodes nothing reads any more, then the initializers nothing
+    reads (graph inputs stay): what a rewrite that replaced Q/DQ weights by packed ones leaves."""
+    for node in list(graph):
+        unread = not any(o.uses() or o.is_graph_output() for o in node.outputs)
+        if is_standard(node, "DequantizeLinear") and unread:
+            graph.remove(node, safe=True)
+    for name in [n for n, v in graph.initializers.items() if not v.uses()]:
+        if not graph.initializers[name].is_graph_input():
+            graph.initializers.pop(name)

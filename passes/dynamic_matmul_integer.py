@@ -38,7 +38,12 @@ import re
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator, constant_array
+from quark_onnx.passes._graph import (
+    NameGenerator,
+    constant_array,
+    is_standard,
+    remove_unread_dequantize,
+)
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -56,17 +61,13 @@ def _transpose_in_place(value: ir.Value) -> None:
     value.shape = ir.Shape(codes.shape)
 
 
-def _std(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
-
-
 def _dynamic_source(value: ir.Value | None) -> ir.Node | None:
     """The DequantizeLinear producing ``value`` from a DynamicQuantizeLinear, or None."""
     dq = value.producer() if value is not None else None
-    if not _std(dq, "DequantizeLinear") or len(dq.inputs) < 3:
+    if not is_standard(dq, "DequantizeLinear") or len(dq.inputs) < 3:
         return None
     dql = dq.inputs[0].producer() if dq.inputs[0] is not None else None
-    if not _std(dql, "DynamicQuantizeLinear"):
+    if not is_standard(dql, "DynamicQuantizeLinear"):
         return None
     if dq.inputs[1] is not dql.outputs[1] or dq.inputs[2] is not dql.outputs[2]:
         return None
@@ -77,7 +78,7 @@ def _weight_source(value: ir.Value | None, transposed: bool = False) -> ir.Node 
     """The DequantizeLinear of a 2-D int8/uint8 constant, per tensor or per output column
     (axis 1; axis 0 for a ``transposed`` [N, K] Gemm weight), or None."""
     dq = value.producer() if value is not None else None
-    if not _std(dq, "DequantizeLinear") or len(dq.inputs) < 2:
+    if not is_standard(dq, "DequantizeLinear") or len(dq.inputs) < 2:
         return None
     codes = constant_array(dq.inputs[0])
     scale = constant_array(dq.inputs[1])
@@ -99,7 +100,7 @@ def _plain_gemm(node: ir.Node) -> bool:
     """``Gemm`` computing ``A @ op(B) + C`` exactly (alpha = beta = 1, A not transposed)."""
     attrs = node.attributes
     return (
-        _std(node, "Gemm")
+        is_standard(node, "Gemm")
         and attrs.get_float("alpha", 1.0) == 1.0
         and attrs.get_float("beta", 1.0) == 1.0
         and attrs.get_int("transA", 0) == 0
@@ -114,7 +115,7 @@ class DynamicMatMulInteger(QuarkPass):
         names = NameGenerator(graph)
         rewritten = 0
         for node in list(graph):
-            if _std(node, "MatMul") and len(node.inputs) == 2:
+            if is_standard(node, "MatMul") and len(node.inputs) == 2:
                 transposed = False
             elif _plain_gemm(node) and len(node.inputs) >= 2:
                 transposed = bool(node.attributes.get_int("transB", 0))
@@ -127,13 +128,7 @@ class DynamicMatMulInteger(QuarkPass):
             self._rewrite(graph, names, node, a_dq, b_dq, transposed)
             rewritten += 1
         if rewritten:
-            for node in list(graph):  # DequantizeLinear nodes nothing reads any more
-                unused = not any(o.uses() or o.is_graph_output() for o in node.outputs)
-                if _std(node, "DequantizeLinear") and unused:
-                    graph.remove(node, safe=True)
-            for name in [n for n, v in graph.initializers.items() if not v.uses()]:
-                if not graph.initializers[name].is_graph_input():
-                    graph.initializers.pop(name)
+            remove_unread_dequantize(graph)
             logger.info("DynamicMatMulInteger: %d MatMul layer(s) now MatMulInteger", rewritten)
         return ir.passes.PassResult(model, rewritten > 0)
 

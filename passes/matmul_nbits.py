@@ -35,17 +35,19 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.passes._graph import (
+    NameGenerator,
+    add_initializer,
+    constant_array,
+    is_standard,
+    remove_unread_dequantize,
+)
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 _FOUR_BIT = (ir.DataType.INT4, ir.DataType.UINT4)
-
-
-def _std(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -84,7 +86,7 @@ def nbits_layout(
 def _blocked_weight(value: ir.Value | None) -> tuple[ir.Node, int] | None:
     """(DequantizeLinear, block size) for a 2-D 4-bit constant blocked along axis 0."""
     dq = value.producer() if value is not None else None
-    if not _std(dq, "DequantizeLinear") or len(dq.inputs) < 2 or dq.inputs[0] is None:
+    if not is_standard(dq, "DequantizeLinear") or len(dq.inputs) < 2 or dq.inputs[0] is None:
         return None
     if dq.inputs[0].dtype not in _FOUR_BIT:
         return None
@@ -94,7 +96,7 @@ def _blocked_weight(value: ir.Value | None) -> tuple[ir.Node, int] | None:
     codes = constant_array(dq.inputs[0])
     if codes is None or codes.ndim != 2 or constant_array(dq.inputs[1]) is None:
         return None
-    if any(not _std(use.node, "MatMul") or use.idx != 1 for use in dq.outputs[0].uses()):
+    if any(not is_standard(use.node, "MatMul") or use.idx != 1 for use in dq.outputs[0].uses()):
         return None
     return dq, block
 
@@ -108,7 +110,7 @@ class ToMatMulNBits(QuarkPass):
         packed: dict[int, tuple[ir.Value, ir.Value, ir.Value, int, int, int]] = {}
         rewritten = 0
         for node in list(graph):
-            if not _std(node, "MatMul") or len(node.inputs) != 2:
+            if not is_standard(node, "MatMul") or len(node.inputs) != 2:
                 continue
             found = _blocked_weight(node.inputs[1])
             if found is None:
@@ -152,12 +154,6 @@ class ToMatMulNBits(QuarkPass):
             rewritten += 1
         if rewritten:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
-            for node in list(graph):
-                unused = not any(o.uses() or o.is_graph_output() for o in node.outputs)
-                if _std(node, "DequantizeLinear") and unused:
-                    graph.remove(node, safe=True)
-            for name in [n for n, v in graph.initializers.items() if not v.uses()]:
-                if not graph.initializers[name].is_graph_input():
-                    graph.initializers.pop(name)
+            remove_unread_dequantize(graph)
             logger.info("ToMatMulNBits: %d MatMul layer(s) now MatMulNBits", rewritten)
         return ir.passes.PassResult(model, rewritten > 0)

@@ -70,7 +70,7 @@ from quark_onnx.config import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.masks import find_saturating
 from quark_onnx.options import ExtraOptions
-from quark_onnx.passes._graph import constant_array, single_consumer
+from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
 from quark_onnx.policy import OpPolicy, Share, policy_for
 
 logger = logging.getLogger(__name__)
@@ -402,10 +402,6 @@ def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
     return node.inputs[0] if node.inputs[1] is value else None
 
 
-def _std(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 def _erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
     """Match ``x * 0.5 * (1 + Erf(x / sqrt 2))`` around ``erf``: (x, inner nodes, last node).
 
@@ -423,15 +419,15 @@ def _erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
         return None
     c = _scalar(scaled.inputs[1])
     if not (
-        (_std(scaled, "Div") and _close(c, _SQRT2))
-        or (_std(scaled, "Mul") and _close(c, 1 / _SQRT2))
+        (is_standard(scaled, "Div") and _close(c, _SQRT2))
+        or (is_standard(scaled, "Mul") and _close(c, 1 / _SQRT2))
     ):
         return None
     add = single_consumer(erf.outputs[0])
-    if not _std(add, "Add") or not _close(_scalar(_other(add, erf.outputs[0])), 1.0):
+    if not is_standard(add, "Add") or not _close(_scalar(_other(add, erf.outputs[0])), 1.0):
         return None
     m1 = single_consumer(add.outputs[0])
-    if not _std(m1, "Mul"):
+    if not is_standard(m1, "Mul"):
         return None
     t = _other(m1, add.outputs[0])
     if t is None:
@@ -439,17 +435,17 @@ def _erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
     inner = [scaled, erf, add]
     if t is x:  # Mul(x, 1 + erf) then Mul(., 0.5)
         m2 = single_consumer(m1.outputs[0])
-        if not _std(m2, "Mul") or not _close(_scalar(_other(m2, m1.outputs[0])), 0.5):
+        if not is_standard(m2, "Mul") or not _close(_scalar(_other(m2, m1.outputs[0])), 0.5):
             return None
         return x, [*inner, m1], m2
     if _close(_scalar(t), 0.5):  # Mul(1 + erf, 0.5) then Mul(x, .)
         m2 = single_consumer(m1.outputs[0])
-        if not _std(m2, "Mul") or _other(m2, m1.outputs[0]) is not x:
+        if not is_standard(m2, "Mul") or _other(m2, m1.outputs[0]) is not x:
             return None
         return x, [*inner, m1], m2
     half = t.producer()  # Mul(Mul(x, 0.5), 1 + erf)
     if (
-        _std(half, "Mul")
+        is_standard(half, "Mul")
         and _other(half, x) is not None
         and _close(_scalar(_other(half, x)), 0.5)
         and single_consumer(t) is m1
@@ -516,7 +512,7 @@ def build_plan(
     gelu_tail: dict[int, ir.Value] = {}
     if static and not power_of_two:
         for node in nodes:
-            if _std(node, "Erf"):
+            if is_standard(node, "Erf"):
                 match = _erf_gelu(node)
                 if match is not None:
                     x, inner, tail = match
@@ -602,7 +598,7 @@ def build_plan(
         unquantized = {
             id(node.outputs[0])
             for node in nodes
-            if (_std(node, "Relu") or _std(node, "Clip")) and node.outputs
+            if (is_standard(node, "Relu") or is_standard(node, "Clip")) and node.outputs
         }
 
     def register(
@@ -806,7 +802,7 @@ def _matmul_bias_slot(
 ) -> tuple[int, PlannedNode] | None:
     """``Add(MatMul(A, W), b)`` with constant ``W`` and a constant ``b`` of ``W``'s output width,
     the MatMul output read only by this Add: (slot of ``b``, the MatMul's planned node)."""
-    if not _std(node, "Add") or len(node.inputs) != 2:
+    if not is_standard(node, "Add") or len(node.inputs) != 2:
         return None
     for slot in (0, 1):
         value, other = node.inputs[slot], node.inputs[1 - slot]
@@ -814,7 +810,7 @@ def _matmul_bias_slot(
             continue
         producer = other.producer()
         layer = planned_by_output.get(id(other))
-        if not _std(producer, "MatMul") or layer is None or layer.weight is None:
+        if not is_standard(producer, "MatMul") or layer is None or layer.weight is None:
             continue
         if single_consumer(other) is not node:
             continue
