@@ -77,7 +77,7 @@ _DQ_OUTPUT_SUFFIX = "_DequantizeLinear_Output"
 # ------------------------------------------------------------------------------------------------
 
 
-def _json_float(value: float) -> float | str:
+def json_float(value: float) -> float | str:
     """JSON has no infinities or NaN: written as the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
     if math.isnan(value):
         return "nan"
@@ -131,7 +131,7 @@ class TensorComparison:
         return {
             "name": self.name,
             "quantized_name": self.quantized_name,
-            "sqnr_db": _json_float(self.sqnr_db),
+            "sqnr_db": json_float(self.sqnr_db),
             "cosine": self.cosine,
             "max_abs_error": self.max_abs_error,
             "elements": self.elements,
@@ -245,7 +245,7 @@ def agreement_kind(shape: Sequence[int]) -> str | None:
     return None
 
 
-class _Accumulator:
+class ErrorAccumulator:
     """Running float64 sums of one tensor pair (constant memory)."""
 
     def __init__(self) -> None:
@@ -535,8 +535,8 @@ def compare_models(
         batch = min(
             (b for b in (fsession.fixed_batch(), qsession.fixed_batch()) if b), default=None
         )
-        out_acc = {pair: _Accumulator() for pair in outputs}
-        layer_acc = {q: _Accumulator() for q in pairs}
+        out_acc = {pair: ErrorAccumulator() for pair in outputs}
+        layer_acc = {q: ErrorAccumulator() for q in pairs}
         skipped: dict[str, str] = {}
         samples = 0
         for feed in feeds:

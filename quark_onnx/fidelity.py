@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from quark_onnx.compare import TensorComparison, _Accumulator, _json_float
+from quark_onnx.compare import ErrorAccumulator, TensorComparison, json_float
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class OutputFidelity:
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "sqnr_db": _json_float(self.sqnr_db),
+            "sqnr_db": json_float(self.sqnr_db),
             "cosine": self.cosine,
             "max_abs_error": self.max_abs_error,
             "top1_agreement": self.top1_agreement,
@@ -168,12 +168,12 @@ def compare_runs(
 
     ``scores_by_decision=False`` holds score vectors to the SQNR bound as well (a graph pass is
     judged by how much it moves the model, not only by whether decisions flip)."""
-    accumulators: dict[str, _Accumulator] = {}
+    accumulators: dict[str, ErrorAccumulator] = {}
     for ref, got in zip(before, after, strict=True):
         for name, f in ref.items():
             if name not in got or np.shape(got[name]) != np.shape(f):
                 continue
-            accumulators.setdefault(name, _Accumulator()).update(f, got[name], top1=True)
+            accumulators.setdefault(name, ErrorAccumulator()).update(f, got[name], top1=True)
     return [
         OutputFidelity.from_comparison(
             acc.result(name, name),

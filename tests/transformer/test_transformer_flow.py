@@ -13,7 +13,7 @@ from encoder_fixtures import SMALL, build_encoder, encoder_inputs
 from onnx import TensorProto, helper
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-from quark_onnx.compare import _Accumulator
+from quark_onnx.compare import ErrorAccumulator
 from quark_onnx.errors import CalibrationError, ConfigError
 
 
@@ -97,7 +97,7 @@ def test_calibration_data_path_takes_a_multi_input_npz(encoder, tmp_path):
     ],
 )
 def test_sqnr_of_infinite_noise_is_minus_infinity_not_a_crash(f, q, expected):
-    acc = _Accumulator()
+    acc = ErrorAccumulator()
     acc.update(np.array(f, np.float32), np.array(q, np.float32), top1=False)
     sqnr = acc.result("t", "t").sqnr_db
     if math.isinf(expected):
