@@ -31,8 +31,8 @@ The strategy (:class:`~quark_onnx.config.QuantStrategy`) decides what is planned
 * dynamic (``use_dynamic_quant``): the linear layers with a constant weight: the weights, and
   their activation inputs as dynamic (``TensorSpec.dynamic``: scale computed at run time);
   outputs and biases stay float, and so do layers whose weight is computed (attention MatMuls);
-* every float-scale strategy (not XINT8): ``Gather`` on a constant 2-D table (axis 0), the table
-  per row (axis 0), for weight types of 8 bits or more.
+* ``Gather`` on a constant 2-D table (axis 0), for weight types of 8 bits or more: the table
+  per row (axis 0) with float scales, per tensor with a power-of-two scale in XINT8.
 
 Granularity of a linear layer's weight (``per_channel``; ``WeightBlockSize`` for groups):
 per channel along the output-channel axis (Conv 0, ConvTranspose 1, Gemm 0 with ``transB=1``

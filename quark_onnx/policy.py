@@ -143,14 +143,14 @@ _POLICIES: dict[str, OpPolicy] = {
     "HardSigmoid": OpPolicy(dpu_scale_mul=True),
     "HardSwish": _UNARY,
     "Softmax": _UNARY,
-    # embedding lookups (Gather on a constant table): the table per row; not in the XINT8 flow
-    # (Gather runs on the CPU there)
+    # embedding lookups (Gather on a constant table): the table per row with float scales; in
+    # the XINT8 flow per tensor with a power-of-two scale like every XINT8 weight (the Gather
+    # runs on the CPU there, but a float table would be most of the file)
     "Gather": OpPolicy(
         activation_inputs=(),
         weight_input=0,
         embedding=True,
         quantize_output=False,
-        float_scale_only=True,
     ),
     # data movement: the output keeps the input's position
     "Resize": _MOVE,

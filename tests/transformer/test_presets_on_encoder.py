@@ -22,9 +22,9 @@ from quark_onnx.presets import preset_names
 pytestmark = pytest.mark.slow
 
 MEAN_BOUND = {"A16W8": 0.995, "A8W8": 0.97, "INT8_DYNAMIC": 0.975, "UINT4_WEIGHT_ONLY_G32": 0.97}
-#: presets whose embedding table is int8/fp8 per row (XINT8 leaves Gather to the CPU, float;
-#: 4-bit weight-only keeps tables float; BF16/FP16 halve it)
-SMALL_FILES = {"A8W8", "A16W8", "U8S8", "FP8_E4M3", "INT8_DYNAMIC"}
+#: presets whose embedding table is int8/fp8 (per row; XINT8 per tensor, power-of-two);
+#: 4-bit weight-only keeps tables float; BF16/FP16 halve it
+SMALL_FILES = {"A8W8", "A16W8", "U8S8", "FP8_E4M3", "INT8_DYNAMIC", "XINT8"}
 
 
 @pytest.fixture(scope="module")
