@@ -5,7 +5,7 @@ Ray is an optional extra (``pip install 'quark_onnx[ray]'``): nothing here impor
 needed, and ``import quark_onnx`` never does.
 
 Each model is one Ray task that runs the batch runner's own per-model function
-(:func:`quark_onnx.cli._worker`, i.e. :func:`quark_onnx.cli.quantize_one`) with the job the driver
+(:func:`quark_onnx.cli.jobs.worker`: :func:`quark_onnx.cli.quantize_one`) with the job the driver
 built: the same settings, the same output paths, the same outcome -- so outputs, reports and the
 summary table are those of ``--jobs``. The task writes the outputs itself, atomically, to the paths
 the driver chose (``OUT_DIR/NAME.*``), and runs in the driver's working folder, so relative paths
@@ -115,7 +115,7 @@ def _check_reachable(address: str) -> None:
 
 def _quantize_task(job: Any, cwd: str) -> Any:
     """One model, in a Ray worker: the ``--jobs`` worker function, in the driver's folder."""
-    from quark_onnx import cli
+    from quark_onnx.cli import jobs
 
     saved_cwd, saved_stderr = os.getcwd(), sys.stderr
     try:
@@ -127,7 +127,7 @@ def _quantize_task(job: Any, cwd: str) -> Any:
             "cluster, run from a folder every node mounts at the same path",
         )
     try:
-        return cli._worker(job)
+        return jobs.worker(job)
     finally:
         sys.stderr = saved_stderr
         os.chdir(saved_cwd)
@@ -281,7 +281,7 @@ def quantize_batch_on_ray(
         ConfigError: Ray is not installed, the cluster cannot be reached, two models would write
             the same output, or a folder holds no model.
     """
-    from quark_onnx.cli import Job, QuantizeSettings, _Console, collect_models, output_names
+    from quark_onnx.cli import Console, Job, QuantizeSettings, collect_models, output_names
 
     settings = settings if settings is not None else QuantizeSettings()
     import_ray()
@@ -293,7 +293,7 @@ def quantize_batch_on_ray(
         Job(index=i, model=str(m), name=n, out_dir=str(folder.resolve()), settings=settings)
         for i, (m, n) in enumerate(zip(found, names, strict=True))
     ]
-    console = _Console(len(jobs), stream)
+    console = Console(len(jobs), stream)
     return run_batch_ray(
         jobs, console, False, address=address, task_cpus=task_cpus, task_memory=task_memory
     )
