@@ -64,7 +64,7 @@ def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, lim
         return None
     calib = Path(settings.calib)
     if calib.is_dir():
-        from quark_onnx.images import ImageFolderDataReader
+        from quark_onnx.calibration.image_reader import ImageFolderDataReader
 
         return ImageFolderDataReader(calib, model, settings.preprocess_spec(), limit=limit)
     return npz_reader(calib, model, limit)

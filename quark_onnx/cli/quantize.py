@@ -65,7 +65,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         if p.is_file() and args.preprocess is not None:
             raise ConfigError("--preprocess applies to an image folder given with --calib DIR")
         if p.is_dir() and args.preprocess is None:
-            from quark_onnx.images import PreprocessSpec
+            from quark_onnx.calibration.image_spec import PreprocessSpec
 
             logger.warning(
                 "--calib %s is an image folder and no --preprocess is given: using %s",

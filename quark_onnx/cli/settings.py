@@ -141,7 +141,7 @@ class QuantizeSettings:
         return qconfig
 
     def preprocess_spec(self) -> Any:
-        from quark_onnx.images import PreprocessSpec
+        from quark_onnx.calibration.image_spec import PreprocessSpec
 
         if self.preprocess is None:
             return PreprocessSpec()
