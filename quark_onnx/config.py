@@ -23,6 +23,7 @@ from quark_onnx.enums import (
 )
 from quark_onnx.errors import ConfigError
 from quark_onnx.options import ExtraOptions, closest_name, resolve_extra_options
+from quark_onnx.presets import read_preset
 
 
 class QuantStrategy(enum.Enum):
@@ -342,7 +343,24 @@ class Config:
 
 
 def get_default_config(name: str) -> QuantizationConfig:
-    """A fresh ``QuantizationConfig`` for the named preset (a file in ``configs/``)."""
-    from quark_onnx.presets import load_preset
+    """A fresh ``QuantizationConfig`` for the named preset (a file in ``configs/``), validated.
 
-    return load_preset(name)
+    Raises:
+        ConfigError: no such preset, or its file sets an unknown field or a wrong value (the
+            message names the file and the closest valid key).
+    """
+    preset = read_preset(name)
+    for k in preset.config:
+        if k not in _FIELD_NAMES or k == "extra_options":
+            close = closest_name(k, _FIELD_NAMES)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"preset file {preset.file}: unknown [config] key {k!r}{hint}")
+    qc = QuantizationConfig()
+    try:
+        for k, v in preset.config.items():
+            setattr(qc, k, v)
+        qc.extra_options = dict(preset.extra_options)
+        qc.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"preset {preset.name}: {exc}") from exc
+    return qc

@@ -86,12 +86,12 @@ def code_range(qtype: QuantType) -> tuple[int, int]:
 
 def numpy_dtype(qtype: QuantType) -> np.dtype:
     """The numpy dtype of the integer codes of ``qtype`` (8-, 16- and 32-bit integer types: the
-    ones power-of-two positions are defined for; the table itself is :mod:`quark_onnx.qparams`)."""
-    from quark_onnx.qparams import numpy_dtype as codes_dtype
-
+    ones power-of-two positions are defined for). Derived from the type's width and sign, so this
+    module does not import :mod:`quark_onnx.qparams` (which builds on it); it agrees with
+    :func:`quark_onnx.qparams.numpy_dtype` (a test checks)."""
     if not qtype.is_integer or qtype.bits < 8:
         raise ValueError(f"{qtype} is not a power-of-two integer type (int8/uint8/int16/int32)")
-    return codes_dtype(qtype)
+    return np.dtype(f"{'' if qtype.is_signed else 'u'}int{qtype.bits}")
 
 
 def scale_of(p: int) -> np.float32:

@@ -18,8 +18,9 @@ def run(args: argparse.Namespace) -> int:
     data = {}
     for name in names:
         preset = read_preset(name)
+        config = get_default_config(name)  # validates the file's keys and values
         if args.all:
-            settings = get_default_config(name).effective_settings()
+            settings = config.effective_settings()
         else:
             settings = {**preset.config, "extra_options": dict(preset.extra_options)}
         data[preset.name] = {"description": preset.description, "settings": settings}
