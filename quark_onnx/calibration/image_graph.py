@@ -188,24 +188,7 @@ def build_preprocess_graph(
             antialias=0,
         )
 
-    crop = spec.crop_hw or (spec.size if spec.mode == "short" and len(spec.size) == 2 else None)
-    if crop:
-        # top-left = round_half_even(([H, W] - C) / 2) (0 with align=topleft), clamped at 0 so a
-        # small image is not wrapped around (the reader then reports its shape).
-        shape = node("Shape", [x], "precrop_shape")
-        hw = node("Slice", [shape, *hw_range], "precrop_hw")
-        size = const("crop_size", list(crop), np.int64)
-        if spec.align == "topleft":
-            start = const("crop_start", [0, 0], np.int64)
-        else:
-            margin = node("Sub", [hw, size], "crop_margin")
-            margin_f = node("Cast", [margin], "crop_margin_f", to=TensorProto.FLOAT)
-            half = node("Div", [margin_f, const("two", [2.0], np.float32)], "crop_half_margin")
-            rounded = node("Round", [half], "crop_start_f")
-            start = node("Cast", [rounded], "crop_start_raw", to=TensorProto.INT64)
-            start = node("Max", [start, const("zero", [0], np.int64)], "crop_start")
-        end = node("Add", [start, size], "crop_end")
-        x = node("Slice", [x, start, end, const("crop_axes", [0, 1], np.int64)], "cropped")
+    x = _crop(spec, x, hw_range, node, const)
 
     mean, std = spec.mean, spec.std
     if spec.grayscale:
@@ -220,22 +203,7 @@ def build_preprocess_graph(
         x = node("Div", [x, const("std", std, np.float32)], "normalised")
 
     if spec.pads:
-        # Pad (after normalisation: ``pad`` is the value the model sees) up to size, the image
-        # top-left (default) or centred with the odd pixel at the bottom/right.
-        shape = node("Shape", [x], "prepad_shape")
-        hw = node("Slice", [shape, *hw_range], "prepad_hw")
-        target = const("pad_size", [spec.size[0], spec.size[-1]], np.int64)
-        missing = node("Max", [node("Sub", [target, hw], "pad_missing_raw"),
-                               const("zero", [0], np.int64)], "pad_missing")  # fmt: skip
-        if spec.align == "center":
-            before = node("Div", [missing, const("two_i", [2], np.int64)], "pad_before")
-            after = node("Sub", [missing, before], "pad_after")
-        else:
-            before, after = const("pad_none", [0, 0], np.int64), missing
-        no_pad = const("pad_channel", [0], np.int64)
-        pads = node("Concat", [before, no_pad, after, no_pad], "pads", axis=0)
-        value = const("pad_value", np.float32(spec.pad), np.float32)
-        x = node("Pad", [x, pads, value], "padded", mode="constant")
+        x = _pad(spec, x, hw_range, node, const)
 
     if spec.layout == "NCHW":
         x = node("Transpose", [x], "chw", perm=[2, 0, 1])
@@ -263,6 +231,50 @@ def build_preprocess_graph(
     )
     model.ir_version = 8  # readable by every onnxruntime this project supports
     return model
+
+
+def _crop(spec: PreprocessSpec, x: str, hw_range: list[str], node, const) -> str:
+    """The centre (or top-left) crop of ``spec`` applied to ``x`` (H x W x C); ``x`` when none."""
+    crop = spec.crop_hw or (spec.size if spec.mode == "short" and len(spec.size) == 2 else None)
+    if crop:
+        # top-left = round_half_even(([H, W] - C) / 2) (0 with align=topleft), clamped at 0 so a
+        # small image is not wrapped around (the reader then reports its shape).
+        shape = node("Shape", [x], "precrop_shape")
+        hw = node("Slice", [shape, *hw_range], "precrop_hw")
+        size = const("crop_size", list(crop), np.int64)
+        if spec.align == "topleft":
+            start = const("crop_start", [0, 0], np.int64)
+        else:
+            margin = node("Sub", [hw, size], "crop_margin")
+            margin_f = node("Cast", [margin], "crop_margin_f", to=TensorProto.FLOAT)
+            half = node("Div", [margin_f, const("two", [2.0], np.float32)], "crop_half_margin")
+            rounded = node("Round", [half], "crop_start_f")
+            start = node("Cast", [rounded], "crop_start_raw", to=TensorProto.INT64)
+            start = node("Max", [start, const("zero", [0], np.int64)], "crop_start")
+        end = node("Add", [start, size], "crop_end")
+        x = node("Slice", [x, start, end, const("crop_axes", [0, 1], np.int64)], "cropped")
+    return x
+
+
+def _pad(spec: PreprocessSpec, x: str, hw_range: list[str], node, const) -> str:
+    """``x`` padded to ``spec.size`` (resize modes ``fit`` and ``height`` with ``HxW``)."""
+    # Pad (after normalisation: ``pad`` is the value the model sees) up to size, the image
+    # top-left (default) or centred with the odd pixel at the bottom/right.
+    shape = node("Shape", [x], "prepad_shape")
+    hw = node("Slice", [shape, *hw_range], "prepad_hw")
+    target = const("pad_size", [spec.size[0], spec.size[-1]], np.int64)
+    missing = node("Max", [node("Sub", [target, hw], "pad_missing_raw"),
+                           const("zero", [0], np.int64)], "pad_missing")  # fmt: skip
+    if spec.align == "center":
+        before = node("Div", [missing, const("two_i", [2], np.int64)], "pad_before")
+        after = node("Sub", [missing, before], "pad_after")
+    else:
+        before, after = const("pad_none", [0, 0], np.int64), missing
+    no_pad = const("pad_channel", [0], np.int64)
+    pads = node("Concat", [before, no_pad, after, no_pad], "pads", axis=0)
+    value = const("pad_value", np.float32(spec.pad), np.float32)
+    x = node("Pad", [x, pads, value], "padded", mode="constant")
+    return x
 
 
 def _resize_sizes(spec: PreprocessSpec, hw: str, node, const) -> str:
