@@ -95,6 +95,16 @@ class QuantizationConfig:
         include_cle / include_bias_correction / include_fast_ft: accuracy recovery (CLE, bias
             correction, AdaRound-style rounding).
         nodes_to_exclude / op_types_to_quantize / nodes_to_quantize: restrict what is quantized.
+        execution_providers: the onnxruntime providers of the calibration session (the sessions
+            that judge the result, fidelity and the accuracy replays, run on the CPU provider so
+            that their reference numerics do not depend on the machine).
+        use_external_data_format: write the quantized model's tensors of 1 KiB and more to
+            ``<output>.data`` beside it (otherwise only models above 2 GB are split).
+        print_summary: log the report's summary (logger ``quark_onnx.quantizer``, INFO) when the
+            model is written.
+        input_nodes / output_nodes / reduce_range / enable_npu_transformer: accepted for
+            compatibility with Quark and not supported: set to anything but the default, each
+            is named in a warning and in the report's notes (:meth:`unsupported_settings`).
         extra_options: the keys of :class:`quark_onnx.options.ExtraOptions`.
     """
 
@@ -248,6 +258,30 @@ class QuantizationConfig:
                     f"activation_type=QuantType.QUInt8 (DynamicQuantizeLinear), not {act}; set "
                     "ActivationSymmetric=True or activation_type=QuantType.QUInt8"
                 )
+
+    def unsupported_settings(self) -> list[str]:
+        """One sentence per setting that is accepted (Quark's field names) but not supported, set
+        to something other than its default: what is done instead and how to get the effect."""
+        found = []
+        for name in ("input_nodes", "output_nodes"):
+            if getattr(self, name):
+                found.append(
+                    f"{name}={getattr(self, name)!r} is not supported: the whole graph is "
+                    "quantized; keep nodes in float with nodes_to_exclude, or quantize only "
+                    "some with nodes_to_quantize / op_types_to_quantize"
+                )
+        if self.reduce_range:
+            found.append(
+                "reduce_range=True is not supported: weights use the full range of their type "
+                "(the NPU and onnxruntime's CPU kernels need no 7-bit weights); set "
+                "reduce_range=False"
+            )
+        if self.enable_npu_transformer:
+            found.append(
+                "enable_npu_transformer=True is not supported: there is no transformer NPU flow; "
+                "for transformers use the A16W8, A8W8 or INT8_DYNAMIC preset"
+            )
+        return found
 
     def needs_calibration_data(self) -> bool:
         """Whether quantizing with these settings reads calibration data: static integer or

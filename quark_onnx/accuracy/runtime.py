@@ -5,15 +5,13 @@ lives); all segments' sessions allocate from one onnxruntime arena registered on
 (``session.use_env_allocators``, extended by what is asked). Allocating straight from glibc
 instead fragmented its heap: onnxruntime's buffers are 64-byte aligned (``memalign``), and the
 small allocations made between runs settle in the space a freed buffer leaves, so the next
-buffer of the same size no longer fits and the heap grows: one SqueezeNet convolution run on 32
-samples, keeping nothing, grew the resident set by 84 MB (6 MB with the arena).
+buffer of the same size no longer fits and the heap grows.
 
 Numerics: segments run with onnxruntime's graph optimizations on but its Q/DQ fusions off
 (session option ``session.disable_quant_qdq``), so the quantized model is still simulated in float
 exactly as its Q/DQ nodes say (no integer kernels) while convolutions use the fast blocked
-kernels: about 1.7x faster than no optimization on MobileNetV2's quantized model. Convolution
-outputs differ from the unoptimized kernels' only by float32 summation order (~1e-7 relative);
-MobileNetV2's quantized logits were identical on 20 calibration images.
+kernels. Convolution outputs differ from the unoptimized kernels' only by float32 summation
+order. (Measurements: ``benchmarks/results/measurements.md``.)
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ def session_options() -> Any:
     if _shared_arena():
         opts.add_session_config_entry("session.use_env_allocators", "1")
     # several segments' sessions live at once (reruns): spinning idle pools would compete with
-    # the one that works (measured 30 s instead of 3.7 s for MobileNetV2 on two busy cores)
+    # the one that works (8x slower on two busy cores: benchmarks/results/measurements.md)
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
     return opts
