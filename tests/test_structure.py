@@ -160,9 +160,6 @@ LONG_MODULES = {
     "one onnxruntime runtime module",
     "quark_onnx/calibration/readers.py": "the reader constructors of the API, the CLI and the "
     "comparison become one calibration source",
-    "quark_onnx/calibration/observers.py": "MinMax, Percentile, Entropy and MSE share one "
-    "histogram; splitting the range rules from the histogram is the next step",
-    "quark_onnx/importer.py": "QDQ import: reading Q/DQ pairs and rebuilding the float model",
     "passes/insert_qdq.py": "one pass per file: Q/DQ insertion with its weight and bias writers",
     "passes/cross_layer_equalization.py": "one pass per file: CLE with its float-exact scaling "
     "through every supported op",
