@@ -122,7 +122,7 @@ def fake_quant(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.
 
 #: Arrays of more values than this are processed in pieces of this size, so the float64
 #: temporaries stay bounded: a few 2 MiB arrays instead of several the size of the weight in
-#: float64 (MobileNetV2's 1.28M-value classifier cost +75 MB of peak with 4M-value pieces).
+#: float64 (benchmarks/results/measurements.md).
 CHUNK = 1 << 18
 
 
@@ -369,8 +369,8 @@ def error_function(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> Callabl
     ``mean(x^2)`` would compare noise-to-signal ratios instead.)
     """
     # No float64 copy is kept: the solver holds a curve for every weight until it is done, and
-    # float64 copies of all of them were twice the model's weights (MobileNetV2: +28 MB at the
-    # positions stage). ``x`` itself (a view; memory-mapped for external weights) is converted
+    # float64 copies of all of them were twice the model's weights (measurements.md in
+    # benchmarks/results). ``x`` itself (a view; memory-mapped for external weights) is converted
     # again, piece by piece, for each position asked: the solver asks a few per tensor.
     source = np.asarray(x)
     count = _finite_stats(source)[0]
