@@ -95,7 +95,7 @@ def read_labels(path: Path) -> dict[str, int]:
 
 def image_arrays(model: str, split: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Pre-processed images of ``data/imagenet/<split>`` for ``model`` (cached), with labels."""
-    from quark_onnx.images import ImageFolderDataReader, PreprocessSpec
+    from quark_onnx import ImageFolderDataReader, PreprocessSpec
 
     cache = WORK / f"{model}_{split}.npz"
     if cache.exists():

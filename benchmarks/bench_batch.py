@@ -119,7 +119,7 @@ def main() -> None:
 
     import ray
 
-    from quark_onnx.cli import Job, QuantizeSettings, _Console, run_batch
+    from quark_onnx.cli import Console, Job, QuantizeSettings, run_batch
     from quark_onnx.ray_runner import quantize_batch_on_ray
 
     work = Path(tempfile.mkdtemp(prefix="bench_batch_"))
@@ -159,7 +159,7 @@ def main() -> None:
                 for i, m in enumerate(sorted(models.glob("*.onnx")))
             ]
             start = time.perf_counter()
-            outcomes = run_batch(jobs, 2, _Console(len(jobs), io.StringIO()), False)
+            outcomes = run_batch(jobs, 2, Console(len(jobs), io.StringIO()), False)
             times["jobs2_api"].append(time.perf_counter() - start)
             times["model_seconds_api"].append(sum(o.seconds for o in outcomes))
             assert all(o.ok for o in outcomes), [o.message for o in outcomes if not o.ok]

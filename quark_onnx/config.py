@@ -23,6 +23,7 @@ from quark_onnx.enums import (
 )
 from quark_onnx.errors import ConfigError
 from quark_onnx.options import ExtraOptions, closest_name, resolve_extra_options
+from quark_onnx.presets import read_preset
 
 
 class QuantStrategy(enum.Enum):
@@ -94,6 +95,16 @@ class QuantizationConfig:
         include_cle / include_bias_correction / include_fast_ft: accuracy recovery (CLE, bias
             correction, AdaRound-style rounding).
         nodes_to_exclude / op_types_to_quantize / nodes_to_quantize: restrict what is quantized.
+        execution_providers: the onnxruntime providers of the calibration session (the sessions
+            that judge the result, fidelity and the accuracy replays, run on the CPU provider so
+            that their reference numerics do not depend on the machine).
+        use_external_data_format: write the quantized model's tensors of 1 KiB and more to
+            ``<output>.data`` beside it (otherwise only models above 2 GB are split).
+        print_summary: log the report's summary (logger ``quark_onnx.quantizer``, INFO) when the
+            model is written.
+        input_nodes / output_nodes / reduce_range / enable_npu_transformer: accepted for
+            compatibility with Quark and not supported: set to anything but the default, each
+            is named in a warning and in the report's notes (:meth:`unsupported_settings`).
         extra_options: the keys of :class:`quark_onnx.options.ExtraOptions`.
     """
 
@@ -248,6 +259,30 @@ class QuantizationConfig:
                     "ActivationSymmetric=True or activation_type=QuantType.QUInt8"
                 )
 
+    def unsupported_settings(self) -> list[str]:
+        """One sentence per setting that is accepted (Quark's field names) but not supported, set
+        to something other than its default: what is done instead and how to get the effect."""
+        found = []
+        for name in ("input_nodes", "output_nodes"):
+            if getattr(self, name):
+                found.append(
+                    f"{name}={getattr(self, name)!r} is not supported: the whole graph is "
+                    "quantized; keep nodes in float with nodes_to_exclude, or quantize only "
+                    "some with nodes_to_quantize / op_types_to_quantize"
+                )
+        if self.reduce_range:
+            found.append(
+                "reduce_range=True is not supported: weights use the full range of their type "
+                "(the NPU and onnxruntime's CPU kernels need no 7-bit weights); set "
+                "reduce_range=False"
+            )
+        if self.enable_npu_transformer:
+            found.append(
+                "enable_npu_transformer=True is not supported: there is no transformer NPU flow; "
+                "for transformers use the A16W8, A8W8 or INT8_DYNAMIC preset"
+            )
+        return found
+
     def needs_calibration_data(self) -> bool:
         """Whether quantizing with these settings reads calibration data: static integer or
         float8 activations need ranges, and the accuracy stages replay samples; weight-only,
@@ -342,7 +377,24 @@ class Config:
 
 
 def get_default_config(name: str) -> QuantizationConfig:
-    """A fresh ``QuantizationConfig`` for the named preset (a file in ``configs/``)."""
-    from quark_onnx.presets import load_preset
+    """A fresh ``QuantizationConfig`` for the named preset (a file in ``configs/``), validated.
 
-    return load_preset(name)
+    Raises:
+        ConfigError: no such preset, or its file sets an unknown field or a wrong value (the
+            message names the file and the closest valid key).
+    """
+    preset = read_preset(name)
+    for k in preset.config:
+        if k not in _FIELD_NAMES or k == "extra_options":
+            close = closest_name(k, _FIELD_NAMES)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"preset file {preset.file}: unknown [config] key {k!r}{hint}")
+    qc = QuantizationConfig()
+    try:
+        for k, v in preset.config.items():
+            setattr(qc, k, v)
+        qc.extra_options = dict(preset.extra_options)
+        qc.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"preset {preset.name}: {exc}") from exc
+    return qc

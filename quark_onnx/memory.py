@@ -5,8 +5,7 @@ times, calibration holds onnxruntime sessions and batches in flight, the accurac
 layers on many samples. When a stage ends its Python objects are freed, but glibc's allocator
 keeps the freed pages of its heap (and of its per-thread arenas) mapped, so the resident set stays
 at the stage's peak and the *next* stage's peak stacks on top of it. ``malloc_trim(0)`` returns
-those pages; measured on SqueezeNet 1.1 (XINT8, 100 samples) it takes the RSS after the prepare
-stage from 247 MB to 211 MB, which every later stage's peak then starts from.
+those pages, so every later stage's peak starts lower (``benchmarks/results/measurements.md``).
 
 On other C libraries (musl, macOS, Windows) there is no ``malloc_trim`` and this does nothing.
 

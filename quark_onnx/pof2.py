@@ -86,12 +86,12 @@ def code_range(qtype: QuantType) -> tuple[int, int]:
 
 def numpy_dtype(qtype: QuantType) -> np.dtype:
     """The numpy dtype of the integer codes of ``qtype`` (8-, 16- and 32-bit integer types: the
-    ones power-of-two positions are defined for; the table itself is :mod:`quark_onnx.qparams`)."""
-    from quark_onnx.qparams import numpy_dtype as codes_dtype
-
+    ones power-of-two positions are defined for). Derived from the type's width and sign, so this
+    module does not import :mod:`quark_onnx.qparams` (which builds on it); it agrees with
+    :func:`quark_onnx.qparams.numpy_dtype` (a test checks)."""
     if not qtype.is_integer or qtype.bits < 8:
         raise ValueError(f"{qtype} is not a power-of-two integer type (int8/uint8/int16/int32)")
-    return codes_dtype(qtype)
+    return np.dtype(f"{'' if qtype.is_signed else 'u'}int{qtype.bits}")
 
 
 def scale_of(p: int) -> np.float32:
@@ -122,7 +122,7 @@ def fake_quant(x: np.ndarray, p: int, qtype: QuantType = QuantType.QInt8) -> np.
 
 #: Arrays of more values than this are processed in pieces of this size, so the float64
 #: temporaries stay bounded: a few 2 MiB arrays instead of several the size of the weight in
-#: float64 (MobileNetV2's 1.28M-value classifier cost +75 MB of peak with 4M-value pieces).
+#: float64 (benchmarks/results/measurements.md).
 CHUNK = 1 << 18
 
 
@@ -369,8 +369,8 @@ def error_function(x: np.ndarray, qtype: QuantType = QuantType.QInt8) -> Callabl
     ``mean(x^2)`` would compare noise-to-signal ratios instead.)
     """
     # No float64 copy is kept: the solver holds a curve for every weight until it is done, and
-    # float64 copies of all of them were twice the model's weights (MobileNetV2: +28 MB at the
-    # positions stage). ``x`` itself (a view; memory-mapped for external weights) is converted
+    # float64 copies of all of them were twice the model's weights (measurements.md in
+    # benchmarks/results). ``x`` itself (a view; memory-mapped for external weights) is converted
     # again, piece by piece, for each position asked: the solver asks a few per tensor.
     source = np.asarray(x)
     count = _finite_stats(source)[0]

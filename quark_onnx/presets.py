@@ -1,26 +1,22 @@
 """Named presets: TOML files in ``configs/`` (installed as ``quark_onnx.configs``).
 
 A preset file has a ``description`` (required: what the preset is for), a ``[config]`` table of
-:class:`QuantizationConfig` fields and an ``[extra_options]`` table. Both are checked against the
-same schema as user code (unknown keys name the closest valid key), so adding a preset is adding
-a file. TOML is parsed with the standard library's ``tomllib``: data only, nothing executed.
+:class:`~quark_onnx.config.QuantizationConfig` fields and an ``[extra_options]`` table. Both are
+checked against the same schema as user code (unknown keys name the closest valid key) when
+:func:`quark_onnx.config.get_default_config` builds the configuration, so adding a preset is
+adding a file. TOML is parsed with the standard library's ``tomllib``: data only, nothing
+executed. This module reads files only; it does not import :mod:`quark_onnx.config` (which builds
+a configuration from a :class:`Preset`), so the two do not import each other.
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from quark_onnx.config import _FIELD_NAMES, QuantizationConfig
 from quark_onnx.errors import ConfigError
 from quark_onnx.options import closest_name
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 _TOP_KEYS = ("name", "description", "config", "extra_options")
 
@@ -31,9 +27,22 @@ class Preset:
     description: str
     config: dict[str, Any]
     extra_options: dict[str, Any]
+    #: the file's name, for messages
+    file: str = ""
+
+
+def _tomllib() -> Any:
+    # imported on first use: ``import quark_onnx`` imports this module and stays fast
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib
 
 
 def _preset_files() -> dict[str, Any]:
+    import importlib.resources
+
     root = importlib.resources.files("quark_onnx.configs")
     return {p.name[: -len(".toml")].upper(): p for p in root.iterdir() if p.name.endswith(".toml")}
 
@@ -52,6 +61,7 @@ def read_preset(name: str) -> Preset:
         hint = f"; did you mean {close!r}?" if close else ""
         raise ConfigError(f"unknown preset {name!r}{hint} (presets: {', '.join(sorted(files))})")
     path = files[key]
+    tomllib = _tomllib()
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
@@ -62,11 +72,6 @@ def read_preset(name: str) -> Preset:
             hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(f"preset file {path.name}: unknown key {k!r}{hint}")
     config = data.get("config", {})
-    for k in config:
-        if k not in _FIELD_NAMES or k == "extra_options":
-            close = closest_name(k, _FIELD_NAMES)
-            hint = f"; did you mean {close!r}?" if close else ""
-            raise ConfigError(f"preset file {path.name}: unknown [config] key {k!r}{hint}")
     description = data.get("description", "")
     if not isinstance(description, str) or not description.strip():
         raise ConfigError(
@@ -77,23 +82,10 @@ def read_preset(name: str) -> Preset:
         description=description,
         config=config,
         extra_options=dict(data.get("extra_options", {})),
+        file=path.name,
     )
 
 
 def preset_descriptions() -> dict[str, str]:
     """Preset name -> its description (what it is for), sorted by name."""
     return {name: read_preset(name).description for name in preset_names()}
-
-
-def load_preset(name: str) -> QuantizationConfig:
-    """A new QuantizationConfig with the preset's settings (validated)."""
-    preset = read_preset(name)
-    qc = QuantizationConfig()
-    try:
-        for k, v in preset.config.items():
-            setattr(qc, k, v)
-        qc.extra_options = dict(preset.extra_options)
-        qc.validate()
-    except ConfigError as exc:
-        raise ConfigError(f"preset {preset.name}: {exc}") from exc
-    return qc

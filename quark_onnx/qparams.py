@@ -40,6 +40,7 @@ import numpy as np
 
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import QuantizationError
+from quark_onnx.pof2 import scale_of
 
 #: Largest finite float8 e4m3fn value; QuantizeLinear saturates to it.
 FLOAT8_E4M3FN_MAX = 448.0
@@ -231,11 +232,9 @@ def fake_quant(x: np.ndarray, params: QuantParams) -> np.ndarray:
 
 def from_position(p: int, qtype: QuantType = QuantType.QInt8) -> QuantParams:
     """Power-of-two parameters: scale ``2^-p`` and the symmetric zero point (XINT8)."""
-    from quark_onnx import pof2
-
     return QuantParams(
         qtype=qtype,
-        scale=np.array(pof2.scale_of(p), dtype=np.float32),
+        scale=np.array(scale_of(p), dtype=np.float32),
         zero_point=np.array(qtype.symmetric_zero_point, dtype=numpy_dtype(qtype)),
     )
 

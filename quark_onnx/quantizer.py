@@ -148,6 +148,9 @@ class ModelQuantizer:
         source = str(model_input) if not isinstance(model_input, onnx.ModelProto) else "<model>"
         report = QuantizationReport(model=source, settings=self.qconfig.effective_settings())
         self.report = report
+        for sentence in self.qconfig.unsupported_settings():
+            logger.warning("%s: %s", source, sentence)
+            report.notes.append(sentence)
         input_path = None if isinstance(model_input, onnx.ModelProto) else Path(model_input)
         # every output is checked against every input before any work (a calibration file
         # written over the model, a model written over its own external data...)
@@ -285,10 +288,17 @@ class ModelQuantizer:
         if model_output is not None:
             with _stage(report, "save"):
                 model_io.save_model(
-                    quantized, model_output, input_path=input_path, overwrite=overwrite
+                    quantized,
+                    model_output,
+                    input_path=input_path,
+                    overwrite=overwrite,
+                    # None: external data only above the 2 GB protobuf limit
+                    external_data=True if self.qconfig.use_external_data_format else None,
                 )
                 report.output = str(model_output)
         logger.info("%s: quantized in %.2f s", source, report.total_seconds)
+        if self.qconfig.print_summary:
+            logger.info("%s: %s", source, report.summary())
         return quantized
 
     # -- stages -------------------------------------------------------------------------------
@@ -523,6 +533,7 @@ class ModelQuantizer:
                 shards=self.calibration_shards,
                 backend=self.shard_backend,  # type: ignore[arg-type]
                 external_data_dir=external_dir,
+                providers=self.qconfig.execution_providers,
             )
         return calibrate(
             prepared,
@@ -530,6 +541,7 @@ class ModelQuantizer:
             reader,
             method=self.qconfig.calibrate_method,
             options=self.options,
+            providers=self.qconfig.execution_providers,
             progress=progress,
             external_data_dir=external_dir,
         )

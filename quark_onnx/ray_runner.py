@@ -5,7 +5,7 @@ Ray is an optional extra (``pip install 'quark_onnx[ray]'``): nothing here impor
 needed, and ``import quark_onnx`` never does.
 
 Each model is one Ray task that runs the batch runner's own per-model function
-(:func:`quark_onnx.cli._worker`, i.e. :func:`quark_onnx.cli.quantize_one`) with the job the driver
+(:func:`quark_onnx.cli.jobs.worker`: :func:`quark_onnx.cli.quantize_one`) with the job the driver
 built: the same settings, the same output paths, the same outcome -- so outputs, reports and the
 summary table are those of ``--jobs``. The task writes the outputs itself, atomically, to the paths
 the driver chose (``OUT_DIR/NAME.*``), and runs in the driver's working folder, so relative paths
@@ -25,97 +25,23 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from quark_onnx import model_io
-from quark_onnx.errors import ConfigError, QuarkOnnxError
+from quark_onnx.errors import ConfigError
+from quark_onnx.ray_cluster import _cancel, connected, import_ray
 
 logger = logging.getLogger(__name__)
-
-INSTALL_HINT = "pip install 'quark_onnx[ray]'"
-#: How long a ``HOST:PORT`` cluster address may take to accept a connection.
-CONNECT_TIMEOUT_SECONDS = 10.0
-#: How long Ctrl-C waits for interrupted tasks to remove their temporary files.
-CANCEL_WAIT_SECONDS = 30.0
-
-
-def import_ray() -> Any:
-    """The ``ray`` module, or a :class:`ConfigError` that says how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ConfigError(
-            f"--ray needs the optional package ray, which is not installed: {INSTALL_HINT}"
-        ) from exc
-    return ray
-
-
-@contextlib.contextmanager
-def connected(address: str | None = None) -> Iterator[Any]:
-    """Ray, connected: to the cluster ``ray`` is already connected to (inside a task, or in a
-    program that called ``ray.init``), else to ``address`` (``auto``: the cluster started on
-    this machine with ``ray start``; ``ray://HOST:10001``: a remote cluster through Ray Client;
-    None: ``RAY_ADDRESS`` if set, else a local cluster started for this run and stopped after).
-    """
-    ray = import_ray()
-    if ray.is_initialized():
-        yield ray
-        return
-    if address:
-        _check_reachable(address)
-    with _keep_sigterm_handler():
-        try:
-            ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
-        except (ConnectionError, TimeoutError, ValueError) as exc:
-            where = f"--ray {address}" if address else "--ray (RAY_ADDRESS or a local cluster)"
-            raise ConfigError(
-                f"{where}: cannot connect to a Ray cluster ({' '.join(str(exc).split())}); give "
-                "the address printed by `ray start --head` (host:6379), `auto`, or "
-                "ray://HOST:10001"
-            ) from exc
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-@contextlib.contextmanager
-def _keep_sigterm_handler() -> Iterator[None]:
-    """Undo the ``SIGTERM`` handler ``ray.init`` installs in the driver (``sys.exit``), which it
-    does not remove on shutdown: the command line's own handler (temporary outputs removed,
-    exit code 143) stays in force."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main and hasattr(signal, "SIGTERM") else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast on a ``HOST:PORT`` nothing listens on (Ray itself retries for minutes)."""
-    host, sep, port = address.rpartition(":")
-    if "://" in address or not sep or not port.isdigit():
-        return  # ``auto``, ``ray://`` (Ray Client has its own timeout), or not a socket address
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_SECONDS).close()
-    except OSError as exc:
-        raise ConfigError(
-            f"--ray {address}: nothing answers there ({exc}); give the address printed by "
-            "`ray start --head` (HOST:6379), `auto`, or ray://HOST:10001"
-        ) from exc
 
 
 def _quantize_task(job: Any, cwd: str) -> Any:
     """One model, in a Ray worker: the ``--jobs`` worker function, in the driver's folder."""
-    from quark_onnx import cli
+    from quark_onnx.cli import jobs
 
     saved_cwd, saved_stderr = os.getcwd(), sys.stderr
     try:
@@ -127,14 +53,14 @@ def _quantize_task(job: Any, cwd: str) -> Any:
             "cluster, run from a folder every node mounts at the same path",
         )
     try:
-        return cli._worker(job)
+        return jobs.worker(job)
     finally:
         sys.stderr = saved_stderr
         os.chdir(saved_cwd)
 
 
 def _failed(job: Any, message: str, tb: str = "") -> Any:
-    from quark_onnx.cli import failed_outcome
+    from quark_onnx.cli.jobs import failed_outcome
 
     return failed_outcome(job, message, tb)
 
@@ -227,37 +153,6 @@ def _recording_sigterm(received: list[int]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _cancel(ray: Any, refs: Sequence[Any]) -> None:
-    """Cancel ``refs``: not started, they never run; running, they get a KeyboardInterrupt and
-    unwind (temporary outputs removed). Waits a bounded time for them to end."""
-    for ref in refs:
-        with contextlib.suppress(Exception):
-            ray.cancel(ref)
-    if refs:
-        with contextlib.suppress(Exception):
-            ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
-
-
-def map_shared(fn: Callable[..., Any], shared: Any, rest: Sequence[tuple]) -> list[Any]:
-    """``[fn(shared, *args) for args in rest]`` as Ray tasks of one CPU each, ``shared`` put in
-    the object store once; results in order, the first failure re-raised as itself."""
-    with connected() as ray:
-        ref = ray.put(shared)
-        remote = ray.remote(fn).options(num_cpus=1)
-        refs = [remote.remote(ref, *args) for args in rest]
-        try:
-            return ray.get(refs)
-        except KeyboardInterrupt:
-            _cancel(ray, refs)
-            raise
-        except Exception as exc:
-            cause = getattr(exc, "cause", None)
-            _cancel(ray, refs)
-            if isinstance(cause, QuarkOnnxError):
-                raise cause from None
-            raise
-
-
 def quantize_batch_on_ray(
     models: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -281,7 +176,9 @@ def quantize_batch_on_ray(
         ConfigError: Ray is not installed, the cluster cannot be reached, two models would write
             the same output, or a folder holds no model.
     """
-    from quark_onnx.cli import Job, QuantizeSettings, _Console, collect_models, output_names
+    from quark_onnx.cli.batch import Console, collect_models, output_names
+    from quark_onnx.cli.jobs import Job
+    from quark_onnx.cli.settings import QuantizeSettings
 
     settings = settings if settings is not None else QuantizeSettings()
     import_ray()
@@ -293,7 +190,7 @@ def quantize_batch_on_ray(
         Job(index=i, model=str(m), name=n, out_dir=str(folder.resolve()), settings=settings)
         for i, (m, n) in enumerate(zip(found, names, strict=True))
     ]
-    console = _Console(len(jobs), stream)
+    console = Console(len(jobs), stream)
     return run_batch_ray(
         jobs, console, False, address=address, task_cpus=task_cpus, task_memory=task_memory
     )

@@ -2,7 +2,7 @@
 reference, the reader's checks, the guard in front of libjpeg, and the real ImageNet images.
 
 The numpy reference (``reference_preprocess``) is written from the maths in the docstring of
-``quark_onnx.images``: separable linear interpolation with half-pixel centres (coordinates in
+``calibration.image_graph``: separable linear interpolation with half-pixel centres (coordinates in
 float32, as onnxruntime computes them), clamped at the border, no antialiasing; centre crop at
 ``round_half_even((size - crop) / 2)``; channel reversal; ``(x * scale - mean) / std`` in float32.
 Synthetic images are PNGs written here (lossless), so the reference starts from the exact pixels;
@@ -29,17 +29,16 @@ import pytest
 from conftest import make_model, shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx.errors import CalibrationError, ConfigError
-from quark_onnx.images import (
+from quark_onnx.calibration.image_check import check_encoded_image
+from quark_onnx.calibration.image_graph import (
     EXTENSIONS_DOMAIN,
-    ImageFolderDataReader,
-    PreprocessSpec,
     build_preprocess_graph,
-    check_encoded_image,
     decoder_channel_order,
-    list_image_files,
     make_preprocess_session,
 )
+from quark_onnx.calibration.image_reader import ImageFolderDataReader, list_image_files
+from quark_onnx.calibration.image_spec import PreprocessSpec
+from quark_onnx.errors import CalibrationError, ConfigError
 
 SQUEEZENET_SPEC = "resize=256,crop=224,mean=104;117;123,std=1;1;1,scale=1,order=BGR,layout=NCHW"
 MOBILENETV2_SPEC = (
@@ -437,7 +436,7 @@ def test_undecodable_file_raises_or_is_skipped(folder, caplog):
     with pytest.raises(CalibrationError, match=r"0_broken\.jpg: cannot be decoded"):
         reader.get_next()
     skipping = ImageFolderDataReader(folder, float_model([1, 3, 8, 8]), spec, skip_undecodable=True)
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.images"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.calibration.image_reader"):
         items = list(skipping)
     assert len(items) == 3
     assert any("0_broken.jpg" in r.getMessage() for r in caplog.records)
@@ -525,7 +524,7 @@ def test_truncated_jpeg_ends_in_an_error_not_an_exit(tmp_path, jpeg):
     (tmp_path / "model.onnx").write_bytes(float_model([1, 3, 8, 8]).SerializeToString())
     script = (
         "import sys, json\n"
-        "from quark_onnx.images import ImageFolderDataReader, PreprocessSpec\n"
+        "from quark_onnx import ImageFolderDataReader, PreprocessSpec\n"
         "from quark_onnx.errors import CalibrationError\n"
         "r = ImageFolderDataReader(sys.argv[1], sys.argv[2], PreprocessSpec(8, 8))\n"
         "try:\n    r.get_next()\nexcept CalibrationError as e:\n    print(json.dumps(str(e)))\n"

@@ -268,3 +268,13 @@ def test_minmse_never_copies_a_large_weight_whole():
         tracemalloc.stop()
     # one float64 copy of the whole array is 16 MB; a few float64 pieces are alive at a time
     assert peak < 6 * pof2.CHUNK * 8 < x.size * 8
+
+
+def test_numpy_dtype_agrees_with_the_qparams_table():
+    """pof2 derives the codes' dtype from width and sign (it does not import qparams)."""
+    from quark_onnx.qparams import numpy_dtype as table
+
+    power_of_two_types = [q for q in QuantType if q.is_integer and q.bits >= 8]
+    assert len(power_of_two_types) == 5
+    for qtype in power_of_two_types:
+        assert pof2.numpy_dtype(qtype) == table(qtype)

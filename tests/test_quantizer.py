@@ -92,7 +92,7 @@ def test_seed_example_on_digits(tmp_path):
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_squeezenet_accuracy_and_readiness(tmp_path):
-    from quark_onnx.images import ImageFolderDataReader, PreprocessSpec
+    from quark_onnx import ImageFolderDataReader, PreprocessSpec
 
     model = shared_path("models", "squeezenet1.1.onnx")
     val_dir = shared_path("data", "imagenet", "val")

@@ -6,9 +6,8 @@ directory removed afterwards). What the copy exposes depends on the statistics t
 
 The tensors to read become extra graph outputs and are folded into numpy observers: running
 min/max for MinMax/NonOverflow, the bucket histogram for MinMSE/Percentile/Entropy/MSE. (In-graph
-``ReduceMin``/``ReduceMax`` outputs were measured slower than returning the tensors with
-onnxruntime 1.31 on CPU -- the reductions run after a layout reorder of every tensor -- and
-``ReduceMax`` may skip NaN, so they are not used.)
+``ReduceMin``/``ReduceMax`` outputs are not used: slower on CPU -- the reductions run after a
+layout reorder of every tensor -- and ``ReduceMax`` may skip NaN.)
 
 Tensors whose statistics follow exactly from other calibrated tensors are not read at all:
 ``Relu(x)`` from ``x`` (positive part, the rest counted as zeros), ``Concat`` from its inputs
@@ -22,19 +21,14 @@ carries it on axis 0, up to ``max_batch`` samples from consecutive feeds are con
 run. The next run overlaps the observer updates of the previous one (onnxruntime releases the GIL),
 but starts only when what is left to fold would take about one run (both timed on the previous
 batches): started at once, it would hold two runs' outputs for the whole fold whenever folding is
-the slower part (MinMSE on MobileNetV2: 59 ms of folding for a 27 ms run per sample). The outputs
+the slower part (as MinMSE's is). The outputs
 are onnxruntime's own buffers: each is dropped as soon as it is folded, so the next run reuses its
 memory. Histogram updates can be split between two threads (``parallel=True``;
 each observer is folded by one thread in batch order, so the statistics are exactly those of one
 thread), but that is off by default: on 2 cores, with onnxruntime's two intra-op threads running
 the next batch, a second folding thread only adds contention -- the scatter ``np.add.at`` holds
-the GIL -- and measured MinMSE at 5.15x the inference time per sample (CPU 4.53x) instead of 4.03x
-(CPU 3.51x) on SqueezeNet.
-
-Cost (2 cores, SqueezeNet, ~2.9 M activation values per sample): a min/max observer ~0.3 ns per
-value; the histogram ~5 ns per value, of which the scatter is ~3 ns (``np.add.at``, holding the
-GIL: the floor of an exact per-value histogram in numpy), conversions, sums of squares and
-min/max the rest.
+the GIL. The histogram's scatter is most of an observer's cost per value. (Measurements:
+``benchmarks/results/measurements.md``.)
 
 Memory: shape inference (for the types of the tensors read) runs on a copy that carries the
 weights' names, types and dims but not their bytes (:func:`_inference_copy`); the calibration copy
@@ -42,12 +36,8 @@ is serialized and dropped before onnxruntime parses it, and the session does not
 the heap's freed pages go back to the OS after the plan and after the session is built. During the
 runs what is held is onnxruntime's arena (one run's tensors, its outputs included: no memory
 pattern, see :func:`session_options`), the part of the next run that overlaps the fold, and the
-observers (MinMSE: a staging array per tensor, ~16 MB for MobileNetV2's 65, and the buckets).
-Measured with the XINT8 preset, 100 samples, the heap trimmed between stages, peak RSS of the
-calibrate stage: MobileNetV2 451 -> 367 MB, SqueezeNet 301 -> 271 MB (medians of 3; same
-statistics, same time). Binding the outputs to preallocated numpy buffers (onnxruntime IOBinding)
-was measured and is not used: one run +77 MB instead of +57 MB, two in flight +106 instead of +93
-(both with the memory pattern).
+observers (MinMSE: a staging array per tensor, and the buckets). Binding the outputs to
+preallocated numpy buffers (onnxruntime IOBinding) is not used: it held more per run.
 """
 
 from __future__ import annotations
@@ -98,10 +88,8 @@ DEFAULT_MAX_BATCH = 8
 
 
 #: Above this many nodes the calibration session uses onnxruntime's basic optimizations only:
-#: its extended and layout optimizers cost more than linear time in the node count (session
-#: creation for a chain of 1x1 Convs with every tensor an output: 0.78 ms/node at 2k nodes,
-#: 2.2 ms/node at 8k; basic: 0.28 and 0.47), which the faster kernels of a graph that large never
-#: pay back over a calibration run.
+#: its extended and layout optimizers cost more than linear time in the node count, which the
+#: faster kernels of a graph that large never pay back over a calibration run.
 EXTENDED_OPTIMIZATION_MAX_NODES = 4000
 
 
@@ -114,13 +102,12 @@ def session_options(nodes: int = 0) -> ort.SessionOptions:
 
     The intra-op threads do not spin between kernels: the observers run in Python beside the
     session (next batch in onnxruntime, previous batch in numpy), and spinning threads would take
-    the cores numpy needs (measured on 2 cores: calibration slower, float inference unchanged).
+    the cores numpy needs.
 
     No memory pattern: with one, onnxruntime plans every later run into a single block of its
     own, which its arena cannot carve from the chunks the first (unplanned) run left free, so the
-    arena holds both. Without, each run allocates tensor by tensor from those chunks. Measured on
-    MobileNetV2 (65 tensors read, one sample per run): +36 MB over the built session instead of
-    +57 MB, two runs in flight +83 MB instead of +93-124 MB, same time per run.
+    arena holds both. Without, each run allocates tensor by tensor from those chunks, in less
+    memory and the same time (``benchmarks/results/measurements.md``).
     """
     so = ort.SessionOptions()
     so.graph_optimization_level = (

@@ -25,12 +25,12 @@ from quark_onnx.errors import CalibrationError
 from quark_onnx.model_io import atomic_write_bytes, read_regular_file
 from quark_onnx.options import ExtraOptions, closest_name
 
+from .buckets import signed_limits
 from .observers import (
     HistogramObserver,
     MinMaxObserver,
     Observer,
     observer_from_dict,
-    signed_limits,
 )
 
 #: Version 2: histograms hold exact integer offset statistics (version 1 held float sums).
@@ -142,7 +142,7 @@ class CalibrationResult:
 
         NonOverflow: :func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``
         (rounding-aware; the negative side may use code -128). MinMSE: the exact histogram search
-        (:func:`~quark_onnx.calibration.observers.minmse_position_from_histogram`), equal to
+        (:func:`~quark_onnx.calibration.histogram_search.minmse_position_from_histogram`), equal to
         :func:`quark_onnx.pof2.minmse_position` of all calibration values for 8-bit types. A tensor
         that was all zeros gets :data:`quark_onnx.pof2.ZERO_POSITION`.
         """
@@ -158,7 +158,7 @@ class CalibrationResult:
         """``p -> MSE`` of tensor ``name`` at position ``p`` over all calibration values (memoised).
 
         The value is the exact quantization SSE computed from the histogram
-        (:func:`~quark_onnx.calibration.observers.histogram_sse`: exact for 8-bit types,
+        (:func:`~quark_onnx.calibration.histogram_search.histogram_sse`: exact for 8-bit types,
         ``p <= 132``) divided by the number of values: a mean per element, the same currency as
         :func:`quark_onnx.pof2.error_function` for weights, so the NPU constraint solver can
         compare moves of activations and weights (see that function for why per-element MSE,

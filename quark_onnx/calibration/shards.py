@@ -219,9 +219,9 @@ def calibrate_sharded(
     if len(parts) == 1:
         results = [calibrate_shard(model_bytes, *rest[0])]
     elif backend == "ray":
-        from quark_onnx import ray_runner
+        from quark_onnx import ray_cluster
 
-        results = ray_runner.map_shared(calibrate_shard, model_bytes, rest)
+        results = ray_cluster.map_shared(calibrate_shard, model_bytes, rest)
     else:
         results = _map_processes(model_bytes, rest)
     merged = merge_shards(results, names)

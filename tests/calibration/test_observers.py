@@ -13,14 +13,13 @@ import pytest
 
 from quark_onnx import pof2
 from quark_onnx.calibration import CalibrationResult, quantize_pof2
-from quark_onnx.calibration.observers import (
-    HistogramObserver,
-    MinMaxObserver,
-    bucket_edges,
+from quark_onnx.calibration.buckets import bucket_edges
+from quark_onnx.calibration.histogram_search import (
     entropy_threshold_from_histogram,
     mse_threshold_from_histogram,
     resample_linear,
 )
+from quark_onnx.calibration.observers import HistogramObserver, MinMaxObserver
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import CalibrationError
 

@@ -161,8 +161,13 @@ def test_limit_nonfinite_and_errors_are_about_all_the_data(caplog):
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_squeezenet_sharded_calibration_writes_the_same_bytes(tmp_path):
-    from quark_onnx import Config, ModelQuantizer, get_default_config
-    from quark_onnx.images import ImageFolderDataReader, PreprocessSpec
+    from quark_onnx import (
+        Config,
+        ImageFolderDataReader,
+        ModelQuantizer,
+        PreprocessSpec,
+        get_default_config,
+    )
 
     model = shared_path("models", "squeezenet1.1.onnx")
     images = shared_path("data", "imagenet", "calib")

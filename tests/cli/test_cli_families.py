@@ -22,7 +22,8 @@ from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 from test_images import reference_general
 
-from quark_onnx.images import ImageFolderDataReader, PreprocessSpec, _png_rgb
+from quark_onnx import ImageFolderDataReader, PreprocessSpec
+from quark_onnx.calibration.image_graph import _png_rgb
 
 
 def conv_net(dims: list, head: str, classes: int = 3, seed: int = 0) -> onnx.ModelProto:

@@ -99,7 +99,7 @@ def test_ray_batch_gives_the_outputs_reports_and_summary_of_one_process(cluster,
     ]
     # the reference runs in fresh processes too (--jobs 2): the text of a protobuf parse error
     # depends on what the process imported before, not on the runner
-    reference = cli.run_batch(jobs, 2, cli._Console(len(jobs), io.StringIO()), False)
+    reference = cli.run_batch(jobs, 2, cli.Console(len(jobs), io.StringIO()), False)
 
     # the same batch as Ray tasks, each calibrated in 2 shards run as Ray tasks too
     sharded = cli.QuantizeSettings(

@@ -12,7 +12,11 @@ from cli_helpers import run_cli
 from conftest import shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx.images import EXTENSIONS_DOMAIN, decoder_channel_order, make_preprocess_session
+from quark_onnx.calibration.image_graph import (
+    EXTENSIONS_DOMAIN,
+    decoder_channel_order,
+    make_preprocess_session,
+)
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -672,7 +672,7 @@ def test_fix_shapes_above_int64_is_a_config_error():
 
 
 def test_image_folder_links_out_of_the_folder_are_not_read(tmp_path, caplog):
-    from quark_onnx.images import list_image_files
+    from quark_onnx.calibration.image_reader import list_image_files
 
     outside = tmp_path / "secret.png"
     outside.write_bytes(b"\x89PNG")

@@ -1,0 +1,312 @@
+"""The batch: models from paths, output names, the console, the summary table and the runner
+that quantizes jobs in this process or in spawned worker processes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import multiprocessing
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from quark_onnx import model_io
+from quark_onnx.cli.common import one_line
+from quark_onnx.cli.jobs import Job, Outcome, failed_outcome, quantize_one, worker, worker_init
+from quark_onnx.errors import ConfigError
+
+logger = logging.getLogger("quark_onnx.cli")
+
+
+def collect_models(paths: Sequence[str]) -> list[Path]:
+    """Expand folders to the ``*.onnx`` files directly inside them (sorted); keep files as
+    given (a missing file is kept: it fails on its own, not the whole batch).
+
+    Raises:
+        ConfigError: a folder holds no ``.onnx`` file.
+    """
+    models: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".onnx" and q.is_file())
+            if not found:
+                raise ConfigError(f"{p}: folder holds no .onnx model")
+            models.extend(found)
+        else:
+            models.append(p)
+    return models
+
+
+def output_names(models: Sequence[Path]) -> list[str]:
+    """The output name (file stem) of each model.
+
+    Raises:
+        ConfigError: two models would write the same output.
+    """
+    names = [m.stem if m.suffix.lower() == ".onnx" else m.name for m in models]
+    seen: dict[str, Path] = {}
+    for model, name in zip(models, names, strict=True):
+        if name in seen:
+            raise ConfigError(
+                f"{seen[name]} and {model} would both be written as {name}.onnx; quantize them "
+                "into different output folders"
+            )
+        seen[name] = model
+    return names
+
+
+class Console:
+    """Status lines on stderr, with the overall progress bar on a terminal."""
+
+    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+        from quark_onnx.progress import Progress
+
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.total = total
+        self.bar = Progress(
+            total,
+            desc="models",
+            unit="models",
+            enabled=self.tty,
+            stream=self.stream,
+            logger=logger,
+            refresh_interval=0.0,
+        )
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def started(self, job: Job) -> None:
+        self.line(f"[{job.index + 1}/{self.total}] {job.name}: quantizing {job.model}")
+
+    def finished(self, outcome: Outcome, debug: bool) -> None:
+        if outcome.ok:
+            self.line(
+                f"[{outcome.index + 1}/{self.total}] {outcome.name}: done in "
+                f"{outcome.seconds:.1f} s"
+            )
+        else:
+            self.line(f"error: {outcome.model}: {outcome.message}")
+            if debug and outcome.traceback:
+                self.stream.write(outcome.traceback)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _fmt_optional(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+#: How the summary table names each kind of agreement (see quark_onnx.compare).
+_AGREEMENT_LABELS = {"top1": "top-1", "argmax": "pixels"}
+
+
+def summary_table(outcomes: Sequence[Outcome]) -> str:
+    """The end-of-run table: model, status, seconds, quantized ops, readiness, fidelity.
+
+    ``faithful`` is the fidelity guard's verdict on every output against the original float
+    model (:mod:`quark_onnx.fidelity`); a model can be ready and not faithful.
+
+    Fidelity is of the first graph output, quantized vs float on the first calibration samples:
+    SQNR and cosine always; ``agreement`` is the top-1 agreement of a score vector output
+    (``top-1``) or the per-pixel agreement of the argmax over the channel axis of a dense output
+    (``pixels``, segmentation maps), and ``-`` for other outputs (boxes, embeddings).
+    """
+    header = (
+        "model",
+        "status",
+        "seconds",
+        "ops quantized",
+        "Vitis AI ready",
+        "faithful",
+        "output SQNR dB",
+        "cosine",
+        "agreement",
+    )
+    rows = [header]
+    for o in outcomes:
+        ready = "-" if o.ready is None else ("yes" if o.ready else "no")
+        faithful = "-" if o.faithful is None else ("yes" if o.faithful else "NO")
+        agree = "-"
+        if o.agreement is not None:
+            label = _AGREEMENT_LABELS.get(o.agreement_kind or "", o.agreement_kind or "")
+            agree = f"{label} {o.agreement:.3f} ({o.compared_samples})"
+        rows.append(
+            (
+                o.name,
+                "ok"
+                if o.ok
+                else ("interrupted" if o.message.startswith("interrupted") else "failed"),
+                f"{o.seconds:.1f}",
+                _fmt_optional(o.quantized_nodes, "d"),
+                ready,
+                faithful,
+                _fmt_optional(o.output_sqnr_db, ".1f"),
+                _fmt_optional(o.output_cosine, ".4f"),
+                agree,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {2, 3, 6, 7}
+    lines = []
+    for r in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    failed = sum(not o.ok for o in outcomes)
+    lines.append("")
+    lines.append(
+        f"{len(outcomes) - failed} of {len(outcomes)} model(s) quantized"
+        + (f", {failed} failed" if failed else "")
+    )
+    if any(o.output_sqnr_db is not None for o in outcomes):
+        lines.append(
+            "output SQNR, cosine, agreement: the first output, quantized vs float model on the "
+            "first calibration samples (count in brackets)"
+        )
+        lines.append(
+            "agreement: top-1 = same argmax of a score vector; pixels = same argmax over the "
+            "channels per position of a dense output; - = neither fits (boxes, embeddings)"
+        )
+    if any(o.ok and o.faithful is False for o in outcomes):
+        lines.append(
+            "faithful NO: the quantized outputs do not follow the float model's; "
+            "OUT_DIR/MODEL.report.txt names the outputs and the layers that lose the most "
+            "(exit code 0 unless --require-fidelity)"
+        )
+    if any(o.ok and o.ready is False for o in outcomes):
+        lines.append(
+            "Vitis AI ready no: see OUT_DIR/MODEL.report.txt for why (exit code 0 unless "
+            "--require-ready)"
+        )
+    return "\n".join(lines)
+
+
+class BatchInterrupted(KeyboardInterrupt):
+    """The batch was stopped by Ctrl-C or SIGTERM; :attr:`outcomes` holds every job's outcome
+    (those not finished are failed with "interrupted")."""
+
+    def __init__(self, outcomes: list[Outcome], signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.outcomes = outcomes
+        self.signal_name = signal_name
+
+
+#: Seconds a running worker gets to unwind after SIGTERM before it is killed.
+_STOP_GRACE = 5.0
+
+
+def _interrupted(job: Job) -> Outcome:
+    return failed_outcome(job, "interrupted: not quantized, nothing written")
+
+
+def _remove_staging(jobs: Sequence[Job]) -> None:
+    """Remove the staging folders of jobs whose worker had to be killed."""
+    for job in jobs:
+        for leftover in Path(job.out_dir).glob(f".{job.name}.*.partial"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Cancel the queued jobs and stop the running ones now (SIGTERM, then SIGKILL after
+    :data:`_STOP_GRACE` s); every worker is joined, so no process is left behind."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _STOP_GRACE
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def stop_resource_tracker() -> None:
+    """Stop and reap multiprocessing's resource tracker (started for the pool's semaphores).
+
+    Left running it outlives this process, and where the process that adopts orphans does not
+    reap them (a container's init) it stays behind as a defunct process. Called once the pool is
+    garbage: its semaphores are unregistered first, so the tracker has nothing left to clean.
+    Python < 3.11 has no ``_stop``: nothing is done there.
+    """
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
+
+
+def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) -> list[Outcome]:
+    """Quantize every job (in ``workers`` spawned processes when > 1); outcomes in job order.
+
+    Raises:
+        BatchInterrupted: on Ctrl-C or SIGTERM: queued jobs are not started, running ones are
+            stopped at once (their files removed), and the outcomes so far are attached.
+    """
+    done: dict[int, Outcome] = {}
+    try:
+        if workers <= 1 or len(jobs) <= 1:
+            for job in jobs:
+                console.started(job)
+                outcome = quantize_one(job)
+                console.finished(outcome, debug)
+                done[job.index] = outcome
+        else:
+            context = multiprocessing.get_context("spawn")
+            pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=min(workers, len(jobs)), mp_context=context, initializer=worker_init
+            )
+            try:
+                console.line(
+                    f"quantizing {len(jobs)} models in {min(workers, len(jobs))} processes"
+                )
+                futures = {pool.submit(worker, job): job for job in jobs}
+                for future in concurrent.futures.as_completed(futures):
+                    job = futures[future]
+                    try:
+                        outcome = future.result()
+                    except Exception as exc:  # the worker process died (out of memory, ...)
+                        outcome = Outcome(
+                            index=job.index,
+                            model=job.model,
+                            name=job.name,
+                            ok=False,
+                            seconds=0.0,
+                            message="the worker process failed: "
+                            + (one_line(str(exc)) or type(exc).__name__),
+                            traceback=traceback.format_exc(),
+                        )
+                    console.finished(outcome, debug)
+                    done[job.index] = outcome
+            except BaseException:
+                _stop_pool(pool)
+                _remove_staging([j for j in jobs if j.index not in done])
+                raise
+            finally:
+                pool.shutdown(wait=True)
+    except KeyboardInterrupt as exc:
+        console.close()
+        name = "SIGTERM" if isinstance(exc, model_io.Terminated) else "SIGINT"
+        outcomes = [done.get(job.index) or _interrupted(job) for job in jobs]
+        raise BatchInterrupted(outcomes, name) from None
+    console.close()
+    return [done[job.index] for job in jobs]

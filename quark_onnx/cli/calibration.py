@@ -1,0 +1,215 @@
+"""Calibration data of one model: the reader of ``--calib`` (``.npz``/``.npy`` or an image
+folder), the samples the float-vs-quantized comparison runs on, and input shapes fixed from the
+data."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from quark_onnx.cli.settings import QuantizeSettings
+from quark_onnx.errors import CalibrationError
+
+logger = logging.getLogger("quark_onnx.cli")
+
+DEFAULT_COMPARE_SAMPLES = 16
+#: Input values the default comparison runs through at most (32 ImageNet-sized samples): a
+#: 512x896 segmenter compares 3 samples, whose QDQ simulation costs as much as 16 classifier ones.
+COMPARE_BUDGET = 32 * 3 * 224 * 224
+
+
+def model_inputs(model: str | os.PathLike) -> list[Any]:
+    """The graph inputs of ``model`` (read without its external data)."""
+    import onnx
+
+    from quark_onnx.calibration.readers import input_specs
+    from quark_onnx.model_io import load_model
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:
+        load_model(model, upgrade_opset=False)  # raises ModelLoadError with the precise reason
+        raise
+    return input_specs(proto)
+
+
+def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | None = None) -> Any:
+    """A reader over a ``.npz``/``.npy`` file for ``model``.
+
+    A single-input model reads the archive's only array, the array named like the input, or
+    ``x``. A multi-input model needs one array per input, named like the inputs.
+    """
+    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
+    from quark_onnx.calibration.readers import load_array, npz_keys
+
+    names = [s.name for s in model_inputs(model)]
+    if len(names) == 1:
+        return NpzDataReader(path, input_name=names[0], limit=limit)
+    keys = npz_keys(path) or []
+    missing = [n for n in names if n not in keys]
+    if missing:
+        raise CalibrationError(
+            f"{path}: the model has inputs {names}; the archive has arrays {keys} "
+            f"(missing {missing}): save one array per input, named like the input"
+        )
+    return ArrayDataReader({n: load_array(path, n, limit or None) for n in names})
+
+
+def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, limit: int | None):
+    """The reader of ``--calib`` for ``model`` (None for random or saved calibration)."""
+    if settings.calib is None:
+        return None
+    calib = Path(settings.calib)
+    if calib.is_dir():
+        from quark_onnx.calibration.image_reader import ImageFolderDataReader
+
+        return ImageFolderDataReader(calib, model, settings.preprocess_spec(), limit=limit)
+    return npz_reader(calib, model, limit)
+
+
+def compare_count(settings: QuantizeSettings) -> int:
+    """The most samples the comparison may take (the default may take fewer: _budgeted)."""
+    count = settings.compare_samples
+    if count is None:
+        count = DEFAULT_COMPARE_SAMPLES
+    if settings.calib_limit:
+        count = min(count, settings.calib_limit)
+    return max(count, 0)
+
+
+def budgeted(settings: QuantizeSettings, feeds: Iterator[dict[str, Any]]) -> Iterator[dict]:
+    """``feeds``, cut to the input-value budget of the default comparison (an explicit
+    ``--compare-samples`` is taken as it is)."""
+    if settings.compare_samples is not None:
+        yield from feeds
+        return
+    first = next(feeds, None)
+    if first is None:
+        return
+    values = max(1, sum(int(getattr(v, "size", 1)) for v in first.values()))
+    count = max(1, COMPARE_BUDGET // values)
+    yield first
+    for _, feed in zip(range(count - 1), feeds, strict=False):
+        yield feed
+
+
+def comparison_feeds(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike
+) -> Iterator[dict[str, Any]] | None:
+    """The first ``compare_samples`` calibration samples (the same as calibration saw first), or
+    None when there is no data (a saved calibration result without ``--calib``)."""
+    count = compare_count(settings)
+    if count <= 0:
+        return None
+    options = qconfig.resolved_options()
+    if options.UseRandomData:
+        import onnx
+
+        from quark_onnx.calibration import RandomDataReader
+
+        reader: Any = RandomDataReader(
+            onnx.load(str(model), load_external_data=False),
+            num_samples=min(count, options.RandomDataSamples),
+            seed=options.RandomDataSeed,
+            shapes=options.RandomDataReaderInputShape or None,
+            ranges=options.RandomDataReaderInputDataRange or None,
+        )
+    else:
+        reader = calibration_reader(settings, model, count)
+        if reader is None:
+            return None
+    return iter(reader.get_next, None)
+
+
+def calibration_shapes(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike
+) -> tuple[dict[str, list[int]], str] | None:
+    """The one static shape the calibration data give each dynamic model input, and where it
+    comes from; None when the inputs are static or the data have no single static shape.
+
+    An image folder has one when the pre-processing fixes the size (``size=HxW`` with ``stretch``,
+    ``fit``, ``short``, ``height``, or a crop); an ``.npz`` array holds samples of one shape along
+    axis 0; random data use ``RandomDataReaderInputShape`` (dynamic dims otherwise 1). Saved
+    calibration statistics (``--load-calibration`` alone) carry no shapes.
+    """
+    import numpy as np
+
+    specs = model_inputs(model)
+    dynamic = [s for s in specs if s.dims is None or not all(isinstance(d, int) for d in s.dims)]
+    if not dynamic:
+        return None
+    if settings.calib is not None and Path(settings.calib).is_dir():
+        spec = settings.preprocess_spec()
+        shape = spec.output_shape()
+        if len(specs) != 1 or any(d is None for d in shape):
+            return None
+        return {specs[0].name: [int(d) for d in shape]}, f"--preprocess {spec.to_string()!r}"
+    options = qconfig.resolved_options()
+    if settings.calib is not None:
+        source = f"--calib {Path(settings.calib).name}"
+        reader = calibration_reader(settings, model, 1)
+    elif options.UseRandomData:
+        import onnx
+
+        from quark_onnx.calibration import RandomDataReader
+
+        source = "random calibration data (RandomDataReaderInputShape)"
+        reader = RandomDataReader(
+            onnx.load(str(model), load_external_data=False),
+            num_samples=1,
+            seed=options.RandomDataSeed,
+            shapes=options.RandomDataReaderInputShape or None,
+            ranges=options.RandomDataReaderInputDataRange or None,
+        )
+    else:
+        return None
+    if callable(getattr(reader, "bind", None)):
+        import onnx
+
+        reader.bind(onnx.load(str(model), load_external_data=False))
+    first = reader.get_next()
+    if not first:
+        return None
+    # every sample of an .npz array or of random data has the first sample's shape (batch 1)
+    shapes = {s.name: [1, *list(np.shape(first[s.name]))[1:]] for s in dynamic if s.name in first}
+    if len(shapes) != len(dynamic):
+        return None
+    return shapes, source
+
+
+def apply_calibration_shapes(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike, name: str
+) -> str | None:
+    """Set ``FixShapes`` from :func:`calibration_shapes` when asked (``--fix-shapes-from-calib``;
+    by default for NPU configs such as XINT8) and FixShapes is not set already. Returns the
+    sentence the report states, or None. Without the flag, a dynamic model with one calibration
+    shape is told how to fix it (a warning)."""
+    options = qconfig.resolved_options()
+    if options.FixShapes:
+        return None
+    found = calibration_shapes(settings, qconfig, model)
+    if found is None:
+        return None
+    shapes, source = found
+    text = ";".join(f"{k}:[{','.join(str(d) for d in v)}]" for k, v in shapes.items())
+    wanted = settings.fix_shapes_from_calib
+    if wanted is None:
+        wanted = bool(qconfig.enable_npu_cnn)
+    if not wanted:
+        logger.warning(
+            "%s: the model has dynamic input shapes and the calibration data one static shape; "
+            "--fix-shapes-from-calib (or --set FixShapes='%s') writes it static, as the NPU needs",
+            name,
+            text,
+        )
+        return None
+    qconfig.extra_options["FixShapes"] = text
+    why = (
+        "--fix-shapes-from-calib"
+        if settings.fix_shapes_from_calib
+        else "default for NPU presets; --no-fix-shapes-from-calib keeps them dynamic"
+    )
+    return f"input shapes fixed from the calibration data ({source}): FixShapes={text!r} ({why})"

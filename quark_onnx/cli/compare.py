@@ -1,0 +1,106 @@
+"""``quark-onnx compare FLOAT QUANTIZED``: float vs quantized on data: per-output SQNR / cosine /
+top-1 agreement and per-layer SQNR of the quantized tensors, worst first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from quark_onnx import model_io
+from quark_onnx.cli.calibration import calibration_reader
+from quark_onnx.cli.common import EXIT_OK, Formatter, wrap
+from quark_onnx.cli.settings import QuantizeSettings
+from quark_onnx.errors import ConfigError
+
+
+def run(args: argparse.Namespace) -> int:
+    from quark_onnx.compare import compare_models
+
+    if (args.data is None) == (args.random is None):
+        raise ConfigError("compare needs data: give either --data FILE.npz|DIR or --random N")
+    if args.preprocess is not None and (args.data is None or not Path(args.data).is_dir()):
+        raise ConfigError("--preprocess applies to an image folder given with --data DIR")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: expected a positive number")
+    if args.json is not None:  # before any work: never over an input
+        model_io.check_output_path(
+            args.json,
+            args.float_model,
+            inputs=[args.quant_model, args.data],
+            external_data=False,
+            what="--json report",
+        )
+    if args.random is not None:
+        import onnx
+
+        from quark_onnx.calibration import RandomDataReader
+
+        if args.random < 1:
+            raise ConfigError(f"--random {args.random}: expected a positive number")
+        reader: Any = RandomDataReader(
+            onnx.load(args.float_model, load_external_data=False),
+            num_samples=min(args.random, args.limit or args.random),
+            seed=args.seed,
+        )
+    else:
+        data = Path(args.data)
+        if not data.exists():
+            raise ConfigError(f"--data {data}: no such file or folder")
+        settings = QuantizeSettings(calib=str(data), preprocess=args.preprocess)
+        settings.preprocess_spec()
+        reader = calibration_reader(settings, args.float_model, args.limit)
+    result = compare_models(
+        args.float_model, args.quant_model, iter(reader.get_next, None), layers=not args.no_layers
+    )
+    print(result.summary(worst=args.worst))
+    if args.json is not None:
+        from quark_onnx.model_io import atomic_write_bytes
+
+        atomic_write_bytes(args.json, json.dumps(result.to_dict(), indent=1).encode("utf-8"))
+    return EXIT_OK
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add this subcommand to ``sub``."""
+    m = sub.add_parser(
+        "compare",
+        parents=[common],
+        formatter_class=Formatter,
+        help="float vs quantized model on data: SQNR, cosine, top-1 agreement, per layer",
+        description=wrap(
+            "Run a float model and its quantized version on the same data and print, "
+            "for every output, SQNR (dB), cosine similarity, max |error| and top-1 agreement, then "
+            "the SQNR of every quantized tensor (matched to the float tensor of the same name), "
+            "worst first."
+        ),
+    )
+    m.add_argument("float_model", metavar="FLOAT", help="the float ONNX model")
+    m.add_argument("quant_model", metavar="QUANTIZED", help="its quantized (QDQ) version")
+    m.add_argument(
+        "--data",
+        metavar="FILE_OR_DIR",
+        help="a .npz/.npy file of input samples or a folder of images (with --preprocess)",
+    )
+    m.add_argument(
+        "--preprocess", metavar="SPEC", help="pre-processing of the images of --data DIR"
+    )
+    m.add_argument(
+        "--random", type=int, metavar="N", help="compare on N random samples instead of data"
+    )
+    m.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    m.add_argument("--limit", type=int, metavar="N", help="use only the first N samples")
+    m.add_argument(
+        "--worst",
+        type=int,
+        default=20,
+        metavar="K",
+        help="print the K layers of lowest SQNR (default 20; 0: all)",
+    )
+    m.add_argument(
+        "--no-layers", action="store_true", help="compare the graph outputs only (faster)"
+    )
+    m.add_argument("--json", metavar="PATH", help="also write the full comparison as JSON here")
+    m.set_defaults(func=run)

@@ -1,0 +1,328 @@
+"""One model: a :class:`Job` in, an :class:`Outcome` out, every output written through a private
+staging folder (runs in the main process, in a ``--jobs`` worker or in a Ray task)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from quark_onnx import model_io
+from quark_onnx.cli.calibration import (
+    apply_calibration_shapes,
+    budgeted,
+    calibration_reader,
+    compare_count,
+    comparison_feeds,
+)
+from quark_onnx.cli.common import one_line
+from quark_onnx.cli.settings import QuantizeSettings
+from quark_onnx.errors import ModelSaveError, QuarkOnnxError
+
+logger = logging.getLogger("quark_onnx.cli")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model to quantize: its index in the batch, input path, output name and folder."""
+
+    index: int
+    model: str
+    name: str
+    out_dir: str
+    settings: QuantizeSettings
+
+    @property
+    def output(self) -> Path:
+        return Path(self.out_dir) / f"{self.name}.onnx"
+
+
+@dataclass
+class Outcome:
+    """What happened to one model (picklable, returned by workers)."""
+
+    index: int
+    model: str
+    name: str
+    ok: bool
+    seconds: float
+    output: str | None = None
+    quantized_nodes: int | None = None
+    ready: bool | None = None
+    faithful: bool | None = None
+    output_sqnr_db: float | None = None
+    output_cosine: float | None = None
+    #: the first output's agreement: top-1 (score vectors) or per-pixel argmax (dense outputs)
+    agreement: float | None = None
+    agreement_kind: str | None = None
+    compared_samples: int = 0
+    message: str = ""
+    traceback: str = ""
+
+
+def error_message(model: str, exc: BaseException) -> str:
+    """The message of the one ``error: MODEL: MESSAGE`` line (the model name not repeated)."""
+    text = one_line(str(exc)) or type(exc).__name__
+    for prefix in (f"{model}: ", f"{Path(model).resolve()}: "):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+            break
+    if not isinstance(exc, QuarkOnnxError):
+        text = (
+            f"{type(exc).__name__}: {text} (internal error; rerun with --debug for the traceback)"
+        )
+    return text
+
+
+def _exclude_warnings(job: Job, report: Any) -> None:
+    excluded = {
+        f["node"] for f in report.float_nodes if f.get("reason") == "excluded by nodes_to_exclude"
+    }
+    missing = [n for n in job.settings.exclude if n not in excluded]
+    if not missing:
+        return
+    import onnx
+
+    from quark_onnx.options import closest_name
+
+    names = [n.name for n in onnx.load(job.model, load_external_data=False).graph.node if n.name]
+    for name in missing:
+        close = closest_name(name, names)
+        hint = f"; did you mean {close!r}?" if close else ""
+        logger.warning("%s: --exclude %r matches no node of the model%s", job.name, name, hint)
+
+
+def quantize_one(job: Job) -> Outcome:
+    """Quantize one model and write its outputs; every failure becomes an :class:`Outcome`."""
+    start = time.perf_counter()
+    outcome = Outcome(index=job.index, model=job.model, name=job.name, ok=False, seconds=0.0)
+    try:
+        _quantize_one(job, outcome)
+        outcome.ok = True
+    except Exception as exc:
+        outcome.message = error_message(job.model, exc)
+        outcome.traceback = traceback.format_exc()
+        # nothing of a failed job is kept: the summary shows no output, readiness or accuracy
+        outcome.output = outcome.ready = outcome.faithful = outcome.quantized_nodes = None
+        outcome.agreement = outcome.agreement_kind = None
+        outcome.output_sqnr_db = outcome.output_cosine = None
+        outcome.compared_samples = 0
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def _job_outputs(job: Job) -> list[Path]:
+    """Every file a job writes into the output folder, data file before its model."""
+    out_dir = Path(job.out_dir)
+    names = [
+        f"{job.name}.onnx.data",
+        f"{job.name}.onnx",
+        f"{job.name}.report.json",
+        f"{job.name}.compare.json",
+        f"{job.name}.report.txt",
+    ]
+    if job.settings.save_calibration:
+        names.append(f"{job.name}.calibration.json")
+    return [out_dir / n for n in names]
+
+
+def _guard_job_outputs(job: Job, load: Path | None) -> None:
+    """Before any work: no output of the job may be an input (the model, its external data, the
+    calibration data or result), a device or FIFO, or (without --overwrite) an existing model."""
+    settings = job.settings
+    inputs: list[Any] = [settings.calib, load]
+    for path in _job_outputs(job):
+        if path.name.endswith(".onnx.data"):
+            continue  # checked as the model's data file just below
+        model_io.check_output_path(
+            path,
+            job.model,
+            False,
+            inputs=inputs,
+            external_data=path.suffix == ".onnx",
+            what=f"output {path.name}",
+        )
+
+
+def _quantize_one(job: Job, outcome: Outcome) -> None:
+    from quark_onnx.errors import ModelLoadError
+
+    settings = job.settings
+    model_path = Path(job.model)
+    if not model_path.is_file():
+        raise ModelLoadError(f"{job.model}: no such model file")
+    final = job.output
+    if final.exists() and not settings.overwrite:
+        raise ModelSaveError(
+            f"{final} exists; pass --overwrite to replace it, or choose another output folder"
+        )
+    load = None
+    if settings.load_calibration is not None:
+        load = Path(settings.load_calibration)
+        if load.is_dir():
+            load = load / f"{job.name}.calibration.json"
+    _guard_job_outputs(job, load)
+    # Every file is written into a private folder beside the outputs and moved into place only
+    # when the whole job succeeded: a job that fails (or is interrupted) leaves nothing behind.
+    staging = Path(tempfile.mkdtemp(prefix=f".{job.name}.", suffix=".partial", dir=job.out_dir))
+    try:
+        _quantize_into(job, outcome, staging, load, reader_limit=settings.calib_limit)
+        for path in _job_outputs(job):
+            staged = staging / path.name
+            if staged.exists():
+                os.replace(staged, path)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"{job.out_dir}: cannot write the outputs of {job.name} ({exc.strerror or exc}); "
+            "check free space and permissions"
+        ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    outcome.output = str(final)
+
+
+def _quantize_into(
+    job: Job, outcome: Outcome, out_dir: Path, load: Path | None, reader_limit: int | None
+) -> None:
+    """Quantize ``job`` writing every output into ``out_dir`` (the job's staging folder)."""
+    from quark_onnx.config import Config
+    from quark_onnx.model_io import atomic_write_bytes
+    from quark_onnx.quantizer import ModelQuantizer
+
+    settings = job.settings
+    model_path = Path(job.model)
+    output = out_dir / job.output.name
+    qconfig = settings.build_config()
+    fixed_shapes = apply_calibration_shapes(settings, qconfig, model_path, job.name)
+    quantizer = ModelQuantizer(
+        Config(global_quant_config=qconfig),
+        calibration_shards=settings.calib_shards,
+        shard_backend=settings.shard_backend,
+    )
+    if settings.load_calibration is None:  # calibration reads the samples the comparison needs
+        quantizer.keep_samples = compare_count(settings)
+    reader = calibration_reader(settings, model_path, reader_limit)
+    save = out_dir / f"{job.name}.calibration.json" if settings.save_calibration else None
+    quantizer.quantize_model(
+        model_path,
+        output,
+        reader,
+        calibration_result=load,
+        save_calibration=save,
+        require_ready=settings.require_ready,
+    )
+    report = quantizer.report
+    if report is None:  # pragma: no cover - quantize_model always sets it
+        raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
+    report.output = str(job.output)
+    _exclude_warnings(job, report)
+    if fixed_shapes:
+        report.notes.append(fixed_shapes)
+    outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
+    outcome.ready = report.ready
+    outcome.faithful = report.faithful
+
+    report_json = out_dir / f"{job.name}.report.json"
+    report.save(report_json)  # now, so that a failing comparison leaves the report
+
+    comparison = None
+    feeds: Any = None
+    if compare_count(settings) > 0 and quantizer.kept_samples:
+        feeds = iter(quantizer.kept_samples)  # the calibration's first samples, not read again
+    else:
+        feeds = comparison_feeds(settings, qconfig, model_path)
+    if feeds is not None:
+        from quark_onnx import memory
+        from quark_onnx.compare import compare_models
+
+        feeds = budgeted(settings, feeds)
+
+        start = time.perf_counter()
+        try:
+            comparison = compare_models(model_path, output, feeds, layers=settings.compare_layers)
+        except QuarkOnnxError as exc:
+            logger.warning("%s: float vs quantized comparison failed: %s", job.name, exc)
+        # the comparison is a stage of the run: its time and the high-water mark after it
+        report.timings["compare"] = round(time.perf_counter() - start, 4)
+        peak = memory.peak_rss_mb()
+        if peak is not None:
+            report.peak_rss_mb["compare"] = peak
+        report.save(report_json)
+    if comparison is not None:
+        compare_json = out_dir / f"{job.name}.compare.json"
+        text = json.dumps(comparison.to_dict(), indent=1)
+        atomic_write_bytes(compare_json, text.encode("utf-8"))
+        outcome.compared_samples = comparison.samples
+        if comparison.outputs:
+            first = comparison.outputs[0]
+            outcome.output_sqnr_db = first.sqnr_db
+            outcome.output_cosine = first.cosine
+            outcome.agreement = first.agreement
+            outcome.agreement_kind = first.agreement_kind
+
+    lines = [report.summary()]
+    if comparison is not None:
+        lines += ["", "float vs quantized on the first calibration samples:", comparison.summary()]
+    report_txt = out_dir / f"{job.name}.report.txt"
+    atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+class _LogStream:
+    """A stream that is not a terminal: progress in a worker is written as log lines, so bars of
+    several processes never fight over one terminal line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def worker(job: Job) -> Outcome:
+    """Entry point of a ``--jobs`` worker process (spawned: set up logging afresh)."""
+    sys.stderr = _LogStream(sys.stderr)  # type: ignore[assignment]
+    logging.basicConfig(
+        level=job.settings.log_level,
+        format=f"%(levelname)s: {job.name}: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    # SIGTERM (sent by the main process when the batch is interrupted) unwinds the job, so its
+    # staging folder is removed; outside a job the default action just ends the worker.
+    with model_io.sigterm_as_interrupt():
+        return quantize_one(job)
+
+
+def worker_init() -> None:
+    """Workers ignore Ctrl-C (the terminal sends it to the whole process group): the main process
+    decides, and stops running jobs with SIGTERM."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def failed_outcome(job: Job, message: str, tb: str = "") -> Outcome:
+    """The outcome of a job that did not run to the end (nothing of it is written)."""
+    return Outcome(
+        index=job.index,
+        model=job.model,
+        name=job.name,
+        ok=False,
+        seconds=0.0,
+        message=message,
+        traceback=tb,
+    )

@@ -1,0 +1,368 @@
+"""``quark-onnx quantize MODEL_OR_FOLDER... -o OUT_DIR``: quantize one or many models.
+
+With a preset (``--config``, default XINT8) plus ``--set KEY=VALUE`` overrides. For each model
+``NAME.onnx`` it writes ``OUT_DIR/NAME.onnx``, the JSON report ``OUT_DIR/NAME.report.json``
+(:meth:`QuantizationReport.save`), a readable summary ``OUT_DIR/NAME.report.txt`` and, when data
+allows a float-vs-quantized comparison, ``OUT_DIR/NAME.compare.json``
+(:func:`quark_onnx.compare.compare_models` on the first ``--compare-samples`` calibration
+samples). A failing model prints one line ``error: MODEL: MESSAGE`` (the traceback only with
+``--debug``) and the others go on; a summary table ends the run; the exit code is 1 when any model
+failed. ``--jobs N`` quantizes N models at once in processes started with the ``spawn`` method
+(onnxruntime and ``fork`` do not mix); each model is quantized by the same code with the same
+settings whatever N is, so outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from quark_onnx import model_io
+from quark_onnx.cli.batch import (
+    BatchInterrupted,
+    Console,
+    collect_models,
+    output_names,
+    run_batch,
+    stop_resource_tracker,
+    summary_table,
+)
+from quark_onnx.cli.calibration import COMPARE_BUDGET, DEFAULT_COMPARE_SAMPLES
+from quark_onnx.cli.common import (
+    DEFAULT_PRESET,
+    EXIT_FAILED,
+    EXIT_OK,
+    Formatter,
+    add_models,
+    add_output,
+    add_settings,
+    log_level,
+    preset_names,
+    wrap,
+)
+from quark_onnx.cli.jobs import Job
+from quark_onnx.cli.settings import QuantizeSettings, parse_assignments
+from quark_onnx.errors import ConfigError, ModelSaveError
+
+logger = logging.getLogger("quark_onnx.cli")
+
+NPZ_SUFFIXES = (".npz", ".npy")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Usage errors of the flags alone, before any model is read."""
+    calib = args.calib
+    if calib is not None:
+        p = Path(calib)
+        if not p.exists():
+            raise ConfigError(f"--calib {calib}: no such file or folder")
+        if p.is_file() and p.suffix.lower() not in NPZ_SUFFIXES:
+            raise ConfigError(f"--calib {calib}: expected a .npz/.npy file or a folder of images")
+        if p.is_file() and args.preprocess is not None:
+            raise ConfigError("--preprocess applies to an image folder given with --calib DIR")
+        if p.is_dir() and args.preprocess is None:
+            from quark_onnx.calibration.image_spec import PreprocessSpec
+
+            logger.warning(
+                "--calib %s is an image folder and no --preprocess is given: using %s",
+                calib,
+                PreprocessSpec().to_string(),
+            )
+    elif args.preprocess is not None:
+        raise ConfigError("--preprocess needs --calib DIR (a folder of images)")
+    if args.random_calib is not None and args.random_calib < 1:
+        raise ConfigError(f"--random-calib {args.random_calib}: expected a positive number")
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
+    if args.calib_limit is not None and args.calib_limit < 1:
+        raise ConfigError(f"--calib-limit {args.calib_limit}: expected a positive number")
+    if args.compare_samples is not None and args.compare_samples < 0:
+        raise ConfigError(
+            f"--compare-samples {args.compare_samples}: expected 0 (no comparison) or more"
+        )
+    if args.calib_shards < 1:
+        raise ConfigError(f"--calib-shards {args.calib_shards}: expected a positive number")
+    if args.ray is not None:
+        from quark_onnx.ray_runner import import_ray
+
+        if args.jobs > 1:
+            raise ConfigError("--ray runs every model as a Ray task: leave out --jobs")
+        import_ray()  # not installed: say how to install it, before any model
+
+
+def _settings(args: argparse.Namespace) -> QuantizeSettings:
+    """The picklable settings every job is quantized with."""
+    calib = args.calib
+    exclude = tuple(n for item in args.exclude or () for n in item.split(",") if n)
+    return QuantizeSettings(
+        preset=args.config,
+        assignments=tuple(parse_assignments(args.set or ())),
+        exclude=exclude,
+        random_samples=args.random_calib,
+        calib=str(Path(calib).resolve()) if calib is not None else None,
+        preprocess=args.preprocess,
+        calib_limit=args.calib_limit,
+        compare_samples=args.compare_samples,
+        compare_layers=args.compare_layers,
+        fix_shapes_from_calib=args.fix_shapes_from_calib,
+        save_calibration=args.save_calibration,
+        load_calibration=args.load_calibration,
+        overwrite=args.overwrite,
+        log_level=log_level(args),
+        require_fidelity=args.require_fidelity,
+        require_ready=args.require_ready,
+        calib_shards=args.calib_shards,
+        shard_backend="ray" if args.ray is not None else "processes",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    calib = args.calib
+    settings = _settings(args)
+    settings.preprocess_spec()  # a bad spec is a usage error, before any model
+    qconfig = settings.build_config()  # so is an unknown preset or option
+    options = qconfig.resolved_options()
+    if (
+        calib is None
+        and not options.UseRandomData
+        and args.load_calibration is None
+        and qconfig.needs_calibration_data()
+    ):
+        raise ConfigError(
+            "no calibration data: give --calib FILE.npz|DIR, --random-calib N or "
+            "--load-calibration PATH"
+        )
+    models = collect_models(args.models)
+    names = output_names(models)
+    load = args.load_calibration
+    if load is not None and len(models) > 1 and not Path(load).is_dir():
+        raise ConfigError(
+            "--load-calibration with several models expects a folder holding "
+            "NAME.calibration.json files (as written by --save-calibration)"
+        )
+    out_dir = model_io.check_path_text(args.output, "-o", ConfigError)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"-o {out_dir}: exists and is not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelSaveError(
+            f"-o {out_dir}: cannot create the output folder ({exc.strerror or exc}); choose a "
+            "writable folder"
+        ) from exc
+    jobs = [
+        Job(index=i, model=str(m), name=n, out_dir=str(out_dir.resolve()), settings=settings)
+        for i, (m, n) in enumerate(zip(models, names, strict=True))
+    ]
+    console = Console(len(jobs))
+    stopped_by = None
+    if args.ray is not None:
+        from quark_onnx.ray_runner import run_batch_ray
+
+        # Ray's own wait turns Ctrl-C / SIGTERM into KeyboardInterrupt / Terminated
+        outcomes = run_batch_ray(
+            jobs, console, args.debug, address=args.ray or None, task_cpus=args.ray_cpus
+        )
+    else:
+        try:
+            outcomes = run_batch(jobs, args.jobs, console, args.debug)
+        except BatchInterrupted as stop:
+            outcomes, stopped_by = stop.outcomes, stop.signal_name
+    # (outside the handler: the pool, referenced by the interrupted frames, is gone by now)
+    gc.collect()
+    stop_resource_tracker()
+    print(summary_table(outcomes))
+    if stopped_by is not None:
+        finished = sum(o.ok for o in outcomes)
+        print(
+            f"stopped by {stopped_by}: {finished} model(s) finished and written, "
+            f"{len(outcomes) - finished} not (nothing of them was left)",
+            file=sys.stderr,
+        )
+        raise model_io.Terminated(stopped_by) if stopped_by == "SIGTERM" else KeyboardInterrupt
+    if args.require_ready and any(o.ok and o.ready is False for o in outcomes):
+        return EXIT_FAILED
+    return EXIT_FAILED if any(not o.ok for o in outcomes) else EXIT_OK
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``quantize`` subcommand to ``sub``."""
+    q = sub.add_parser(
+        "quantize",
+        parents=[common],
+        formatter_class=Formatter,
+        help="quantize one or many models",
+        description=wrap(
+            "Quantize ONNX models. For each MODEL.onnx write OUT_DIR/MODEL.onnx, "
+            "OUT_DIR/MODEL.report.json, OUT_DIR/MODEL.report.txt and (when there is data) "
+            "OUT_DIR/MODEL.compare.json. A failing model prints one `error:` line and the others "
+            "go on; the exit code is 1 when any model failed, or with --require-ready when a "
+            "model is not Vitis AI-ready (without it a not-ready model is written, reported and "
+            "the exit code is 0)."
+        ),
+        epilog="examples:\n"
+        "  quark-onnx quantize model.onnx -o out --calib calib.npz\n"
+        "  quark-onnx quantize models/ -o out --random-calib 16 --jobs 2\n"
+        "  quark-onnx quantize models/ -o out --calib calib.npz --ray auto --calib-shards 4\n"
+        "  quark-onnx quantize squeezenet.onnx -o out --calib images/ \\\n"
+        "      --preprocess 'resize=256,crop=224,mean=104;117;123,order=BGR'\n"
+        "  quark-onnx quantize model.onnx -o out --calib calib.npz --set include_cle=true \\\n"
+        "      --set ActivationSymmetric=true --exclude /head/Gemm",
+    )
+    add_models(q, "quantized")
+    add_output(q, "OUT_DIR", "folder for the quantized models and reports (created if missing)")
+    add_settings(
+        q,
+        default=DEFAULT_PRESET,
+        preset_help=f"the preset to start from (default {DEFAULT_PRESET}; one of "
+        f"{', '.join(preset_names())}; see `quark-onnx presets`)",
+        set_help="override a QuantizationConfig field (include_cle=true, calibrate_method="
+        "NonOverflow) or an extra option (ActivationSymmetric=false); VALUE is a JSON literal, "
+        "else a string; repeat for several (see `quark-onnx options`)",
+    )
+    _add_calibration_flags(q)
+    _add_run_flags(q)
+    q.set_defaults(func=run)
+
+
+def _add_calibration_flags(q: argparse.ArgumentParser) -> None:
+    data = q.add_argument_group(
+        "calibration data (one of --calib, --random-calib, --load-calibration)"
+    )
+    source = data.add_mutually_exclusive_group()
+    source.add_argument(
+        "--calib",
+        metavar="FILE_OR_DIR",
+        help="a .npz/.npy file of input samples (axis 0; one array per input, named like the "
+        "input, for multi-input models) or a folder of JPEG/PNG images (with --preprocess)",
+    )
+    source.add_argument(
+        "--random-calib",
+        type=int,
+        metavar="N",
+        help="calibrate on N reproducible random samples shaped like the model input "
+        "(UseRandomData=true, RandomDataSamples=N); for testing, not for accuracy",
+    )
+    data.add_argument(
+        "--preprocess",
+        metavar="SPEC",
+        help="pre-processing of the images of --calib DIR, key=value items: resize=N (short "
+        "side) or resize=short|long|fit|stretch|height with size=HxW (height first) or size=N; "
+        "letterbox (= resize=fit), pad=V (value of padded elements after normalisation), "
+        "align=center|topleft, crop=N or HxW, multiple=M, grayscale, scale, mean, std, "
+        "order=RGB|BGR, layout=NCHW|NHWC. E.g. classifier 'resize=256,crop=224,scale=1/255,"
+        "mean=0.485;0.456;0.406,std=0.229;0.224;0.225'; YOLOX 'letterbox,size=640,pad=114,"
+        "order=BGR'; OCR 'resize=height,size=48x192,scale=1/255,mean=0.5,std=0.5,order=BGR'. "
+        "Checked against the model input shape; a mismatch error proposes specs that fit",
+    )
+    data.add_argument(
+        "--calib-limit",
+        type=int,
+        metavar="N",
+        help="use only the first N calibration samples (sets CalibDataSize)",
+    )
+    data.add_argument(
+        "--save-calibration",
+        action="store_true",
+        help="also write OUT_DIR/MODEL.calibration.json (the calibration statistics) so that "
+        "re-quantizing with other options can skip calibration",
+    )
+    data.add_argument(
+        "--load-calibration",
+        metavar="PATH",
+        help="use calibration statistics saved by --save-calibration instead of running the "
+        "model: a file (one model) or a folder holding MODEL.calibration.json",
+    )
+    data.add_argument(
+        "--calib-shards",
+        type=int,
+        default=1,
+        metavar="K",
+        help="calibrate K contiguous parts of the data in parallel (K processes, or K Ray tasks "
+        "with --ray) and merge their statistics; the output is byte-identical (default 1)",
+    )
+
+
+def _add_run_flags(q: argparse.ArgumentParser) -> None:
+    q.add_argument(
+        "--exclude",
+        action="extend",
+        nargs="+",
+        metavar="NODE",
+        help="keep these nodes in float (nodes_to_exclude); names may also be comma-separated; "
+        "put the flag after the models, the node list ends at the next flag",
+    )
+    q.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="quantize N models at once in separate processes (default 1); the outputs do not "
+        "depend on N",
+    )
+    q.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="quantize every model as a Ray task (needs: pip install 'quark_onnx[ray]'): on the "
+        "cluster at ADDRESS (host:6379 from `ray start --head`, `auto`, or ray://HOST:10001), "
+        "else RAY_ADDRESS, else a local cluster started for this run; the outputs are those of "
+        "--jobs; models, data and OUT_DIR must be on paths every node sees",
+    )
+    q.add_argument(
+        "--ray-cpus",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="CPUs Ray reserves for each model's task (default 1)",
+    )
+    q.add_argument(
+        "--compare-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compare the quantized model with the float model on the first N calibration "
+        f"samples (default {DEFAULT_COMPARE_SAMPLES}, fewer for inputs above "
+        f"{COMPARE_BUDGET // DEFAULT_COMPARE_SAMPLES} values: at most {COMPARE_BUDGET} "
+        "input values in all; 0: do not compare): SQNR and cosine of every output, top-1 "
+        "(score vectors) or per-pixel argmax (dense outputs) agreement",
+    )
+    q.add_argument(
+        "--compare-layers",
+        action="store_true",
+        help="also compare every quantized activation (per-layer SQNR in MODEL.compare.json; "
+        "runs both models with all intermediate tensors as outputs: slower, more memory)",
+    )
+    q.add_argument(
+        "--fix-shapes-from-calib",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write a dynamic-shape model with the one static shape of its calibration data "
+        "(sets FixShapes, stated in the report); default: on for NPU presets (XINT8), off for "
+        "the others (which then log the FixShapes value that would do it)",
+    )
+    q.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing outputs in OUT_DIR (default: a model whose output exists fails)",
+    )
+    q.add_argument(
+        "--require-ready",
+        action="store_true",
+        help="exit with code 1 also when a quantized model is not Vitis AI-ready (without it "
+        "a not-ready model is written, reported and exits 0)",
+    )
+    q.add_argument(
+        "--require-fidelity",
+        action="store_true",
+        help="fail a model (no output written, exit code 1) whose outputs do not follow the "
+        "float model's (extra option RequireFidelity; thresholds FidelityMinSQNR, "
+        "FidelityMinAgreement)",
+    )
