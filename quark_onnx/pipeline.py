@@ -16,6 +16,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  3b   FoldConstantChannels                ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization              ``qconfig.include_cle``
+ 4c   EqualizeGatedActivations            ``ExtraOptions.EqualizeGatedActivations``
  5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
  6    ConvertReduceMeanToGlobalAvgPool    ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
  7    SplitLargeKernelPool                ``ExtraOptions.SplitLargeKernelPool``
@@ -71,6 +72,7 @@ from quark_onnx.passes import (
     ConvertSigmoidToHardSigmoid,
     ConvertSplitToSlice,
     CrossLayerEqualization,
+    EqualizeGatedActivations,
     FixInputShapes,
     FoldConstantChannels,
     MakeConvAttributesExplicit,
@@ -146,6 +148,7 @@ def prepare_passes(
         ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
+        (options.EqualizeGatedActivations, EqualizeGatedActivations),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),

@@ -1,0 +1,252 @@
+"""EqualizeGatedActivations: float-exact channel equalization through SiLU and hardswish.
+
+Why. Networks with gated activations ``y = x * g(x)`` (SiLU ``x * Sigmoid(x)`` in YOLOX/YOLOv5-8
+and EfficientNet, hardswish ``x * Clip(x + 3, 0, 6) / 6`` in MobileNetV3 and PaddleOCR) come out
+of BatchNorm folding with the same per-channel range spread as Relu networks: in a YOLOX person
+detector the first SiLU output has channels reaching 0.5 next to channels reaching 130, and the
+depthwise layer reading it has weights of 12.9 on the small channels against 0.03 on the large
+ones. One power-of-two scale per tensor rounds the small channels to zero in the activation and
+the small weights to zero in the reader. Cross-layer equalization cannot move range across
+``g``: the activation is not positively homogeneous (``silu(s x) != s silu(x)``).
+
+Maths. The product form makes it exact anyway. Let ``x = W1 * a + b1`` (a Conv) and ``y = x *
+g(x)`` read by convolutions ``z = W2 * y + b2``. For a positive per-channel vector ``s``, write
+the producer as ``x' = x / s`` (``W1[c] / s_c``, ``b1[c] / s_c``) and feed the gate ``g(x' * s)``
+(a new ``Mul`` by the constant ``s`` in front of the gate's first node). Then::
+
+    y' = x' * g(x' * s) = (x / s) * g(x) = y / s        W2[:, c] <- W2[:, c] * s_c  =>  z' = z
+
+Only the values in the product change range; the gate computes exactly what it computed. With
+``s`` a power of two per channel every multiplication and division is exact in floating point,
+so the float model's outputs are bit-identical (up to underflow below float32's normal range).
+
+The choice of ``s`` is cross-layer equalization's (Nagel et al., ICCV 2019, and
+:mod:`.cross_layer_equalization`): ``s_c = sqrt(r1_c / r2_c)`` with ``r1_c = max |W1[c, ...]|``
+and ``r2_c`` the largest reader weight on input channel ``c`` (grouped layout), which makes both
+ranges ``sqrt(r1_c r2_c)``; a channel that is ~0 on either side keeps ``s_c = 1``. It is rounded
+to a power of two, centred (the median channel keeps its scale) and limited to
+``2^-MAX_LOG2 ... 2^MAX_LOG2``: the constant ``s`` of the new ``Mul`` is itself quantized with
+one power-of-two int8 scale, which holds powers of two spanning ``2^6`` exactly (codes 1 ... 64).
+
+The new ``Mul`` runs where the gate runs (a Sigmoid is not an NPU XINT8 op, GUIDE §3); the
+gate's input is quantized on its own, and values the gate saturates (|x| > 8 for Sigmoid, > 3
+for hardswish) may be clipped there at no cost.
+
+Fires on: a Conv (constant float weights, optional bias) whose output ``x`` has exactly two
+readers, a ``Mul(x, G)`` and the first node of a chain of single-reader, single-variable-input
+elementwise nodes (:data:`GATE_OPS`, other inputs constant) ending in ``G``; after the ``Mul``
+optionally ``Mul``/``Div`` by a scalar constant (hardswish's ``/ 6``); every reader of the result
+a Conv reading it as its data input, with constant float weights. Does not fire again on a gate
+that already reads ``x`` through a per-channel ``Mul`` (idempotent). Does not fire when ``x`` or
+``y`` is a graph output, when anything else reads them (a Concat, an Add, a pool: their other
+inputs would need the same scales), or when the gate reads anything but ``x``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.passes.base import QuarkPass
+from quark_onnx.passes.cross_layer_equalization import (
+    input_channel_ranges,
+    output_channel_ranges,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Elementwise ops a gate may be built of (one variable input; the others constant).
+GATE_OPS = frozenset(
+    {"Sigmoid", "HardSigmoid", "Add", "Sub", "Mul", "Div", "Clip", "Relu", "Tanh", "Softplus"}
+)
+#: Longest gate chain followed (hardswish as Add, Clip, Div is 3 nodes).
+MAX_GATE_NODES = 6
+#: Per-channel scales are powers of two in ``2^-MAX_LOG2 ... 2^MAX_LOG2`` (see module doc).
+MAX_LOG2 = 3
+#: A channel whose weight range is at most this times the layer's widest is ~0: it keeps s = 1.
+NEGLIGIBLE_RANGE = 1e-6
+
+
+def _float_constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.is_graph_input():
+        return None
+    array = constant_array(value)
+    if array is None or array.dtype not in (np.float32, np.float64, np.float16):
+        return None
+    return array
+
+
+def _gate_end(head: ir.Node, x: ir.Value, mul: ir.Node) -> ir.Value | None:
+    """The value the chain starting at ``head`` (reading ``x``) hands to ``mul``, or None."""
+    node, current = head, x
+    for _ in range(MAX_GATE_NODES):
+        if node.op_type not in GATE_OPS or node.domain not in ("", "ai.onnx"):
+            return None
+        variable = [i for i in node.inputs if i is not None and _float_constant(i) is None]
+        if variable != [current] or len(node.outputs) != 1:
+            return None
+        out = node.outputs[0]
+        uses = list(out.uses())
+        if out.is_graph_output() or len(uses) != 1:
+            return None
+        if uses[0].node is mul:
+            return out
+        node, current = uses[0].node, out
+    return None
+
+
+def _scalar_rescale(node: ir.Node, value: ir.Value) -> bool:
+    """``node`` is ``Mul(value, k)``/``Mul(k, value)``/``Div(value, k)`` with a scalar constant."""
+    if not (is_standard(node, "Mul") or is_standard(node, "Div")) or len(node.inputs) != 2:
+        return False
+    others = [i for i in node.inputs if i is not value]
+    if len(others) != 1 or (node.op_type == "Div" and node.inputs[0] is not value):
+        return False
+    k = _float_constant(others[0])
+    return k is not None and k.size == 1
+
+
+def _conv_weight(node: ir.Node) -> np.ndarray | None:
+    if not is_standard(node, "Conv") or len(node.inputs) < 2:
+        return None
+    w = _float_constant(node.inputs[1])
+    return w if w is not None and w.ndim >= 3 else None
+
+
+def power_of_two_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
+    """Per-channel ``s = 2^k`` (``|k| <= MAX_LOG2``) balancing producer ranges ``r1 / s``
+    against reader ranges ``r2 * s``; ~0 channels on either side get ``k = 0``."""
+    usable = (r1 > NEGLIGIBLE_RANGE * r1.max()) & (r2 > NEGLIGIBLE_RANGE * r2.max())
+    k = np.zeros(r1.shape, dtype=np.float64)
+    if not usable.any():
+        return np.ones_like(k)
+    k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]))
+    k[usable] -= np.round(np.median(k[usable]))
+    return np.exp2(np.clip(k, -MAX_LOG2, MAX_LOG2))
+
+
+class EqualizeGatedActivations(QuarkPass):
+    """Equalize producer and reader weight ranges through ``x * g(x)`` (see module doc)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = NameGenerator(graph)
+        count = 0
+        for conv in [n for n in graph if is_standard(n, "Conv")]:
+            if self._rewrite(graph, conv, names):
+                count += 1
+        if count:
+            logger.info("EqualizeGatedActivations: %d gated activation(s) equalized", count)
+        return ir.passes.PassResult(model, modified=bool(count))
+
+    def _rewrite(self, graph: ir.Graph, conv: ir.Node, names: NameGenerator) -> bool:
+        w1 = _conv_weight(conv)
+        if w1 is None or len(conv.outputs) != 1:
+            return False
+        bias_value = conv.inputs[2] if len(conv.inputs) > 2 else None
+        b1 = _float_constant(bias_value) if bias_value is not None else None
+        if bias_value is not None and (b1 is None or b1.shape != (w1.shape[0],)):
+            return False
+        x = conv.outputs[0]
+        uses = list(x.uses())
+        if x.is_graph_output() or len(uses) != 2:
+            return False
+        for mul, head in ((uses[0].node, uses[1].node), (uses[1].node, uses[0].node)):
+            if mul is head or not is_standard(mul, "Mul") or len(mul.inputs) != 2:
+                continue
+            if is_standard(head, "Mul") and any(
+                (k := _float_constant(i)) is not None and k.size > 1 for i in head.inputs
+            ):
+                return False  # the gate reads x through a per-channel Mul: equalized already
+            gate = _gate_end(head, x, mul)
+            if gate is None or set(mul.inputs) != {x, gate}:
+                continue
+            readers = self._readers(mul.outputs[0], w1.shape[0])
+            if readers is None:
+                return False
+            return self._apply(graph, conv, w1, b1, head, x, readers, names)
+        return False
+
+    @staticmethod
+    def _readers(y: ir.Value, channels: int) -> list[tuple[ir.Node, np.ndarray, int]] | None:
+        """The Conv readers of ``y`` (past scalar Mul/Div), each with weight and group."""
+        while True:
+            if y.is_graph_output():
+                return None
+            uses = list(y.uses())
+            if len(uses) == 1 and _scalar_rescale(uses[0].node, y):
+                y = uses[0].node.outputs[0]
+                continue
+            break
+        readers = []
+        for use in uses:
+            w2 = _conv_weight(use.node)
+            if w2 is None or use.idx != 0 or (w2.dtype != np.float32 and w2.dtype != np.float64):
+                return None
+            group = use.node.attributes.get_int("group", 1)
+            if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
+                return None
+            readers.append((use.node, w2, group))
+        return readers or None
+
+    @staticmethod
+    def _apply(
+        graph: ir.Graph,
+        conv: ir.Node,
+        w1: np.ndarray,
+        b1: np.ndarray | None,
+        head: ir.Node,
+        x: ir.Value,
+        readers: list[tuple[ir.Node, np.ndarray, int]],
+        names: NameGenerator,
+    ) -> bool:
+        r1 = output_channel_ranges(w1.astype(np.float64))
+        r2 = np.max(
+            [input_channel_ranges(w2.astype(np.float64), group) for _, w2, group in readers],
+            axis=0,
+        )
+        s = power_of_two_scales(r1, r2)
+        if np.all(s == 1.0):
+            return False
+        shape = (-1,) + (1,) * (w1.ndim - 1)
+        _store(graph, conv, 1, w1 / s.reshape(shape).astype(w1.dtype), names)
+        if b1 is not None:
+            _store(graph, conv, 2, b1 / s.astype(b1.dtype), names)
+        for node, w2, group in readers:
+            # input channel c of a grouped conv: column c mod (C/g) of the rows of group c div (C/g)
+            cpg = w2.shape[1]
+            view = w2.reshape(group, w2.shape[0] // group, cpg, -1)
+            factors = s.reshape(group, 1, cpg, 1).astype(w2.dtype)
+            _store(graph, node, 1, (view * factors).reshape(w2.shape), names)
+        base = x.name or "gated"
+        constant = add_initializer(
+            graph,
+            names(f"{base}_gate_scale"),
+            s.reshape((-1,) + (1,) * (w1.ndim - 2)).astype(np.float32),
+        )
+        restored = ir.Value(name=names(f"{base}_gate_input"), shape=x.shape, type=x.type)
+        unscale = ir.Node(
+            "", "Mul", [x, constant], outputs=[restored], name=names(f"{base}_gate_scale")
+        )
+        graph.insert_before(head, unscale)
+        for index, value in enumerate(head.inputs):
+            if value is x:
+                head.replace_input_with(index, restored)
+        return True
+
+
+def _store(
+    graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
+) -> None:
+    """Give ``node`` input ``index`` the constant ``array``: in place when nothing else reads
+    the initializer, else as a new initializer (the other readers keep the old values)."""
+    value = node.inputs[index]
+    assert value is not None
+    if value.const_value is not None and len(list(value.uses())) == 1:
+        value.const_value = ir.tensor(array, name=value.name)
+        return
+    fresh = add_initializer(graph, names(f"{value.name or 'weight'}_equalized"), array)
+    node.replace_input_with(index, fresh)
