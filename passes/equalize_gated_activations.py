@@ -21,12 +21,18 @@ Only the values in the product change range; the gate computes exactly what it c
 so the float model's outputs are bit-identical (up to underflow below float32's normal range).
 
 The choice of ``s`` is cross-layer equalization's (Nagel et al., ICCV 2019, and
-:mod:`.cross_layer_equalization`): ``s_c = sqrt(r1_c / r2_c)`` with ``r1_c = max |W1[c, ...]|``
-and ``r2_c`` the largest reader weight on input channel ``c`` (grouped layout), which makes both
-ranges ``sqrt(r1_c r2_c)``; a channel that is ~0 on either side keeps ``s_c = 1``. It is rounded
-to a power of two, centred (the median channel keeps its scale) and limited to
-``2^-MAX_LOG2 ... 2^MAX_LOG2``: the constant ``s`` of the new ``Mul`` is itself quantized with
-one power-of-two int8 scale, which holds powers of two spanning ``2^6`` exactly (codes 1 ... 64).
+:mod:`.cross_layer_equalization`): ``s_c = sqrt(r1_c / r2_c)``, which makes the two ranges
+``sqrt(r1_c r2_c)``, with ``r2_c`` the largest reader weight on input channel ``c`` (grouped
+layout) and ``r1_c`` the range of what is quantized on the producer side. Given sample inputs
+(the first calibration samples), ``r1_c`` is the calibrated ``max |x_c|``: the quantized
+activations ``x`` and ``y`` carry the channel spread (0.5 next to 130 in the detector), and
+their per-tensor scale is what loses the small channels. Without samples it is the producer's
+weight range ``max |W1[c, ...]|`` (data-free, as CLE). A channel that is ~0 on either side keeps
+``s_c = 1``. ``s`` is rounded to a power of two, centred (the median channel keeps its scale) and
+limited to ``2^-MAX_LOG2 ... 2^MAX_LOG2``: the constant ``s`` of the new ``Mul`` is itself
+quantized with one power-of-two int8 scale, which holds powers of two spanning ``2^6`` exactly
+(codes 1 ... 64). Measured on the person detector (``benchmarks/results/detector_ocr.txt``): the
+activation ranges keep more of the float detections than the weight ranges.
 
 The new ``Mul`` runs where the gate runs (a Sigmoid is not an NPU XINT8 op, GUIDE §3); the
 gate's input is quantized on its own, and values the gate saturates (|x| > 8 for Sigmoid, > 3
@@ -45,6 +51,7 @@ inputs would need the same scales), or when the gate reads anything but ``x``.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -55,6 +62,10 @@ from quark_onnx.passes.cross_layer_equalization import (
     input_channel_ranges,
     output_channel_ranges,
 )
+from quark_onnx.passes.fold_constant_channels import _max_abs as channel_max_abs
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +140,22 @@ def power_of_two_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
 
 
 class EqualizeGatedActivations(QuarkPass):
-    """Equalize producer and reader weight ranges through ``x * g(x)`` (see module doc)."""
+    """Equalize producer and reader ranges through ``x * g(x)`` (see module doc).
+
+    Args:
+        sample_feeds: model inputs (the first calibration samples); with them the producer side
+            is measured by the activations' per-channel ``max |x|``, without them (or when
+            onnxruntime cannot run the model) by the producer's weights.
+    """
+
+    def __init__(self, sample_feeds: Sequence[dict[str, np.ndarray]] | None = None) -> None:
+        super().__init__()
+        self.sample_feeds = list(sample_feeds or [])
+        self._ranges: dict[str, np.ndarray] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
+        self._ranges = self._measure(model)
         names = NameGenerator(graph)
         count = 0
         for conv in [n for n in graph if is_standard(n, "Conv")]:
@@ -141,6 +164,31 @@ class EqualizeGatedActivations(QuarkPass):
         if count:
             logger.info("EqualizeGatedActivations: %d gated activation(s) equalized", count)
         return ir.passes.PassResult(model, modified=bool(count))
+
+    def _measure(self, model: ir.Model) -> dict[str, np.ndarray]:
+        """Per-channel ``max |x|`` over the samples of every Conv output (empty without samples).
+
+        The rewrite is float-exact, so ranges measured once before it stay valid for the
+        unscaled channels: an equalized output's range is the measured one divided by ``s``."""
+        if not self.sample_feeds:
+            return {}
+        names = sorted(
+            {n.outputs[0].name for n in model.graph if is_standard(n, "Conv") and n.outputs[0].name}
+        )
+        ranges: dict[str, np.ndarray] = {}
+        try:
+            for feeds in self.sample_feeds:
+                for name, r in channel_max_abs(model, feeds, names).items():
+                    ranges[name] = np.maximum(ranges[name], r) if name in ranges else r
+        except Exception as exc:  # onnxruntime raises its own exception types
+            text = str(exc).strip()
+            logger.warning(
+                "EqualizeGatedActivations: cannot run the model on the samples (%s); the "
+                "producers' weight ranges are used instead",
+                text.splitlines()[0] if text else type(exc).__name__,
+            )
+            return {}
+        return ranges
 
     def _rewrite(self, graph: ir.Graph, conv: ir.Node, names: NameGenerator) -> bool:
         w1 = _conv_weight(conv)
@@ -167,7 +215,12 @@ class EqualizeGatedActivations(QuarkPass):
             readers = self._readers(mul.outputs[0], w1.shape[0])
             if readers is None:
                 return False
-            return self._apply(graph, conv, w1, b1, head, x, readers, names)
+            measured = self._ranges.get(x.name or "")
+            if measured is not None and measured.shape == (w1.shape[0],):
+                r1 = measured
+            else:
+                r1 = output_channel_ranges(w1.astype(np.float64))
+            return self._apply(graph, conv, w1, b1, r1, head, x, readers, names)
         return False
 
     @staticmethod
@@ -198,12 +251,12 @@ class EqualizeGatedActivations(QuarkPass):
         conv: ir.Node,
         w1: np.ndarray,
         b1: np.ndarray | None,
+        r1: np.ndarray,
         head: ir.Node,
         x: ir.Value,
         readers: list[tuple[ir.Node, np.ndarray, int]],
         names: NameGenerator,
     ) -> bool:
-        r1 = output_channel_ranges(w1.astype(np.float64))
         r2 = np.max(
             [input_channel_ranges(w2.astype(np.float64), group) for _, w2, group in readers],
             axis=0,
@@ -229,7 +282,7 @@ class EqualizeGatedActivations(QuarkPass):
         )
         restored = ir.Value(name=names(f"{base}_gate_input"), shape=x.shape, type=x.type)
         unscale = ir.Node(
-            "", "Mul", [x, constant], outputs=[restored], name=names(f"{base}_gate_scale")
+            "", "Mul", [x, constant], outputs=[restored], name=names(f"{base}_gate_restore")
         )
         graph.insert_before(head, unscale)
         for index, value in enumerate(head.inputs):

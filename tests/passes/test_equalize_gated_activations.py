@@ -82,8 +82,8 @@ def _hardswish_model() -> onnx.ModelProto:
     )
 
 
-def _apply(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
-    result = EqualizeGatedActivations()(ir.from_proto(model))
+def _apply(model: onnx.ModelProto, samples=None) -> tuple[onnx.ModelProto, bool]:
+    result = EqualizeGatedActivations(samples)(ir.from_proto(model))
     out = ir.to_proto(result.model)
     onnx.checker.check_model(out)
     return out, result.modified
@@ -103,9 +103,9 @@ def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
 
 
-def _expected_scales(w1: np.ndarray, readers: list[np.ndarray]) -> np.ndarray:
+def _expected_scales(w1: np.ndarray, readers: list[np.ndarray], r1=None) -> np.ndarray:
     """Reference: s = 2^k, k = round(log2 sqrt(r1 / r2)) minus the median's, within +-3."""
-    r1 = np.abs(w1).reshape(C, -1).max(axis=1)
+    r1 = np.abs(w1).reshape(C, -1).max(axis=1) if r1 is None else r1
     r2 = np.max([np.abs(np.moveaxis(w, 1, 0)).reshape(C, -1).max(axis=1) for w in readers], 0)
     # the depthwise reader is C x 1 x k x k: its input channel c is its row c
     k = np.round(0.5 * np.log2(r1.astype(np.float64) / r2))
@@ -136,6 +136,33 @@ def test_silu_outputs_bit_identical_and_scales_exact():
     # the producer's channel range spread shrinks from 2^10 to at most 2^4
     r1 = np.abs(new["w1"]).reshape(C, -1).max(axis=1)
     assert r1.max() / r1.min() < 2**4 < np.abs(w["w1"]).reshape(C, -1).max(1).max() / r1.min()
+
+
+def test_silu_scales_from_the_samples_activation_ranges():
+    model = _silu_model()
+    # biases far above the weights' reach, in the reverse order of the weight ranges: the
+    # activation ranges then disagree with the producer's weight ranges
+    bias = np.exp2(np.arange(C, dtype=np.float32)[::-1] * 8 / (C - 1)) * 100
+    for init in model.graph.initializer:
+        if init.name == "b1":
+            init.CopyFrom(onnx.numpy_helper.from_array(bias.astype(np.float32), "b1"))
+    feeds = [_feeds(model), {"x": -_feeds(model)["x"]}]
+    # oracle: the producer output's per-channel max |x1| over both samples, by onnxruntime
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info("x1", TensorProto.FLOAT, None))
+    r1 = np.max([np.abs(run_ort(probe, f)[-1]).max(axis=(0, 2, 3)) for f in feeds], axis=0)
+    out, modified = _apply(model, feeds)
+    assert modified
+    w = _weights()
+    s = _expected_scales(w["w1"], [np.moveaxis(w["dw"], 0, 1), w["pw"]], r1.astype(np.float64))
+    data_free = _expected_scales(w["w1"], [np.moveaxis(w["dw"], 0, 1), w["pw"]])
+    assert not np.array_equal(s, data_free)  # the samples decide
+    new = _inits(out)
+    np.testing.assert_array_equal(new["w1"], w["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32))
+    np.testing.assert_array_equal(new["b1"], bias / s.astype(np.float32))
+    for before, after in zip(run_ort(model, feeds[0]), run_ort(out, feeds[0]), strict=True):
+        np.testing.assert_array_equal(before, after)
 
 
 def test_hardswish_with_scalar_div_after_the_product():
