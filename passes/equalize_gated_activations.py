@@ -42,14 +42,19 @@ Fires on: a Conv (constant float weights, optional bias) whose output ``x`` has 
 readers, a ``Mul(x, G)`` and the first node of a chain of single-reader, single-variable-input
 elementwise nodes (:data:`GATE_OPS`, other inputs constant) ending in ``G``; after the ``Mul``
 optionally ``Mul``/``Div`` by a scalar constant (hardswish's ``/ 6``); every reader of the result
-a Conv reading it as its data input, with constant float weights. Does not fire again on a gate
+a Conv reading it as its data input, with constant float weights, or a channel ``Concat`` (static
+channel counts) whose readers are all such Convs (the CSP blocks of YOLO-style detectors): there
+the readers' input channels at the result's offset are scaled, the Concat's other inputs keep
+theirs. Does not fire again on a gate
 that already reads ``x`` through a per-channel ``Mul`` (idempotent). Does not fire when ``x`` or
-``y`` is a graph output, when anything else reads them (a Concat, an Add, a pool: their other
-inputs would need the same scales), or when the gate reads anything but ``x``.
+``y`` is a graph output, when anything else reads them (an Add, a pool, a Concat read by
+anything but Convs: the same values would need two scales), or when the gate reads anything but
+``x``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -125,6 +130,65 @@ def _conv_weight(node: ir.Node) -> np.ndarray | None:
         return None
     w = _float_constant(node.inputs[1])
     return w if w is not None and w.ndim >= 3 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """A Conv reading the gated output as input channels ``offset ... offset + C - 1``."""
+
+    node: ir.Node
+    weight: np.ndarray
+    group: int
+    offset: int
+
+    def ranges(self, channels: int) -> np.ndarray:
+        r = input_channel_ranges(self.weight.astype(np.float64), self.group)
+        return r[self.offset : self.offset + channels]
+
+    def scaled(self, s: np.ndarray) -> np.ndarray:
+        """The weight with input channel ``offset + c`` multiplied by ``s_c``."""
+        w = self.weight
+        cpg = w.shape[1]
+        factors = np.ones(cpg * self.group, dtype=w.dtype)
+        factors[self.offset : self.offset + len(s)] = s.astype(w.dtype)
+        # input channel i of a grouped conv: column i mod (C/g) of the rows of group i div (C/g)
+        view = w.reshape(self.group, w.shape[0] // self.group, cpg, -1)
+        return (view * factors.reshape(self.group, 1, cpg, 1)).reshape(w.shape)
+
+
+def _conv_reader(node: ir.Node, index: int, offset: int, width: int) -> _Reader | None:
+    """``node`` as a reader of channels ``offset ...`` of a ``width``-channel input, or None."""
+    w2 = _conv_weight(node)
+    if w2 is None or index != 0 or w2.dtype not in (np.float32, np.float64):
+        return None
+    group = node.attributes.get_int("group", 1)
+    if group < 1 or w2.shape[1] * group != width or w2.shape[0] % group:
+        return None
+    return _Reader(node, w2, group, offset)
+
+
+def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[_Reader] | None:
+    """The Conv readers of a channel Concat's output, at the offset of its input ``index``."""
+    out = concat.outputs[0]
+    rank = out.shape.rank() if out.shape is not None else None
+    axis = concat.attributes.get_int("axis", 0)
+    if rank is None or axis not in (1, 1 - rank) or out.is_graph_output():
+        return None
+    if sum(1 for v in concat.inputs if v is concat.inputs[index]) != 1:
+        return None  # the same value twice: two slices, one scale (not handled)
+    widths = []
+    for value in concat.inputs:
+        dim = value.shape[1] if value is not None and value.shape is not None else None
+        if not isinstance(dim, int):
+            return None
+        widths.append(dim)
+    if widths[index] != channels:
+        return None
+    offset = sum(widths[:index])
+    readers = [_conv_reader(u.node, u.idx, offset, sum(widths)) for u in out.uses()]
+    if not readers or any(r is None for r in readers):
+        return None
+    return readers  # type: ignore[return-value]
 
 
 def power_of_two_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
@@ -224,8 +288,9 @@ class EqualizeGatedActivations(QuarkPass):
         return False
 
     @staticmethod
-    def _readers(y: ir.Value, channels: int) -> list[tuple[ir.Node, np.ndarray, int]] | None:
-        """The Conv readers of ``y`` (past scalar Mul/Div), each with weight and group."""
+    def _readers(y: ir.Value, channels: int) -> list[_Reader] | None:
+        """The Conv readers of ``y`` (past scalar Mul/Div, and through a channel Concat read
+        only by Convs), each with the input channels that are ``y``'s."""
         while True:
             if y.is_graph_output():
                 return None
@@ -234,15 +299,18 @@ class EqualizeGatedActivations(QuarkPass):
                 y = uses[0].node.outputs[0]
                 continue
             break
-        readers = []
+        readers: list[_Reader] = []
         for use in uses:
-            w2 = _conv_weight(use.node)
-            if w2 is None or use.idx != 0 or (w2.dtype != np.float32 and w2.dtype != np.float64):
+            if is_standard(use.node, "Concat"):
+                found = _concat_readers(use.node, use.idx, channels)
+                if found is None:
+                    return None
+                readers += found
+                continue
+            reader = _conv_reader(use.node, use.idx, 0, channels)
+            if reader is None:
                 return None
-            group = use.node.attributes.get_int("group", 1)
-            if group < 1 or w2.shape[1] * group != channels or w2.shape[0] % group:
-                return None
-            readers.append((use.node, w2, group))
+            readers.append(reader)
         return readers or None
 
     @staticmethod
@@ -254,11 +322,11 @@ class EqualizeGatedActivations(QuarkPass):
         r1: np.ndarray,
         head: ir.Node,
         x: ir.Value,
-        readers: list[tuple[ir.Node, np.ndarray, int]],
+        readers: list[_Reader],
         names: NameGenerator,
     ) -> bool:
         r2 = np.max(
-            [input_channel_ranges(w2.astype(np.float64), group) for _, w2, group in readers],
+            [reader.ranges(w1.shape[0]) for reader in readers],
             axis=0,
         )
         s = power_of_two_scales(r1, r2)
@@ -268,12 +336,8 @@ class EqualizeGatedActivations(QuarkPass):
         _store(graph, conv, 1, w1 / s.reshape(shape).astype(w1.dtype), names)
         if b1 is not None:
             _store(graph, conv, 2, b1 / s.astype(b1.dtype), names)
-        for node, w2, group in readers:
-            # input channel c of a grouped conv: column c mod (C/g) of the rows of group c div (C/g)
-            cpg = w2.shape[1]
-            view = w2.reshape(group, w2.shape[0] // group, cpg, -1)
-            factors = s.reshape(group, 1, cpg, 1).astype(w2.dtype)
-            _store(graph, node, 1, (view * factors).reshape(w2.shape), names)
+        for reader in readers:
+            _store(graph, reader.node, 1, reader.scaled(s), names)
         base = x.name or "gated"
         constant = add_initializer(
             graph,

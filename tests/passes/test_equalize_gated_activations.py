@@ -175,6 +175,50 @@ def test_hardswish_with_scalar_div_after_the_product():
     assert add.input[0] != "x1"  # the gate reads the restored x
 
 
+def _concat_model(reader: str = "Conv") -> onnx.ModelProto:
+    """SiLU output concatenated after 3 other channels (input z), read by a 1x1 Conv."""
+    w = _weights()
+    pw = np.random.default_rng(3).standard_normal((4, 3 + C, 1, 1)).astype(np.float32)
+    pw[:, 3:] = w["pw"][:, :, :, :]
+    nodes = [
+        _conv("conv1", "x", "w1", "b1", "x1"),
+        helper.make_node("Sigmoid", ["x1"], ["g"], name="sig"),
+        helper.make_node("Mul", ["x1", "g"], ["a"], name="mul"),
+        helper.make_node("Concat", ["z", "a"], ["cat"], axis=1, name="cat"),
+    ]
+    if reader == "Conv":
+        nodes.append(_conv("pwconv", "cat", "pw", None, "y", k=1))
+        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])
+    else:
+        nodes.append(helper.make_node("Relu", ["cat"], ["y"], name="relu"))
+        out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3 + C, 8, 8])
+    model = make_model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 3, 8, 8]),
+        ],
+        [out],
+        {"w1": w["w1"], "b1": w["b1"], "pw": pw},
+    )
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_through_a_channel_concat_read_by_convs():
+    model = _concat_model()
+    out, modified = _apply(model)
+    assert modified
+    feeds = _feeds(model)
+    np.testing.assert_array_equal(run_ort(model, feeds)[0], run_ort(out, feeds)[0])
+    w, pw = _weights(), _inits(model)["pw"]
+    s = _expected_scales(w["w1"], [w["pw"]])
+    new = _inits(out)["pw"]
+    np.testing.assert_array_equal(new[:, :3], pw[:, :3])  # the other input's channels
+    np.testing.assert_array_equal(new[:, 3:], pw[:, 3:] * s.reshape(1, -1, 1, 1).astype(np.float32))
+    _, modified = _apply(_concat_model(reader="Relu"))  # a Concat read by anything else
+    assert not modified
+
+
 def test_second_run_changes_nothing():
     out, _ = _apply(_silu_model())
     again, modified = _apply(out)
@@ -220,10 +264,12 @@ def test_does_not_fire(case):
 @pytest.mark.real_model
 def test_person_detector_bit_identical():
     path = shared_path("models", "person_detector_192.onnx")
-    model = onnx.load(str(path))
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
     out, modified = _apply(model)
     assert modified
     added = len(out.graph.node) - len(model.graph.node)
-    assert added == 74  # every SiLU read only by Convs (the others feed Concat/Add/outputs)
+    # the 74 SiLUs read only by Convs and the 17 read by Concats that only Convs read (the
+    # others feed Add, Resize, MaxPool or a head Concat)
+    assert added == 74 + 17
     x = np.random.default_rng(0).uniform(0, 255, (1, 3, 192, 192)).astype(np.float32)
     np.testing.assert_array_equal(run_ort(model, {"images": x})[0], run_ort(out, {"images": x})[0])
