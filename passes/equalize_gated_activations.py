@@ -219,26 +219,31 @@ class EqualizeGatedActivations(QuarkPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self._ranges = self._measure(model)
         names = NameGenerator(graph)
+        convs = [n for n in graph if is_standard(n, "Conv")]
+        # the samples are run only for models that have the pattern, and only to the
+        # producers' outputs (a CNN without gated activations costs nothing here)
+        self._ranges = {}
+        matched = [c for c in convs if self._rewrite(graph, c, names, dry_run=True)]
+        if not matched:
+            return ir.passes.PassResult(model, modified=False)
+        self._ranges = self._measure(model, [c.outputs[0].name or "" for c in matched])
         count = 0
-        for conv in [n for n in graph if is_standard(n, "Conv")]:
+        for conv in convs:
             if self._rewrite(graph, conv, names):
                 count += 1
         if count:
             logger.info("EqualizeGatedActivations: %d gated activation(s) equalized", count)
         return ir.passes.PassResult(model, modified=bool(count))
 
-    def _measure(self, model: ir.Model) -> dict[str, np.ndarray]:
-        """Per-channel ``max |x|`` over the samples of every Conv output (empty without samples).
+    def _measure(self, model: ir.Model, names: list[str]) -> dict[str, np.ndarray]:
+        """Per-channel ``max |x|`` over the samples of the named values (empty without samples).
 
         The rewrite is float-exact, so ranges measured once before it stay valid for the
         unscaled channels: an equalized output's range is the measured one divided by ``s``."""
-        if not self.sample_feeds:
+        names = sorted({name for name in names if name})
+        if not self.sample_feeds or not names:
             return {}
-        names = sorted(
-            {n.outputs[0].name for n in model.graph if is_standard(n, "Conv") and n.outputs[0].name}
-        )
         ranges: dict[str, np.ndarray] = {}
         try:
             for feeds in self.sample_feeds:
@@ -254,7 +259,11 @@ class EqualizeGatedActivations(QuarkPass):
             return {}
         return ranges
 
-    def _rewrite(self, graph: ir.Graph, conv: ir.Node, names: NameGenerator) -> bool:
+    def _rewrite(
+        self, graph: ir.Graph, conv: ir.Node, names: NameGenerator, *, dry_run: bool = False
+    ) -> bool:
+        """Equalize the gated activation ``conv`` produces, if it has the pattern (with
+        ``dry_run``: only say whether it has it; scales may still all come out 1)."""
         w1 = _conv_weight(conv)
         if w1 is None or len(conv.outputs) != 1:
             return False
@@ -277,8 +286,8 @@ class EqualizeGatedActivations(QuarkPass):
             if gate is None or set(mul.inputs) != {x, gate}:
                 continue
             readers = self._readers(mul.outputs[0], w1.shape[0])
-            if readers is None:
-                return False
+            if readers is None or dry_run:
+                return readers is not None
             measured = self._ranges.get(x.name or "")
             if measured is not None and measured.shape == (w1.shape[0],):
                 r1 = measured

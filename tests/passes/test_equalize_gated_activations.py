@@ -273,3 +273,23 @@ def test_person_detector_bit_identical():
     assert added == 74 + 17
     x = np.random.default_rng(0).uniform(0, 255, (1, 3, 192, 192)).astype(np.float32)
     np.testing.assert_array_equal(run_ort(model, {"images": x})[0], run_ort(out, {"images": x})[0])
+
+
+def test_samples_are_run_only_when_the_pattern_is_there(caplog):
+    bogus = [{"not_an_input": np.zeros((1, 3, 8, 8), np.float32)}]  # onnxruntime would refuse it
+    relu = _silu_model(readers=("pw",))
+    for node in relu.graph.node:
+        if node.op_type == "Sigmoid":
+            node.op_type = "Relu"  # Mul(x1, Relu(x1)) ...
+    relu.graph.node[2].op_type = "Add"  # ... made x1 + Relu(x1): no product
+    with caplog.at_level("WARNING"):
+        _, modified = _apply(relu, bogus)
+    assert not modified and not caplog.records
+    with caplog.at_level("WARNING"):
+        out, modified = _apply(_silu_model(), bogus)
+    assert modified  # the producer's weight ranges stand in for the samples'
+    assert "cannot run the model on the samples" in caplog.text
+    s = _expected_scales(_weights()["w1"], [np.moveaxis(_weights()["dw"], 0, 1), _weights()["pw"]])
+    np.testing.assert_array_equal(
+        _inits(out)["w1"], _weights()["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32)
+    )
