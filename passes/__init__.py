@@ -25,6 +25,7 @@ _PASSES = {
     "RemoveInferenceDropout": "remove_inference_dropout",
     "CrossLayerEqualization": "cross_layer_equalization",
     "FoldConstantChannels": "fold_constant_channels",
+    "EqualizeGatedActivations": "equalize_gated_activations",
     # hardware simulation and legalization
     "ConvertLeakyReluToDPUVersion": "convert_leaky_relu_to_dpu_version",
     "ConvertHardSigmoidToDPUVersion": "convert_hard_sigmoid_to_dpu_version",

@@ -58,6 +58,13 @@ class ExtraOptions:
         "is at most this times the largest channel's, at every reader (scale-free; 0: fold "
         "only channels whose weights are exactly zero).",
     )
+    EqualizeGatedActivations: bool = _opt(
+        False,
+        "Equalize per-channel ranges between a Conv and the Convs reading its gated activation "
+        "x * g(x) (SiLU, hardswish): the Conv's channels are divided by powers of two, the "
+        "readers' multiplied, and the gate reads x through a new Mul restoring the scale, so it "
+        "computes what it computed. Float-exact (bit-identical outputs).",
+    )
     ReplaceClip6Relu: bool = _opt(
         False,
         "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "

@@ -16,6 +16,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  3b   FoldConstantChannels                ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization              ``qconfig.include_cle``
+ 4c   EqualizeGatedActivations            ``ExtraOptions.EqualizeGatedActivations``
  5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
  6    ConvertReduceMeanToGlobalAvgPool    ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
  7    SplitLargeKernelPool                ``ExtraOptions.SplitLargeKernelPool``
@@ -71,6 +72,7 @@ from quark_onnx.passes import (
     ConvertSigmoidToHardSigmoid,
     ConvertSplitToSlice,
     CrossLayerEqualization,
+    EqualizeGatedActivations,
     FixInputShapes,
     FoldConstantChannels,
     MakeConvAttributesExplicit,
@@ -118,11 +120,14 @@ def prepare_passes(
     qconfig: QuantizationConfig,
     options: ExtraOptions,
     sample_feeds: dict[str, np.ndarray] | None = None,
+    range_samples: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> list[QuarkPass]:
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
 
     ``sample_feeds`` (model inputs, e.g. the first calibration batch) lets FoldConstantChannels
     also fold channels the samples show clamped to one value with a wide margin.
+    ``range_samples`` (the first calibration samples; default ``[sample_feeds]``) give
+    EqualizeGatedActivations the activations' channel ranges.
 
     Cross-layer equalization (``include_cle``) runs after ReplaceClip6Relu and before
     ConvertClipToRelu: a ReLU6, or the range cap either pass leaves, blocks a pair (the cap holds
@@ -146,6 +151,14 @@ def prepare_passes(
         ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
+        (
+            options.EqualizeGatedActivations,
+            EqualizeGatedActivations(
+                range_samples
+                if range_samples is not None
+                else ([sample_feeds] if sample_feeds else None)
+            ),
+        ),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),
@@ -176,6 +189,7 @@ def quantize_passes(
     qconfig: QuantizationConfig,
     options: ExtraOptions,
     sample_feeds: dict[str, np.ndarray] | None = None,
+    range_samples: Sequence[dict[str, np.ndarray]] | None = None,
 ) -> list[QuarkPass]:
     """Every float pass that runs before calibration, in run order (``sample_feeds``: as for
     :func:`prepare_passes`).
@@ -185,7 +199,7 @@ def quantize_passes(
     ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """
-    passes = prepare_passes(qconfig, options, sample_feeds)
+    passes = prepare_passes(qconfig, options, sample_feeds, range_samples)
     if qconfig.enable_npu_cnn:
         if options.SimulateDPU:
             if options.ConvertLeakyReluToDPUVersion:

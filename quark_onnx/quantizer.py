@@ -416,7 +416,8 @@ class ModelQuantizer:
 
         # FoldConstantChannels reads the first sample's ranges
         first = samples[0] if samples else None
-        passes = quantize_passes(self.qconfig, self.options, first)
+        # EqualizeGatedActivations reads the channel ranges of the first few samples
+        passes = quantize_passes(self.qconfig, self.options, first, samples[:RANGE_SAMPLES])
         pipeline = run_passes(
             model,
             passes,
@@ -588,6 +589,11 @@ class ModelQuantizer:
                 positions[pre] = positions[post]
                 errors.pop(pre, None)
         return positions, errors
+
+
+#: Calibration samples whose activation ranges the prepare passes read (EqualizeGatedActivations):
+#: each is one onnxruntime run of the float model before calibration.
+RANGE_SAMPLES = 8
 
 
 #: A graph output (and the shared-scale group it is in) starts no higher than its NonOverflow

@@ -1,0 +1,378 @@
+"""EqualizeGatedActivations: float-exact channel equalization through SiLU and hardswish.
+
+Why. Networks with gated activations ``y = x * g(x)`` (SiLU ``x * Sigmoid(x)`` in YOLOX/YOLOv5-8
+and EfficientNet, hardswish ``x * Clip(x + 3, 0, 6) / 6`` in MobileNetV3 and PaddleOCR) come out
+of BatchNorm folding with the same per-channel range spread as Relu networks: in a YOLOX person
+detector the first SiLU output has channels reaching 0.5 next to channels reaching 130, and the
+depthwise layer reading it has weights of 12.9 on the small channels against 0.03 on the large
+ones. One power-of-two scale per tensor rounds the small channels to zero in the activation and
+the small weights to zero in the reader. Cross-layer equalization cannot move range across
+``g``: the activation is not positively homogeneous (``silu(s x) != s silu(x)``).
+
+Maths. The product form makes it exact anyway. Let ``x = W1 * a + b1`` (a Conv) and ``y = x *
+g(x)`` read by convolutions ``z = W2 * y + b2``. For a positive per-channel vector ``s``, write
+the producer as ``x' = x / s`` (``W1[c] / s_c``, ``b1[c] / s_c``) and feed the gate ``g(x' * s)``
+(a new ``Mul`` by the constant ``s`` in front of the gate's first node). Then::
+
+    y' = x' * g(x' * s) = (x / s) * g(x) = y / s        W2[:, c] <- W2[:, c] * s_c  =>  z' = z
+
+Only the values in the product change range; the gate computes exactly what it computed. With
+``s`` a power of two per channel every multiplication and division is exact in floating point,
+so the float model's outputs are bit-identical (up to underflow below float32's normal range).
+
+The choice of ``s`` is cross-layer equalization's (Nagel et al., ICCV 2019, and
+:mod:`.cross_layer_equalization`): ``s_c = sqrt(r1_c / r2_c)``, which makes the two ranges
+``sqrt(r1_c r2_c)``, with ``r2_c`` the largest reader weight on input channel ``c`` (grouped
+layout) and ``r1_c`` the range of what is quantized on the producer side. Given sample inputs
+(the first calibration samples), ``r1_c`` is the calibrated ``max |x_c|``: the quantized
+activations ``x`` and ``y`` carry the channel spread (0.5 next to 130 in the detector), and
+their per-tensor scale is what loses the small channels. Without samples it is the producer's
+weight range ``max |W1[c, ...]|`` (data-free, as CLE). A channel that is ~0 on either side keeps
+``s_c = 1``. ``s`` is rounded to a power of two, centred (the median channel keeps its scale) and
+limited to ``2^-MAX_LOG2 ... 2^MAX_LOG2``: the constant ``s`` of the new ``Mul`` is itself
+quantized with one power-of-two int8 scale, which holds powers of two spanning ``2^6`` exactly
+(codes 1 ... 64). Measured on the person detector (``benchmarks/results/detector_ocr.txt``): the
+activation ranges keep more of the float detections than the weight ranges.
+
+The new ``Mul`` runs where the gate runs (a Sigmoid is not an NPU XINT8 op, GUIDE §3); the
+gate's input is quantized on its own, and values the gate saturates (|x| > 8 for Sigmoid, > 3
+for hardswish) may be clipped there at no cost.
+
+Fires on: a Conv (constant float weights, optional bias) whose output ``x`` has exactly two
+readers, a ``Mul(x, G)`` and the first node of a chain of single-reader, single-variable-input
+elementwise nodes (:data:`GATE_OPS`, other inputs constant) ending in ``G``; after the ``Mul``
+optionally ``Mul``/``Div`` by a scalar constant (hardswish's ``/ 6``); every reader of the result
+a Conv reading it as its data input, with constant float weights, or a channel ``Concat`` (static
+channel counts) whose readers are all such Convs (the CSP blocks of YOLO-style detectors): there
+the readers' input channels at the result's offset are scaled, the Concat's other inputs keep
+theirs. Does not fire again on a gate
+that already reads ``x`` through a per-channel ``Mul`` (idempotent). Does not fire when ``x`` or
+``y`` is a graph output, when anything else reads them (an Add, a pool, a Concat read by
+anything but Convs: the same values would need two scales), or when the gate reads anything but
+``x``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.passes.base import QuarkPass
+from quark_onnx.passes.cross_layer_equalization import (
+    input_channel_ranges,
+    output_channel_ranges,
+)
+from quark_onnx.passes.fold_constant_channels import _max_abs as channel_max_abs
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Elementwise ops a gate may be built of (one variable input; the others constant).
+GATE_OPS = frozenset(
+    {"Sigmoid", "HardSigmoid", "Add", "Sub", "Mul", "Div", "Clip", "Relu", "Tanh", "Softplus"}
+)
+#: Longest gate chain followed (hardswish as Add, Clip, Div is 3 nodes).
+MAX_GATE_NODES = 6
+#: Per-channel scales are powers of two in ``2^-MAX_LOG2 ... 2^MAX_LOG2`` (see module doc).
+MAX_LOG2 = 3
+#: A channel whose weight range is at most this times the layer's widest is ~0: it keeps s = 1.
+NEGLIGIBLE_RANGE = 1e-6
+
+
+def _float_constant(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.is_graph_input():
+        return None
+    array = constant_array(value)
+    if array is None or array.dtype not in (np.float32, np.float64, np.float16):
+        return None
+    return array
+
+
+def _gate_end(head: ir.Node, x: ir.Value, mul: ir.Node) -> ir.Value | None:
+    """The value the chain starting at ``head`` (reading ``x``) hands to ``mul``, or None."""
+    node, current = head, x
+    for _ in range(MAX_GATE_NODES):
+        if node.op_type not in GATE_OPS or node.domain not in ("", "ai.onnx"):
+            return None
+        variable = [i for i in node.inputs if i is not None and _float_constant(i) is None]
+        if variable != [current] or len(node.outputs) != 1:
+            return None
+        out = node.outputs[0]
+        uses = list(out.uses())
+        if out.is_graph_output() or len(uses) != 1:
+            return None
+        if uses[0].node is mul:
+            return out
+        node, current = uses[0].node, out
+    return None
+
+
+def _scalar_rescale(node: ir.Node, value: ir.Value) -> bool:
+    """``node`` is ``Mul(value, k)``/``Mul(k, value)``/``Div(value, k)`` with a scalar constant."""
+    if not (is_standard(node, "Mul") or is_standard(node, "Div")) or len(node.inputs) != 2:
+        return False
+    others = [i for i in node.inputs if i is not value]
+    if len(others) != 1 or (node.op_type == "Div" and node.inputs[0] is not value):
+        return False
+    k = _float_constant(others[0])
+    return k is not None and k.size == 1
+
+
+def _conv_weight(node: ir.Node) -> np.ndarray | None:
+    if not is_standard(node, "Conv") or len(node.inputs) < 2:
+        return None
+    w = _float_constant(node.inputs[1])
+    return w if w is not None and w.ndim >= 3 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reader:
+    """A Conv reading the gated output as input channels ``offset ... offset + C - 1``."""
+
+    node: ir.Node
+    weight: np.ndarray
+    group: int
+    offset: int
+
+    def ranges(self, channels: int) -> np.ndarray:
+        r = input_channel_ranges(self.weight.astype(np.float64), self.group)
+        return r[self.offset : self.offset + channels]
+
+    def scaled(self, s: np.ndarray) -> np.ndarray:
+        """The weight with input channel ``offset + c`` multiplied by ``s_c``."""
+        w = self.weight
+        cpg = w.shape[1]
+        factors = np.ones(cpg * self.group, dtype=w.dtype)
+        factors[self.offset : self.offset + len(s)] = s.astype(w.dtype)
+        # input channel i of a grouped conv: column i mod (C/g) of the rows of group i div (C/g)
+        view = w.reshape(self.group, w.shape[0] // self.group, cpg, -1)
+        return (view * factors.reshape(self.group, 1, cpg, 1)).reshape(w.shape)
+
+
+def _conv_reader(node: ir.Node, index: int, offset: int, width: int) -> _Reader | None:
+    """``node`` as a reader of channels ``offset ...`` of a ``width``-channel input, or None."""
+    w2 = _conv_weight(node)
+    if w2 is None or index != 0 or w2.dtype not in (np.float32, np.float64):
+        return None
+    group = node.attributes.get_int("group", 1)
+    if group < 1 or w2.shape[1] * group != width or w2.shape[0] % group:
+        return None
+    return _Reader(node, w2, group, offset)
+
+
+def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[_Reader] | None:
+    """The Conv readers of a channel Concat's output, at the offset of its input ``index``."""
+    out = concat.outputs[0]
+    rank = out.shape.rank() if out.shape is not None else None
+    axis = concat.attributes.get_int("axis", 0)
+    if rank is None or axis not in (1, 1 - rank) or out.is_graph_output():
+        return None
+    if sum(1 for v in concat.inputs if v is concat.inputs[index]) != 1:
+        return None  # the same value twice: two slices, one scale (not handled)
+    widths = []
+    for value in concat.inputs:
+        dim = value.shape[1] if value is not None and value.shape is not None else None
+        if not isinstance(dim, int):
+            return None
+        widths.append(dim)
+    if widths[index] != channels:
+        return None
+    offset = sum(widths[:index])
+    readers = [_conv_reader(u.node, u.idx, offset, sum(widths)) for u in out.uses()]
+    if not readers or any(r is None for r in readers):
+        return None
+    return readers  # type: ignore[return-value]
+
+
+def power_of_two_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
+    """Per-channel ``s = 2^k`` (``|k| <= MAX_LOG2``) balancing producer ranges ``r1 / s``
+    against reader ranges ``r2 * s``; ~0 channels on either side get ``k = 0``."""
+    usable = (r1 > NEGLIGIBLE_RANGE * r1.max()) & (r2 > NEGLIGIBLE_RANGE * r2.max())
+    k = np.zeros(r1.shape, dtype=np.float64)
+    if not usable.any():
+        return np.ones_like(k)
+    k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]))
+    k[usable] -= np.round(np.median(k[usable]))
+    return np.exp2(np.clip(k, -MAX_LOG2, MAX_LOG2))
+
+
+class EqualizeGatedActivations(QuarkPass):
+    """Equalize producer and reader ranges through ``x * g(x)`` (see module doc).
+
+    Args:
+        sample_feeds: model inputs (the first calibration samples); with them the producer side
+            is measured by the activations' per-channel ``max |x|``, without them (or when
+            onnxruntime cannot run the model) by the producer's weights.
+    """
+
+    def __init__(self, sample_feeds: Sequence[dict[str, np.ndarray]] | None = None) -> None:
+        super().__init__()
+        self.sample_feeds = list(sample_feeds or [])
+        self._ranges: dict[str, np.ndarray] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = NameGenerator(graph)
+        convs = [n for n in graph if is_standard(n, "Conv")]
+        # the samples are run only for models that have the pattern, and only to the
+        # producers' outputs (a CNN without gated activations costs nothing here)
+        self._ranges = {}
+        matched = [c for c in convs if self._rewrite(graph, c, names, dry_run=True)]
+        if not matched:
+            return ir.passes.PassResult(model, modified=False)
+        self._ranges = self._measure(model, [c.outputs[0].name or "" for c in matched])
+        count = 0
+        for conv in convs:
+            if self._rewrite(graph, conv, names):
+                count += 1
+        if count:
+            logger.info("EqualizeGatedActivations: %d gated activation(s) equalized", count)
+        return ir.passes.PassResult(model, modified=bool(count))
+
+    def _measure(self, model: ir.Model, names: list[str]) -> dict[str, np.ndarray]:
+        """Per-channel ``max |x|`` over the samples of the named values (empty without samples).
+
+        The rewrite is float-exact, so ranges measured once before it stay valid for the
+        unscaled channels: an equalized output's range is the measured one divided by ``s``."""
+        names = sorted({name for name in names if name})
+        if not self.sample_feeds or not names:
+            return {}
+        ranges: dict[str, np.ndarray] = {}
+        try:
+            for feeds in self.sample_feeds:
+                for name, r in channel_max_abs(model, feeds, names).items():
+                    ranges[name] = np.maximum(ranges[name], r) if name in ranges else r
+        except Exception as exc:  # onnxruntime raises its own exception types
+            text = str(exc).strip()
+            logger.warning(
+                "EqualizeGatedActivations: cannot run the model on the samples (%s); the "
+                "producers' weight ranges are used instead",
+                text.splitlines()[0] if text else type(exc).__name__,
+            )
+            return {}
+        return ranges
+
+    def _rewrite(
+        self, graph: ir.Graph, conv: ir.Node, names: NameGenerator, *, dry_run: bool = False
+    ) -> bool:
+        """Equalize the gated activation ``conv`` produces, if it has the pattern (with
+        ``dry_run``: only say whether it has it; scales may still all come out 1)."""
+        w1 = _conv_weight(conv)
+        if w1 is None or len(conv.outputs) != 1:
+            return False
+        bias_value = conv.inputs[2] if len(conv.inputs) > 2 else None
+        b1 = _float_constant(bias_value) if bias_value is not None else None
+        if bias_value is not None and (b1 is None or b1.shape != (w1.shape[0],)):
+            return False
+        x = conv.outputs[0]
+        uses = list(x.uses())
+        if x.is_graph_output() or len(uses) != 2:
+            return False
+        for mul, head in ((uses[0].node, uses[1].node), (uses[1].node, uses[0].node)):
+            if mul is head or not is_standard(mul, "Mul") or len(mul.inputs) != 2:
+                continue
+            if is_standard(head, "Mul") and any(
+                (k := _float_constant(i)) is not None and k.size > 1 for i in head.inputs
+            ):
+                return False  # the gate reads x through a per-channel Mul: equalized already
+            gate = _gate_end(head, x, mul)
+            if gate is None or set(mul.inputs) != {x, gate}:
+                continue
+            readers = self._readers(mul.outputs[0], w1.shape[0])
+            if readers is None or dry_run:
+                return readers is not None
+            measured = self._ranges.get(x.name or "")
+            if measured is not None and measured.shape == (w1.shape[0],):
+                r1 = measured
+            else:
+                r1 = output_channel_ranges(w1.astype(np.float64))
+            return self._apply(graph, conv, w1, b1, r1, head, x, readers, names)
+        return False
+
+    @staticmethod
+    def _readers(y: ir.Value, channels: int) -> list[_Reader] | None:
+        """The Conv readers of ``y`` (past scalar Mul/Div, and through a channel Concat read
+        only by Convs), each with the input channels that are ``y``'s."""
+        while True:
+            if y.is_graph_output():
+                return None
+            uses = list(y.uses())
+            if len(uses) == 1 and _scalar_rescale(uses[0].node, y):
+                y = uses[0].node.outputs[0]
+                continue
+            break
+        readers: list[_Reader] = []
+        for use in uses:
+            if is_standard(use.node, "Concat"):
+                found = _concat_readers(use.node, use.idx, channels)
+                if found is None:
+                    return None
+                readers += found
+                continue
+            reader = _conv_reader(use.node, use.idx, 0, channels)
+            if reader is None:
+                return None
+            readers.append(reader)
+        return readers or None
+
+    @staticmethod
+    def _apply(
+        graph: ir.Graph,
+        conv: ir.Node,
+        w1: np.ndarray,
+        b1: np.ndarray | None,
+        r1: np.ndarray,
+        head: ir.Node,
+        x: ir.Value,
+        readers: list[_Reader],
+        names: NameGenerator,
+    ) -> bool:
+        r2 = np.max(
+            [reader.ranges(w1.shape[0]) for reader in readers],
+            axis=0,
+        )
+        s = power_of_two_scales(r1, r2)
+        if np.all(s == 1.0):
+            return False
+        shape = (-1,) + (1,) * (w1.ndim - 1)
+        _store(graph, conv, 1, w1 / s.reshape(shape).astype(w1.dtype), names)
+        if b1 is not None:
+            _store(graph, conv, 2, b1 / s.astype(b1.dtype), names)
+        for reader in readers:
+            _store(graph, reader.node, 1, reader.scaled(s), names)
+        base = x.name or "gated"
+        constant = add_initializer(
+            graph,
+            names(f"{base}_gate_scale"),
+            s.reshape((-1,) + (1,) * (w1.ndim - 2)).astype(np.float32),
+        )
+        restored = ir.Value(name=names(f"{base}_gate_input"), shape=x.shape, type=x.type)
+        unscale = ir.Node(
+            "", "Mul", [x, constant], outputs=[restored], name=names(f"{base}_gate_restore")
+        )
+        graph.insert_before(head, unscale)
+        for index, value in enumerate(head.inputs):
+            if value is x:
+                head.replace_input_with(index, restored)
+        return True
+
+
+def _store(
+    graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
+) -> None:
+    """Give ``node`` input ``index`` the constant ``array``: in place when nothing else reads
+    the initializer, else as a new initializer (the other readers keep the old values)."""
+    value = node.inputs[index]
+    assert value is not None
+    if value.const_value is not None and len(list(value.uses())) == 1:
+        value.const_value = ir.tensor(array, name=value.name)
+        return
+    fresh = add_initializer(graph, names(f"{value.name or 'weight'}_equalized"), array)
+    node.replace_input_with(index, fresh)

@@ -1,0 +1,69 @@
+"""benchmarks/bench_error_sources.py: the graph variants that split weight and activation loss."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_error_sources as es
+
+from quark_onnx import Config, ModelQuantizer, get_default_config
+
+
+def _float_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    conv = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", **conv),
+            helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+            helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", **conv),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        {
+            "w1": rng.standard_normal((6, 3, 3, 3)).astype(np.float32),
+            "b1": rng.standard_normal(6).astype(np.float32),
+            "w2": rng.standard_normal((4, 6, 3, 3)).astype(np.float32),
+            "b2": rng.standard_normal(4).astype(np.float32),
+        },
+    )
+
+
+def test_variants_remove_exactly_what_they_say():
+    model = _float_model()
+    x = np.random.default_rng(1).standard_normal((4, 1, 3, 8, 8)).astype(np.float32)
+    qc = get_default_config("XINT8")
+    qc.include_bias_correction = False  # the float weights below are then the quantized ones'
+    quantized = ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+        model, None, {"x": x.reshape(4, 3, 8, 8)}
+    )
+    feeds = {"x": x[0]}
+    (ref,) = run_ort(model, feeds)
+    (q,) = run_ort(quantized, feeds)
+    assert not np.array_equal(q, ref)
+    # both removed: the float model, exactly (the prepared model here is the float model)
+    both = es.float_constants(es.float_activations(quantized), model)
+    np.testing.assert_array_equal(run_ort(both, feeds)[0], ref)
+    # activations float: the float graph with the dequantized weights and bias
+    weights_only = es.float_activations(quantized)
+    assert not any(n.op_type == "QuantizeLinear" for n in weights_only.graph.node)
+    deq = onnx.ModelProto()
+    deq.CopyFrom(model)
+    init = {i.name: i for i in quantized.graph.initializer}
+    for t in deq.graph.initializer:
+        codes = onnx.numpy_helper.to_array(init[f"{t.name}_quantized"]).astype(np.float32)
+        scale = onnx.numpy_helper.to_array(init[f"{t.name}_scale"])
+        t.CopyFrom(onnx.numpy_helper.from_array((codes * scale).astype(np.float32), t.name))
+    np.testing.assert_array_equal(run_ort(weights_only, feeds)[0], run_ort(deq, feeds)[0])
+    # one group float: only those pairs go
+    partial = es.float_activations(quantized, lambda name: name == "r1")
+    kept = [n.input[0] for n in partial.graph.node if n.op_type == "QuantizeLinear"]
+    assert "r1" not in kept and "x" in kept
