@@ -212,7 +212,9 @@ class ExtraOptions:
         "samples and put it in the report, worst first.",
     )
     FastFinetune: dict = _opt(
-        {}, "AdaRound settings: NumIterations, NumBatches, LearningRate, TimeBudgetPerLayer."
+        {},
+        "Rounding settings: OptimAlgorithm (adaround or gptq), NumIterations, NumBatches, "
+        "LearningRate, TimeBudgetPerLayer.",
     )
 
     # --- fidelity guard (quark_onnx.fidelity) ---------------------------------------------------
