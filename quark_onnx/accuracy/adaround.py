@@ -382,7 +382,9 @@ def _statistics(
                 return None
             if columns and cols.shape[2] > columns:
                 every = -(-cols.shape[2] // columns)
-                cols, tg = cols[:, :, ::every], tg[:, :, ::every]
+                # contiguous copies: numpy's matmul takes BLAS only for contiguous operands
+                cols = np.ascontiguousarray(cols[:, :, ::every])
+                tg = np.ascontiguousarray(tg[:, :, ::every])
             gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
             cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
             const += float(np.sum(np.square(tg, dtype=np.float64)))
