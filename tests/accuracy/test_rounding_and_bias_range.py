@@ -244,3 +244,46 @@ def test_channel_sums_count_only_errors_the_activation_keeps(bounds):
             keep = ~(((fc <= lo) & (qc <= lo)) | ((fc >= hi) & (qc >= hi)))
         assert den[c] == np.count_nonzero(keep)
         assert num[c] == pytest.approx(np.sum((fc - qc)[keep]), rel=1e-5)
+
+
+def _with_activation(proto: onnx.ModelProto, op: str) -> onnx.ModelProto:
+    """``_conv_chain`` with its first Relu replaced by ``op`` (Clip(0, 6) or Sigmoid)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    node = next(n for n in out.graph.node if n.name == "relu0")
+    if op == "Clip":
+        out.graph.initializer.extend(
+            [
+                onnx.numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+                onnx.numpy_helper.from_array(np.array(6.0, np.float32), "hi"),
+            ]
+        )
+        node.CopyFrom(helper.make_node("Clip", [node.input[0], "lo", "hi"], node.output, "clip0"))
+    else:
+        node.CopyFrom(helper.make_node(op, [node.input[0]], node.output, name="act0"))
+    return out
+
+
+@pytest.mark.parametrize(
+    "op, seed_options, bounds",
+    [
+        ("Relu", False, (0.0, math.inf)),
+        ("Clip", False, (0.0, 6.0)),
+        ("Clip", True, (0.0, 6.0)),  # a Q/DQ pair kept between the layer and its activation
+        ("Sigmoid", False, None),
+    ],
+)
+def test_activation_bounds_follow_the_layers_activation(op, seed_options, bounds):
+    from quark_onnx.accuracy.bias_correction import _activation_bounds
+
+    rng = np.random.default_rng(17)
+    proto = _conv_chain(rng)
+    if op != "Relu":
+        proto = _with_activation(proto, op)
+    extra = {"RemoveQDQConvClip": False, "RemoveQDQConvRelu": False} if seed_options else {}
+    _, model, _, _, _ = _quantize(proto, _samples(rng, 4), **extra)
+    layer = next(layer for layer in find_layers(model)[0] if layer.name == "conv0")
+    reader = layer.node.outputs[0].uses()[0].node.op_type
+    # a Sigmoid is not fused into the layer: its input is quantized like a kept pair's
+    assert reader == ("QuantizeLinear" if seed_options or op == "Sigmoid" else op)
+    assert _activation_bounds(layer) == bounds
