@@ -94,6 +94,8 @@ ALGORITHMS = ("adaround", "gptq")
 
 #: Output positions per sample the second-order rounding's statistics use (module doc).
 GPTQ_COLUMNS = 1024
+#: Columns quantized between two updates of the columns after them (:func:`gptq_rounding`).
+GPTQ_BLOCK = 128
 
 #: Upper bounds of the count settings: above them AdaRound would run for days.
 _MAX_SETTING = {"NumIterations": 1_000_000, "NumBatches": 100_000}
@@ -279,11 +281,19 @@ def gptq_rounding(
         )  # fmt: skip
     work = target.copy()
     codes = np.empty_like(work)
-    for j in range(k):
-        col = np.clip(np.rint(work[:, :, j] / step), qmin, qmax)
-        codes[:, :, j] = col
-        err = (work[:, :, j] - col * step) / upper[:, j, j][:, None]
-        work[:, :, j + 1 :] -= err[:, :, None] * upper[:, None, j, j + 1 :]
+    # lazy batch updates (GPTQ's blocks): inside a block column by column, then the columns
+    # after it in one matrix product, instead of one rank-1 update of every later column each
+    for b0 in range(0, k, GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, k)
+        errors = np.empty((*work.shape[:2], b1 - b0))
+        for j in range(b0, b1):
+            col = np.clip(np.rint(work[:, :, j] / step), qmin, qmax)
+            codes[:, :, j] = col
+            err = (work[:, :, j] - col * step) / upper[:, j, j][:, None]
+            work[:, :, j + 1 : b1] -= err[:, :, None] * upper[:, None, j, j + 1 : b1]
+            errors[:, :, j - b0] = err
+        if b1 < k:
+            work[:, :, b1:] -= np.matmul(errors, upper[:, b0:b1, b1:])
     loss = _quadratic_loss(codes * step, gram, cross, const)
     accepted = loss < loss_nearest
     return RoundingResult(

@@ -17,7 +17,7 @@ from conftest import make_model
 from onnx import TensorProto, helper
 from test_accuracy_stages import _conv_chain, _outputs, _quantize, _samples
 
-from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround, gptq_rounding
+from quark_onnx.accuracy.adaround import GPTQ_BLOCK, AdaRoundSettings, adaround, gptq_rounding
 from quark_onnx.accuracy.bias_correction import (
     best_bias_position,
     bias_window,
@@ -65,6 +65,19 @@ def test_gptq_rounding_matches_the_obq_reference_and_beats_nearest():
     assert np.array_equal(res.codes[0], _obq_reference(w[0], 1 / 16, gram[0], cross[0]))
     assert res.accepted and res.loss_learned < 0.5 * res.loss_nearest
     assert res.codes.dtype == np.int8
+
+
+def test_gptq_rounding_across_blocks_matches_the_obq_reference():
+    """More columns than one lazy-update block (GPTQ_BLOCK): the same codes as the reference."""
+    rng = np.random.default_rng(18)
+    k = GPTQ_BLOCK * 2 + 44
+    w = rng.normal(0, 0.5, (1, 12, k))
+    x = rng.normal(0, 1, (k, 40)) @ rng.normal(0, 1, (40, 2000))
+    x += 0.3 * rng.normal(0, 1, x.shape)
+    gram, cross = (x @ x.T)[None], (x @ (w[0] @ x).T)[None]
+    res = gptq_rounding(w, 4, gram, cross)
+    assert np.array_equal(res.codes[0], _obq_reference(w[0], 1 / 16, gram[0], cross[0]))
+    assert res.accepted
 
 
 def test_gptq_rounding_batches_groups_exactly_as_one_at_a_time():
