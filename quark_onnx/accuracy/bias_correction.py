@@ -222,6 +222,10 @@ def _bias_windows(
             continue
         if positions.get(node.bias) != layer.bias_position:
             continue  # the quantized graph does not hold the planned position
+        assert layer.bias is not None
+        scale = layer.bias.uses()[0].node.inputs[1]
+        if scale is None or len(scale.uses()) != 1 or not scale.is_initializer():
+            continue  # a scale another tensor reads too would move with it
         window = bias_window(node, positions)
         if window is not None and window[0] <= layer.bias_position <= window[1]:
             out[layer.name] = (window, node.bias)
