@@ -212,7 +212,7 @@ def test_bias_correction_moves_a_saturating_bias_inside_its_shift_bias_window(ad
     calib = _samples(rng, 16, offset=0.5)
     held = _samples(rng, 16, offset=0.5)
     prepared, model, plan, positions, options = _quantize(proto, calib)
-    options = dataclasses.replace(options, AdjustShiftBias=adjust)
+    options = dataclasses.replace(options, AdjustShiftBias=adjust, BiasCorrectionMovePositions=True)
     before = {n.name: bias_window(n, positions) for n in plan.nodes if n.bias}
     original = {layer.name: layer.bias_position for layer in find_layers(model)[0]}
 
