@@ -213,13 +213,21 @@ class ExtraOptions:
         "Calibration samples kept in memory for bias correction, AdaRound and the per-layer "
         "error analysis (the first ones the reader yields).",
     )
+    BiasCorrectionMovePositions: bool = _opt(
+        False,
+        "Bias correction: where a corrected int8 bias saturates, move its position inside the "
+        "shift_bias window when that lowers the held-out samples' mean error (needs "
+        "AdjustShiftBias; not with Int32Bias).",
+    )
     LayerErrorAnalysis: bool = _opt(
         False,
         "Measure the SQNR of every quantized tensor against the float model on the kept "
         "samples and put it in the report, worst first.",
     )
     FastFinetune: dict = _opt(
-        {}, "AdaRound settings: NumIterations, NumBatches, LearningRate, TimeBudgetPerLayer."
+        {},
+        "Rounding settings: OptimAlgorithm (adaround or gptq), NumIterations, NumBatches, "
+        "LearningRate, TimeBudgetPerLayer.",
     )
 
     # --- fidelity guard (quark_onnx.fidelity) ---------------------------------------------------

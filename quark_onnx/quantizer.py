@@ -362,6 +362,8 @@ class ModelQuantizer:
                 report.bias_correction = correct_bias(
                     prepared, model, samples, plan, solved.positions, options
                 )
+                # a corrected bias may move inside its shift_bias window
+                report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
 
     def _samples_to_keep(self) -> int:
         """Calibration samples kept in memory for the stages that need data after calibration."""

@@ -32,9 +32,18 @@ error on the *second* half, ``L_check(V) = tr(V G_2 V^T) - 2 tr(V C_2) + ||T_2 -
 below round-to-nearest's; otherwise the layer stays rounded to nearest. So a layer is never
 changed unless the change reduces its output error on data it was not fitted on.
 
-Settings (``extra_options["FastFinetune"]``): ``NumIterations`` (default 500), ``NumBatches``
-(samples used, default all kept), ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer``
-(seconds of optimisation per layer, default 5; the loop stops early and keeps the best so far).
+Second-order rounding (``OptimAlgorithm = "gptq"``, :func:`gptq_rounding`): the same loss and the
+same held-out gate, minimised in one pass per layer instead of by gradient descent: the best
+float weights for the quantized inputs ``W* = C^T G^-1`` are quantized column by column, each
+column's rounding error spread over the columns not yet quantized through the Cholesky factor
+of ``G^-1`` (GPTQ, Frantar et al., 2022). One factorisation per group; its statistics use at
+most :data:`GPTQ_COLUMNS` output positions per sample, in float32. It can also move a weight
+away from its floor/ceiling pair (``W*`` is not ``W``), which AdaRound cannot.
+
+Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
+``"gptq"``), ``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
+``LearningRate`` (default 0.05), ``TimeBudgetPerLayer`` (seconds of optimisation per layer,
+default 5; the loop stops early and keeps the best so far); the last three are AdaRound's.
 Supported layers: 2-D Conv (any group, stride, dilation, padding) and Gemm (alpha = beta = 1,
 transA = 0); others are reported as skipped.
 """
@@ -80,6 +89,14 @@ REG_WEIGHT = 10.0
 DAMPING = 0.01
 
 
+#: ``OptimAlgorithm`` values: learned rounding, or second-order (GPTQ) rounding.
+ALGORITHMS = ("adaround", "gptq")
+
+#: Output positions per sample the second-order rounding's statistics use (module doc).
+GPTQ_COLUMNS = 1024
+#: Columns quantized between two updates of the columns after them (:func:`gptq_rounding`).
+GPTQ_BLOCK = 128
+
 #: Upper bounds of the count settings: above them AdaRound would run for days.
 _MAX_SETTING = {"NumIterations": 1_000_000, "NumBatches": 100_000}
 
@@ -92,6 +109,7 @@ class AdaRoundSettings:
     NumBatches: int = 0
     LearningRate: float = 0.05
     TimeBudgetPerLayer: float = 5.0
+    OptimAlgorithm: str = "adaround"
 
     @classmethod
     def from_options(cls, raw: dict[str, Any] | None) -> AdaRoundSettings:
@@ -105,6 +123,14 @@ class AdaRoundSettings:
                 raise ConfigError(
                     f"unknown FastFinetune setting {key!r}{hint} (valid: {', '.join(names)})"
                 )
+            if key == "OptimAlgorithm":
+                if value not in ALGORITHMS:
+                    raise ConfigError(
+                        f"FastFinetune setting OptimAlgorithm={value!r} is not one of "
+                        f"{', '.join(map(repr, ALGORITHMS))}"
+                    )
+                values[key] = value
+                continue
             want = float if key in ("LearningRate", "TimeBudgetPerLayer") else int
             ok = isinstance(value, (int, float)) if want is float else isinstance(value, int)
             if isinstance(value, bool) or not ok:
@@ -218,6 +244,64 @@ def learn_rounding(
     )
 
 
+def gptq_rounding(
+    w: np.ndarray,
+    position: int,
+    gram: np.ndarray,
+    cross: np.ndarray,
+    const: float = 0.0,
+    *,
+    qmin: int = -128,
+    qmax: int = 127,
+) -> RoundingResult:
+    """Second-order (GPTQ/OBQ) rounding of one weight tensor against ``(gram, cross)``.
+
+    The quadratic loss of :func:`learn_rounding` is ``(V - W*) G (V - W*)^T + const'`` with
+    ``W* = C^T G^-1`` the best float weights for the quantized inputs. Columns (inputs) are
+    quantized one at a time at the fixed step ``s = 2^-p``; the error of each column is spread
+    over the columns not yet quantized through the inverse Hessian's Cholesky factor
+    ``G^-1 = U^T U``: ``w[:, j+1:] -= (w_j - q_j) / U_jj * U[j, j+1:]`` (Frantar et al., 2022).
+    One Cholesky factorisation per group; batched over groups (depthwise layers). The result is
+    kept only when its loss is below round-to-nearest's (of the float weights ``w``).
+    """
+    start = time.perf_counter()
+    step = math.ldexp(1.0, -position)
+    gram = gram.astype(np.float64)
+    cross = cross.astype(np.float64)
+    nearest = np.clip(np.rint(w.astype(np.float64) / step), qmin, qmax)
+    loss_nearest = _quadratic_loss(nearest * step, gram, cross, const)
+    k = gram.shape[1]
+    try:
+        target = np.swapaxes(np.linalg.solve(gram, cross), 1, 2)  # (g, O, K) = C^T G^-1
+        upper = np.swapaxes(np.linalg.cholesky(np.linalg.inv(gram)), 1, 2)
+    except np.linalg.LinAlgError:
+        return RoundingResult(
+            nearest.astype(np.int8), loss_nearest, loss_nearest, False, 0,
+            time.perf_counter() - start,
+        )  # fmt: skip
+    work = target.copy()
+    codes = np.empty_like(work)
+    # lazy batch updates (GPTQ's blocks): inside a block column by column, then the columns
+    # after it in one matrix product, instead of one rank-1 update of every later column each
+    for b0 in range(0, k, GPTQ_BLOCK):
+        b1 = min(b0 + GPTQ_BLOCK, k)
+        errors = np.empty((*work.shape[:2], b1 - b0))
+        for j in range(b0, b1):
+            col = np.clip(np.rint(work[:, :, j] / step), qmin, qmax)
+            codes[:, :, j] = col
+            err = (work[:, :, j] - col * step) / upper[:, j, j][:, None]
+            work[:, :, j + 1 : b1] -= err[:, :, None] * upper[:, None, j, j + 1 : b1]
+            errors[:, :, j - b0] = err
+        if b1 < k:
+            work[:, :, b1:] -= np.matmul(errors, upper[:, b0:b1, b1:])
+    loss = _quadratic_loss(codes * step, gram, cross, const)
+    accepted = loss < loss_nearest
+    return RoundingResult(
+        (codes if accepted else nearest).astype(np.int8), loss_nearest, loss, accepted, k,
+        time.perf_counter() - start,
+    )  # fmt: skip
+
+
 # --- layer statistics ------------------------------------------------------------------------
 
 
@@ -277,9 +361,16 @@ def _statistics(
     bias: np.ndarray,
     xs: Sequence[np.ndarray],
     ts: Sequence[np.ndarray],
+    columns: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-    """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup, or None (unsupported)."""
+    """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup, or None (unsupported).
+
+    ``columns`` > 0: at most that many output positions per sample (every k-th, so reruns are
+    identical), multiplied in float32 and accumulated in float64 -- the cheap statistics
+    second-order rounding uses; 0: every position in float64 (AdaRound).
+    """
     node = layer.node
+    dtype = np.float32 if columns else np.float64
     if layer.op_type == "Conv":
         geo = _conv_geometry(node, w_float.shape)
         if geo is None or w_float.shape[0] % geo.groups:
@@ -292,16 +383,21 @@ def _statistics(
         cross = np.zeros((g, k, cout // g))
         const = 0.0
         for x, t in zip(xs, ts, strict=True):
-            cols = im2col(np.asarray(x, dtype=np.float64), geo)
-            tt = np.asarray(t, dtype=np.float64) - bias.reshape(1, -1, 1, 1)
+            cols = im2col(np.asarray(x, dtype=dtype), geo)
+            tt = np.asarray(t, dtype=dtype) - bias.reshape(1, -1, 1, 1).astype(dtype)
             tg = np.transpose(tt.reshape(tt.shape[0], g, cout // g, -1), (1, 2, 0, 3)).reshape(
                 g, cout // g, -1
             )
             if tg.shape[2] != cols.shape[2]:
                 return None
+            if columns and cols.shape[2] > columns:
+                every = -(-cols.shape[2] // columns)
+                # contiguous copies: numpy's matmul takes BLAS only for contiguous operands
+                cols = np.ascontiguousarray(cols[:, :, ::every])
+                tg = np.ascontiguousarray(tg[:, :, ::every])
             gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
             cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
-            const += float(np.sum(tg * tg))
+            const += float(np.sum(np.square(tg, dtype=np.float64)))
         return wg, gram, cross, const, w_float.shape
     if layer.op_type == "Gemm":
         attrs = node.attributes
@@ -380,8 +476,9 @@ def adaround(
             t0 = time.perf_counter()
             fit_x, check_x = held_out_split(xs)
             fit_t, check_t = held_out_split(ts)
-            stats = _statistics(layer, w_float, bias, fit_x, fit_t)
-            held = _statistics(layer, w_float, bias, check_x, check_t) if check_x else None
+            columns = GPTQ_COLUMNS if settings.OptimAlgorithm == "gptq" else 0
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns)
+            held = _statistics(layer, w_float, bias, check_x, check_t, columns) if check_x else None
             if stats is None:
                 skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
                 continue
@@ -392,16 +489,19 @@ def adaround(
             cross = cross + mu[:, None, None] * np.swapaxes(wg, 1, 2)
             const = const + float(np.sum(mu[:, None, None] * wg * wg))
             stat_seconds = time.perf_counter() - t0
-            result = learn_rounding(
-                wg,
-                layer.weight_position,
-                gram,
-                cross,
-                const,
-                iterations=settings.NumIterations,
-                learning_rate=settings.LearningRate,
-                time_budget=settings.TimeBudgetPerLayer,
-            )
+            if settings.OptimAlgorithm == "gptq":
+                result = gptq_rounding(wg, layer.weight_position, gram, cross, const)
+            else:
+                result = learn_rounding(
+                    wg,
+                    layer.weight_position,
+                    gram,
+                    cross,
+                    const,
+                    iterations=settings.NumIterations,
+                    learning_rate=settings.LearningRate,
+                    time_budget=settings.TimeBudgetPerLayer,
+                )
             held_out = None
             if held is not None and result.accepted:
                 # judged on samples the rounding was not fitted on (undamped

@@ -1,0 +1,163 @@
+"""Rounding benchmark: the XINT8 preset against the preset plus second-order (GPTQ) rounding.
+
+Run from the repository root (project environment)::
+
+    python benchmarks/bench_rounding.py                                  # classifiers, both sets
+    python benchmarks/bench_rounding.py --models squeezenet --configs preset --variants gptq
+
+Models, data and option sets are ``bench_fidelity.py``'s (``--models`` from its classifiers and
+stress variants; ``--configs`` ``preset`` and/or ``seed``, the Vitis AI snippet as written).
+Variants (``--variants``): ``shipped`` (the option set as it is), ``gptq`` (plus
+``include_fast_ft`` with ``FastFinetune = {"OptimAlgorithm": "gptq"}``: second-order rounding of
+every Conv/Gemm weight, kept per layer only where it lowers the layer's reconstruction error on
+the held-out half of the kept calibration samples), ``move_bias`` (plus
+``BiasCorrectionMovePositions``: a saturating corrected bias moves inside its shift_bias window),
+``no_bc`` (bias correction off).
+
+Measured on every test image (digits 719, ImageNet 500 val): top-1 and its drop in points from
+the original float model, output SQNR (dB), mean per-image cosine, argmax agreement with float,
+quantization wall time and its ratio to the ``shipped`` row of the same model and option set
+measured in the same run, and for ``gptq`` how many layers kept the second-order rounding.
+Results: ``benchmarks/results/<name>.{txt,json}`` (``--name``, default ``rounding``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_fidelity as bf
+import common
+import numpy as np
+
+VARIANTS = ("shipped", "gptq", "move_bias", "no_bc")
+
+
+def tweak(variant: str):
+    """The function that turns option set ``qc`` into ``variant`` (None: as shipped)."""
+    if variant == "shipped":
+        return None
+    if variant == "gptq":
+
+        def gptq(qc: Any) -> None:
+            qc.include_fast_ft = True
+            qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+
+        return gptq
+    if variant == "move_bias":
+        return lambda qc: qc.extra_options.__setitem__("BiasCorrectionMovePositions", True)
+    if variant == "no_bc":
+        return lambda qc: setattr(qc, "include_bias_correction", False)
+    raise SystemExit(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+
+
+def measure(entry: bf.Entry, config: str, variant: str, f_out: dict, float_top1: float) -> dict:
+    from quark_onnx import Config, ModelQuantizer
+
+    qc = bf.make_config(config, tweak(variant))
+    out = bf.WORK / "out" / f"{entry.name}.{config}.{variant}.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import onnx
+
+    name = onnx.load(str(entry.float_path), load_external_data=False).graph.input[0].name
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    t0 = time.perf_counter()
+    quantizer.quantize_model(
+        str(entry.float_path), str(out), bf.bench_accuracy._Reader(name, entry.calib),
+        overwrite=True,
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    report = quantizer.report
+    assert report is not None
+    row: dict[str, Any] = {"model": entry.name, "config": config, "variant": variant}
+    row["quant_seconds"] = round(seconds, 2)
+    row["stage_seconds"] = {k: v for k, v in report.timings.items() if v >= 0.05}
+    if variant == "gptq":
+        row["gptq_layers"] = report.adaround.get("layers")
+        row["gptq_kept"] = report.adaround.get("accepted")
+    row["moved_bias_positions"] = len(report.bias_correction.get("moved_bias_positions", {}))
+    row.update(bf.evaluate(entry, f_out, out, float_top1))
+    row["float_top1"] = round(float_top1, 4)
+    return row
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"bench_rounding.py {' '.join(meta['argv'])}: {meta['date']}, {meta['cpu']}, "
+        f"{meta['cores']} cores, quark_onnx {meta['commit']}, env {meta['env']}",
+        "top-1 and drop (points) against the ORIGINAL float model; SQNR = min over graph outputs "
+        "(dB); cos = mean per-image cosine; agree = argmax agreement with float; time x = "
+        "quantization time / the shipped row's (same run); kept = layers that kept GPTQ rounding",
+        "",
+        f"{'model':<14} {'config':<7} {'variant':<9} {'float':>6} {'top-1':>6} {'drop':>5} "
+        f"{'SQNR':>6} {'cos':>7} {'agree':>6} {'quant s':>7} {'time x':>6} {'kept':>7}",
+    ]
+    shipped = {(r["model"], r["config"]): r for r in rows if r["variant"] == "shipped"}
+    for r in rows:
+        base = shipped.get((r["model"], r["config"]))
+        ratio = r["quant_seconds"] / base["quant_seconds"] if base else float("nan")
+        kept = f"{r['gptq_kept']}/{r['gptq_layers']}" if "gptq_kept" in r else "-"
+        lines.append(
+            f"{r['model']:<14} {r['config']:<7} {r['variant']:<9} {r['float_top1']:6.4f} "
+            f"{r['top1']:6.4f} {r['drop_points']:5.2f} {r['min_sqnr_db']:6.2f} "
+            f"{next(iter(r['outputs'].values()))['cosine']:7.4f} {r['agreement']:6.3f} "
+            f"{r['quant_seconds']:7.1f} {ratio:6.2f} {kept:>7}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(bf.CLASSIFIERS))
+    parser.add_argument("--configs", default="preset,seed")
+    parser.add_argument("--variants", default="shipped,gptq,move_bias")
+    parser.add_argument("--name", default="rounding")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    variants = args.variants.split(",")
+    if "shipped" in variants:  # the time ratio's reference first
+        variants = ["shipped", *[v for v in variants if v != "shipped"]]
+    rows: list[dict] = []
+    for model in args.models.split(","):
+        entry = bf.load_entry(model)
+        if entry.labels is None:
+            raise SystemExit(f"{model}: bench_rounding measures labelled classifiers only")
+        f_out = bf.run_all(bf.load_entry(entry.base).float_path, entry.test)
+        first = next(iter(f_out))
+        top = f_out[first].reshape(len(entry.test), -1).argmax(1)
+        float_top1 = float(np.mean(top == entry.labels))
+        for config in args.configs.split(","):
+            for variant in variants:
+                rows.append(measure(entry, config, variant, f_out, float_top1))
+                print(json.dumps({k: rows[-1][k] for k in ("model", "config", "variant", "top1",
+                      "agreement", "min_sqnr_db", "quant_seconds")}), flush=True)  # fmt: skip
+    info = common.machine_info()
+    meta = {
+        "env": {
+            k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS") if k in os.environ
+        },
+        "argv": sys.argv[1:] if argv is None else argv,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "cpu": info.get("cpu", ""),
+        "cores": info.get("cores", ""),
+        "commit": bf._git_commit(),
+    }
+    common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    bf._atomic_text(common.RESULTS_DIR / f"{args.name}.txt", table(rows, meta))
+    bf._atomic_text(
+        common.RESULTS_DIR / f"{args.name}.json",
+        json.dumps({"run": meta, "rows": rows}, indent=1, default=float) + "\n",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
