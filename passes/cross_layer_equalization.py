@@ -22,10 +22,14 @@ reads input channel ``i``, the choice::
     s_i = sqrt(r1_i * r2_i) / r2_i = sqrt(r1_i / r2_i)
 
 makes both new ranges equal to ``sqrt(r1_i * r2_i)``, which maximises the product of the two
-layers' relative channel precisions (Nagel et al., section 4.1). A channel that is ~0 on either
-side keeps ``s_i = 1``: ``max |W1[i, ...]|`` or ``r2_i`` at most :data:`NEGLIGIBLE_RANGE` times
-the widest channel of that layer (a dead or constant channel; equalizing with it would carry its
-~0 range over to the partner). Grouped second convolutions are handled through their channel
+layers' relative channel precisions (Nagel et al., section 4.1). A channel that carries ~0 keeps
+``s_i = 1``: one whose weight product ``max |W1[i, ...]| * r2_i`` is at most
+:data:`NEGLIGIBLE_RANGE` times the pair's largest (a dead or constant channel; equalizing with it
+would carry its ~0 range over to the partner, and its bias, divided by a tiny ``s_i``, into the
+activation). The product, not either range alone, because it is what the channel contributes to
+the readers and it does not change when the channel is rescaled (``W1[i] * a``, ``W2[:, i] / a``):
+a channel that one layer has made 100 times narrower and the other 100 times wider is not dead,
+it is exactly what CLE must undo. Grouped second convolutions are handled through their channel
 layout: input channel ``i`` of a conv with ``group = g`` and ``C_in / g`` channels per group is
 column ``i mod (C_in / g)`` of the output channels of group ``i div (C_in / g)``; a depthwise conv
 (``group = C_in``, weight ``C_out x 1 x k x k``) thus scales its per-channel filters by ``s_i``.
@@ -120,9 +124,10 @@ MAX_ADAPTIVE_STEPS = 2000
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
-#: A channel whose weight range is at most this times its layer's widest is ~0 (dead or
-#: constant; :class:`~quark_onnx.passes.FoldConstantChannels` removes such channels exactly) and
-#: is never equalized: it keeps ``s = 1``. Even a 14-bit per-tensor grid rounds it to zero.
+#: A channel whose weight product ``r1_i * r2_i`` is at most this times the pair's largest is ~0
+#: (dead or constant; :class:`~quark_onnx.passes.FoldConstantChannels` removes such channels
+#: exactly) and is never equalized: it keeps ``s = 1``. Balanced, its range would be 1e-2 of the
+#: widest channel's in both layers, about one int8 code.
 NEGLIGIBLE_RANGE = 1e-4
 
 #: Powers of a pair's proposed scaling the gate tries, in order (full step, then damped steps).
@@ -182,10 +187,12 @@ class CLEReport:
     rejected: list[str] = dataclasses.field(default_factory=list)
 
 
-def _negligible(ranges: np.ndarray) -> np.ndarray:
-    """Channels whose range is at most :data:`NEGLIGIBLE_RANGE` times the layer's widest."""
-    top = float(np.max(ranges)) if ranges.size else 0.0
-    return ranges <= NEGLIGIBLE_RANGE * top
+def _negligible(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
+    """Channels whose weight product ``r1_i * r2_i`` is at most :data:`NEGLIGIBLE_RANGE` times
+    the largest (invariant under a per-channel rescaling of the pair)."""
+    product = r1 * r2
+    top = float(np.max(product)) if product.size else 0.0
+    return product <= NEGLIGIBLE_RANGE * top
 
 
 def output_channel_ranges(weight: np.ndarray) -> np.ndarray:
@@ -663,10 +670,10 @@ class CrossLayerEqualization(QuarkPass):
         )
         scale = np.ones_like(r1)
         ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
-        # a ~0 channel on either side is dead or constant, not narrow: equalizing with it would
-        # only carry its ~0 range over to the partner (the weight range alone decides, a large
-        # bias does not make a constant channel a partner)
-        ok &= ~_negligible(output_channel_ranges(first.weight)) & ~_negligible(r2)
+        # a channel carrying ~0 is dead or constant, not narrow: equalizing with it would only
+        # carry its ~0 range over to the partner (the weight ranges alone decide, a large bias
+        # does not make a constant channel a partner)
+        ok &= ~_negligible(output_channel_ranges(first.weight), r2)
         scale[ok] = np.sqrt(r1[ok] / r2[ok])
         if self.max_scale is not None:
             total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)

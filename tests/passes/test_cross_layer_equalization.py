@@ -700,3 +700,45 @@ def test_randomly_rescaled_pair_is_equalized_back_through_the_gate():
     assert modified
     _assert_same_outputs(model, out)
     assert channel_range_spread(_node_weight(out, "A")) < 4 * spread0
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "prelu"])
+def test_converged_cle_does_not_depend_on_a_per_channel_rescaling(act):
+    """Channel factors from 1/100 to 100 through a positively homogeneous activation (the
+    stress benchmark's transform): the rescaled channels' ranges are 1e4 apart, yet CLE run to
+    convergence reaches the same weights as on the original pair, because the balanced point
+    ``r1_i = r2_i`` absorbs any factor (a channel is ~0 only by the product ``r1_i * r2_i``,
+    which the rescaling leaves alone)."""
+    nodes = {
+        "relu": _relu(),
+        "leaky_relu": [helper.make_node("LeakyRelu", ["a"], ["h"], alpha=0.1)],
+        "prelu": [helper.make_node("PRelu", ["a", "slope"], ["h"])],
+    }[act]
+    extra = {"slope": np.linspace(0.05, 0.3, 8, dtype=np.float32).reshape(8, 1, 1)}
+    model = _conv_act_conv(nodes, c=8, extra=extra if act == "prelu" else None)
+    w = _weights(model)
+    factors = np.exp(_rng(16).uniform(np.log(1e-2), np.log(1e2), 8))
+    # the extremes on the channel conv B reads hardest (1/100) and the widest of conv A (100):
+    # each is then below 1e-4 of the widest channel of one layer, which a per-layer "~0" test
+    # takes for dead, so neither would ever be equalized
+    small = int(np.argmax(input_channel_ranges(w["wb"], 1)))
+    big = int(np.argmax(np.where(np.arange(8) == small, 0, output_channel_ranges(w["wa"]))))
+    factors[[small, big]] = [1e-2, 1e2]
+    stressed = onnx.ModelProto()
+    stressed.CopyFrom(model)
+    new = {
+        "wa": w["wa"] * factors.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * factors,
+        "wb": w["wb"] / factors.reshape(1, -1, 1, 1),
+    }
+    for t in stressed.graph.initializer:
+        if t.name in new:
+            t.CopyFrom(onnx.numpy_helper.from_array(new[t.name].astype(np.float32), t.name))
+    _assert_same_outputs(model, stressed)
+    ref, _, _ = _apply(model, steps=-1)
+    out, cle, modified = _apply(stressed, steps=-1)
+    assert modified and cle.report.converged
+    _assert_same_outputs(model, out)
+    for node, index in (("A", 1), ("A", 2), ("B", 1)):
+        got, want = _node_weight(out, node, index), _node_weight(ref, node, index)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
