@@ -104,7 +104,10 @@ import onnx_ir as ir
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes._graph import NameGenerator, constant_array
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.cross_layer_equalization import store_constant_input
+from quark_onnx.passes.cross_layer_equalization import (
+    channel_statistics,
+    store_constant_input,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -118,36 +121,6 @@ DEFAULT_MARGIN = 10.0
 FOLD_KINDS = ("zero", "clamped", "negligible", "quiet")
 #: A sample input channel's ``max |x_i|`` counts as at least this times the largest channel's.
 INPUT_FLOOR = 1e-2
-
-
-def _max_abs(
-    model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]
-) -> dict[str, np.ndarray]:
-    """Per-channel (axis 1) ``max |v|`` of the named values of ``model`` on ``feeds``
-    (onnxruntime, CPU)."""
-    import onnx
-    import onnxruntime as ort
-
-    from quark_onnx.model_io import to_proto
-
-    proto = to_proto(model)
-    known = {o.name for o in proto.graph.output}
-    for name in names:
-        if name not in known:
-            proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    arrays = session.run(names, feeds)
-    ranges = {}
-    for name, array in zip(names, arrays, strict=True):
-        if array.ndim >= 2 and array.size:
-            flat = np.moveaxis(np.abs(array), 1, 0).reshape(array.shape[1], -1)
-            ranges[name] = flat.max(axis=1).astype(np.float64)
-    return ranges
 
 
 def _floored_inputs(x_max: np.ndarray, per_input: np.ndarray) -> np.ndarray:
@@ -752,7 +725,8 @@ class FoldConstantChannels(QuarkPass):
         if not names:
             return {}
         try:
-            return _max_abs(model, self.sample_feeds, names)
+            stats = channel_statistics(model, self.sample_feeds, names)
+            return {name: stat.max_abs for name, stat in stats.items()}
         except Exception as exc:  # onnxruntime raises its own exception types
             logger.warning(
                 "FoldConstantChannels: cannot run the model on the samples (%s); only the "

@@ -122,7 +122,8 @@ def prepare_passes(
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
 
     ``sample_feeds`` (model inputs, e.g. the first calibration batch) lets FoldConstantChannels
-    also fold channels the samples show clamped to one value with a wide margin.
+    also fold channels the samples show clamped to one value with a wide margin, and lets
+    CrossLayerEqualization's component gate weigh the activations it rescales.
 
     Cross-layer equalization (``include_cle``) runs after ReplaceClip6Relu and before
     ConvertClipToRelu: a ReLU6, or the range cap either pass leaves, blocks a pair (the cap holds
@@ -132,6 +133,8 @@ def prepare_passes(
         steps=options.CLESteps,
         threshold=options.CLETotalLayerDiffThreshold,
         scale_append_bias=options.CLEScaleAppendBias,
+        gate="component",
+        sample_feeds=sample_feeds,
     )
     chosen: list[tuple[bool, QuarkPass | type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),

@@ -742,3 +742,86 @@ def test_converged_cle_does_not_depend_on_a_per_channel_rescaling(act):
     for node, index in (("A", 1), ("A", 2), ("B", 1)):
         got, want = _node_weight(out, node, index), _node_weight(ref, node, index)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+# --- component gate ------------------------------------------------------------------------------
+
+
+def test_activation_noise_is_the_power_of_two_step_over_the_signal():
+    """Two channels, maxima 1 and 100, read with column energies 4 and 1: the step is the
+    power of two holding 100 / 127 (1.0), the noise D^2/12 * sum rho_c reads_c over the signal
+    sum E[y_c^2] reads_c; dividing channel 1 by 10 (and its reads by 1/100) makes the step
+    2^-3 and leaves the signal alone."""
+    from passes.cross_layer_equalization import ChannelStats, activation_noise
+
+    stats = ChannelStats(np.array([1.0, 100.0]), np.array([0.25, 400.0]), np.array([0.5, 1.0]))
+    reads = np.array([4.0, 1.0])
+    assert activation_noise(stats, np.ones(2), reads) == pytest.approx(
+        1.0 / 12 * (0.5 * 4 + 1.0) / (0.25 * 4 + 400.0)
+    )
+    scale = np.array([1.0, 10.0])
+    assert activation_noise(stats, scale, reads * np.square(scale)) == pytest.approx(
+        2.0**-6 / 12 * (0.5 * 4 + 100.0) / (0.25 * 4 + 400.0)
+    )
+
+
+def _stressed_pair(factors: np.ndarray) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv whose channels were multiplied by ``factors`` (float-exact)."""
+    model = _conv_act_conv(_relu(), c=8)
+    w = _weights(model)
+    new = {
+        "wa": w["wa"] * factors.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * factors,
+        "wb": w["wb"] / factors.reshape(1, -1, 1, 1),
+    }
+    for t in model.graph.initializer:
+        if t.name in new:
+            t.CopyFrom(onnx.numpy_helper.from_array(new[t.name].astype(np.float32), t.name))
+    return model
+
+
+def test_component_gate_keeps_the_equalized_weights_where_they_predict_less_noise():
+    """Randomly rescaled channels (1/100..100): with the activation between the convs measured
+    on samples, equalizing predicts far less noise; the result is the converged equalization."""
+    model = _stressed_pair(np.exp(_rng(17).uniform(np.log(1e-2), np.log(1e2), 8)))
+    feeds = _feeds(model, seed=3)
+    out, cle, modified = _apply(model, steps=-1, gate="component", sample_feeds=feeds)
+    assert modified
+    (choice,) = cle.report.components
+    assert choice.kept and choice.noise_after < choice.noise_before / 10
+    _assert_same_outputs(model, out)
+    ref, _, _ = _apply(model, steps=-1, gate=False)
+    for node in ("A", "B"):
+        np.testing.assert_array_equal(_node_weight(out, node), _node_weight(ref, node))
+
+
+def test_component_gate_leaves_a_pair_alone_when_equalizing_predicts_more_noise():
+    """Both convs hold exact int8 codes at one power-of-two scale: any rescaling only adds
+    rounding noise, so the equalized weights are dropped and the model is left as it was."""
+    rng = _rng(12)
+    w1 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 128).astype(np.float32)
+    w1[0] = rng.integers(-15, 16, (4, 1, 1)) / 128
+    w2 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 16).astype(np.float32)
+    model = _gate_pair(w1, w2)
+    out, cle, modified = _apply(model, steps=-1, gate="component", sample_feeds=_feeds(model))
+    assert not modified
+    (choice,) = cle.report.components
+    assert not choice.kept and choice.noise_after > choice.noise_before
+    assert cle.report.rejected == ["c1 -> c2"]
+    np.testing.assert_array_equal(_node_weight(out, "c1"), w1)
+    np.testing.assert_array_equal(_node_weight(out, "c2"), w2)
+
+
+def test_components_are_pairs_that_share_layers():
+    """A -> B -> C (two pairs sharing B) is one component; a separate D -> E pair another."""
+    from passes.cross_layer_equalization import _components
+
+    a, b, c, d, e = (object() for _ in range(5))
+
+    class P:
+        def __init__(self, first, readers):
+            self.first, self.reader_layers = first, readers
+
+    pairs = [P(a, [b]), P(d, [e]), P(b, [c])]
+    groups = _components(pairs)
+    assert [[pairs.index(p) for p in g] for g in groups] == [[0, 2], [1]]
