@@ -584,11 +584,63 @@ class _Layer:
     changed: bool = False
     original_bias: np.ndarray | None = None
 
+    #: Pending scaling of the ungated sweeps, applied by :meth:`materialize`: output channel
+    #: ``o`` divided by ``out_scale[o]``, input channel ``c`` multiplied by ``in_scale[c]``.
+    #: The sweeps need only channel ranges, and ``max |W[o, j, k] * in_j / out_o|`` over the
+    #: kernel is ``peak[o, j] * in_j / out_o``: the kernel-free maxima (``peak``) are enough,
+    #: and no weight is copied per step.
+    out_scale: np.ndarray | None = None
+    in_scale: np.ndarray | None = None
+    peak: np.ndarray | None = None
+
     def restore(self) -> None:
         """Back to the weights the pass found."""
         self.weight = self.original.astype(np.float64)
         self.bias = None if self.original_bias is None else self.original_bias.astype(np.float64)
         self.changed = False
+        self.out_scale = self.in_scale = self.peak = None
+
+    def _current_peaks(self) -> np.ndarray:
+        """``max_k |W[o, j, k]|`` at the pending scaling, viewed ``(g, C_out/g, cpg)``."""
+        c_out, cpg = self.weight.shape[:2]
+        if self.peak is None:
+            self.peak = np.abs(self.weight.reshape(c_out, cpg, -1)).max(axis=2)
+            self.out_scale = np.ones(c_out)
+            self.in_scale = np.ones(cpg * self.group)
+        assert self.out_scale is not None and self.in_scale is not None
+        g = self.group
+        return (
+            self.peak.reshape(g, c_out // g, cpg)
+            * self.in_scale.reshape(g, 1, cpg)
+            / self.out_scale.reshape(g, c_out // g, 1)
+        )
+
+    def lazy_output_ranges(self) -> np.ndarray:
+        """:func:`output_channel_ranges` of the weight at the pending scaling."""
+        return self._current_peaks().max(axis=2).reshape(-1)
+
+    def lazy_input_ranges(self) -> np.ndarray:
+        """:func:`input_channel_ranges` of the weight at the pending scaling."""
+        return self._current_peaks().max(axis=1).reshape(-1)
+
+    def lazy_bias(self) -> np.ndarray | None:
+        if self.bias is None or self.out_scale is None:
+            return self.bias
+        return self.bias / self.out_scale
+
+    def materialize(self) -> None:
+        """Apply the pending scaling to the weight and bias."""
+        if self.out_scale is None or self.in_scale is None:
+            return
+        c_out, cpg = self.weight.shape[:2]
+        g = self.group
+        view = _grouped_view(self.weight, g)
+        view = view / self.out_scale.reshape(g, c_out // g, 1, 1)
+        view = view * self.in_scale.reshape(g, 1, cpg, 1)
+        self.weight = view.reshape(self.weight.shape)
+        if self.bias is not None:
+            self.bias = self.bias / self.out_scale
+        self.out_scale = self.in_scale = self.peak = None
 
 
 @dataclasses.dataclass
@@ -803,34 +855,48 @@ class CrossLayerEqualization(QuarkPass):
     def _equalize(self, pair: _Pair) -> float:
         """One equalization of ``pair`` in place; returns ``mean_i |s_i - 1|``."""
         first = pair.first
-        r1 = output_channel_ranges(first.weight)
-        if self.scale_append_bias and first.bias is not None:
-            r1 = np.maximum(r1, np.abs(first.bias))
-        r2 = np.max(
-            [input_channel_ranges(layer.weight, layer.group)[idx] for layer, idx in pair.readers],
-            axis=0,
-        )
+        gated = self.gate in ("sum", "per_layer")
+        if gated:
+            r1w = output_channel_ranges(first.weight)
+            bias = first.bias
+            r2 = np.max(
+                [input_channel_ranges(lay.weight, lay.group)[idx] for lay, idx in pair.readers],
+                axis=0,
+            )
+        else:  # ungated sweeps: ranges of the pending scaling, applied once at the end
+            r1w = first.lazy_output_ranges()
+            bias = first.lazy_bias()
+            r2 = np.max([lay.lazy_input_ranges()[idx] for lay, idx in pair.readers], axis=0)
+        r1 = r1w
+        if self.scale_append_bias and bias is not None:
+            r1 = np.maximum(r1, np.abs(bias))
         scale = np.ones_like(r1)
         ok = (r1 > 0) & (r2 > 0) & np.isfinite(r1) & np.isfinite(r2)
         # a channel carrying ~0 is dead or constant, not narrow: equalizing with it would only
         # carry its ~0 range over to the partner (the weight ranges alone decide, a large bias
         # does not make a constant channel a partner)
-        ok &= ~_negligible(output_channel_ranges(first.weight), r2)
+        ok &= ~_negligible(r1w, r2)
         scale[ok] = np.sqrt(r1[ok] / r2[ok])
         if self.max_scale is not None:
             total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)
             scale = total / pair.cumulative
         if np.all(scale == 1.0):
             return 0.0
-        gated = self.gate in ("sum", "per_layer")
-        proposal = self._gated(pair, scale, self.gate == "per_layer") if gated else None
-        if gated:
-            pair.rejected = proposal is None
-            if proposal is None:
-                return 0.0
-            scale, new_first, new_readers = proposal
-        else:
-            new_first, new_readers = _rescaled(first, pair.readers, scale)
+        if not gated:
+            assert first.out_scale is not None
+            first.out_scale = first.out_scale * scale
+            first.changed = True
+            for layer, idx in pair.readers:
+                assert layer.in_scale is not None
+                layer.in_scale[idx] *= scale
+                layer.changed = True
+            pair.cumulative = pair.cumulative * scale
+            return float(np.mean(np.abs(scale - 1.0)))
+        proposal = self._gated(pair, scale, self.gate == "per_layer")
+        pair.rejected = proposal is None
+        if proposal is None:
+            return 0.0
+        scale, new_first, new_readers = proposal
         pair.cumulative = pair.cumulative * scale
         first.weight = new_first
         if first.bias is not None:
@@ -969,6 +1035,10 @@ class CrossLayerEqualization(QuarkPass):
                 self.threshold,
             )
 
+        for pair in pairs:
+            pair.first.materialize()
+            for layer in pair.reader_layers:
+                layer.materialize()
         for comp, noise_before in zip(components, before, strict=True):
             noise_after = self._component_noise(comp, stats)
             keep = noise_after * COMPONENT_MIN_GAIN < noise_before
