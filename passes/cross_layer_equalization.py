@@ -546,11 +546,48 @@ def _concat_offset(node: ir.Node, index: int) -> tuple[int, int] | str:
         return f"Concat {_label(node)!r} does not concatenate channels (axis 1)"
     counts = []
     for value in node.inputs:
-        dims = value.shape if value is not None else None
-        if dims is None or len(dims) < 2 or not isinstance(dims[1], int):
+        count = value_channels(value) if value is not None else None
+        if count is None:
             return f"Concat {_label(node)!r}: the channel count of an input is unknown"
-        counts.append(dims[1])
+        counts.append(count)
     return sum(counts[:index]), sum(counts)
+
+
+#: Ops whose output has the channels of their input 0 (what :func:`value_channels` walks back
+#: through when a value carries no shape, e.g. a model not run through shape inference).
+_SAME_CHANNELS = frozenset(
+    {
+        "Relu", "LeakyRelu", "PRelu", "Clip", "Identity", "Dropout", "MaxPool", "AveragePool",
+        "GlobalAveragePool", "GlobalMaxPool", "Pad", "BatchNormalization", "Sigmoid",
+        "HardSigmoid", "HardSwish",
+    }
+)  # fmt: skip
+
+
+def value_channels(value: ir.Value, depth: int = 0) -> int | None:
+    """Channels (axis 1) of ``value``: its recorded shape, else found from its producer (a Conv's
+    constant weight, a channel Concat's inputs, or input 0 of a per-channel op); None if
+    unknown."""
+    shape = value.shape
+    if shape is not None and len(shape) >= 2 and isinstance(shape[1], int):
+        return shape[1]
+    producer = value.producer()
+    if producer is None or depth > 64 or producer.domain not in ("", "ai.onnx"):
+        return None
+    op = producer.op_type
+    if op in ("Conv", "ConvTranspose") and len(producer.inputs) > 1 and producer.inputs[1]:
+        weight = constant_array(producer.inputs[1])
+        if weight is None or weight.ndim < 3:
+            return None
+        if op == "Conv":
+            return int(weight.shape[0])
+        return int(weight.shape[1]) * producer.attributes.get_int("group", 1)
+    if op == "Concat" and producer.attributes.get_int("axis", 0) == 1:
+        counts = [value_channels(v, depth + 1) if v is not None else None for v in producer.inputs]
+        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+    if op in _SAME_CHANNELS and producer.inputs and producer.inputs[0] is not None:
+        return value_channels(producer.inputs[0], depth + 1)
+    return None
 
 
 def _conv_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | str:

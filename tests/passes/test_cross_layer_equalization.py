@@ -484,8 +484,10 @@ def test_digits_cnn_after_bn_folding_keeps_outputs_and_accuracy():
     reference = ir.to_proto(model)
     out, cle, modified = _apply(reference, steps=-1)
     assert modified and cle.report.converged
-    # expand -> dw -> project in 4 blocks, squeeze-excite fc1 -> fc2 in 2 (see GUIDE section 4)
-    assert len(cle.report.pairs) == 8
+    # expand -> dw -> project in 4 blocks, squeeze-excite fc1 -> fc2 in 2 (see GUIDE section 4),
+    # and the two branches through the channel Concat into the last block (this model carries no
+    # inferred shapes: the Concat's channel counts come from the branches' convs)
+    assert len(cle.report.pairs) == 10
     data = np.load(shared_path("models", "digits_test.npz"))
     x, y = data["x"][:256].astype(np.float32), data["y"][:256]
     ref, got = run_ort(reference, {"image": x})[0], run_ort(out, {"image": x})[0]
@@ -834,3 +836,33 @@ def test_components_are_pairs_that_share_layers():
     pairs = [P(a, [b]), P(d, [e]), P(b, [c])]
     groups = _components(pairs)
     assert [[pairs.index(p) for p in g] for g in groups] == [[0, 2], [1]]
+
+
+def test_concat_channel_counts_come_from_the_producers_without_shapes():
+    """A model with no recorded shapes (not run through shape inference): the Concat's input
+    channel counts are read from the convs that produce them, so the pair is still found."""
+    rng = _rng(21)
+    inits = {
+        "w1": rng.standard_normal((4, 3, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((6, 3, 1, 1)).astype(np.float32),
+        "w3": rng.standard_normal((5, 10, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="A", kernel_shape=[1, 1]),
+        helper.make_node("Relu", ["a"], ["ra"]),
+        helper.make_node("Conv", ["x", "w2"], ["b"], name="B", kernel_shape=[1, 1]),
+        helper.make_node("LeakyRelu", ["b"], ["rb"], alpha=0.1),
+        helper.make_node("Concat", ["ra", "rb"], ["c"], axis=1),
+        helper.make_node("Conv", ["c", "w3"], ["y"], name="C", kernel_shape=[1, 1]),
+    ]
+    x, y = _io(3, 5)
+    model = make_model(nodes, [x], [y], inits)
+    del model.graph.value_info[:]
+    ir_model = ir.from_proto(model)
+    for node in ir_model.graph:
+        for value in node.outputs:
+            value.shape = None
+    cle = CrossLayerEqualization(steps=-1, gate=False)
+    out = ir.to_proto(cle(ir_model).model)
+    assert sorted((p.first, p.second) for p in cle.report.pairs) == [("A", "C"), ("B", "C")]
+    _assert_float_exact(model, out)
