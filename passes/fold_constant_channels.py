@@ -58,17 +58,34 @@ different input channels, whose magnitudes cannot be compared this way.)
 Clamped channels (with samples). A dead channel (tiny weights, a negative bias, then Relu) is
 exactly 0 for every input with ``||W1[c]||_1 * max|x| < -b1[c]``, however large its readers'
 weights; the same holds for a channel a Clip saturates. Given sample inputs, the pass measures
-``X_i = max|x_i|`` per input channel of each ungrouped Conv (floored at 1e-2 of the largest, so
-a channel one sample leaves at 0 still counts) and propagates the interval ``b1[c] +- margin *
-sum_i ||W1[c, i]||_1 X_i`` (default ``margin = 10``) through the ops above (interval
-arithmetic; a depthwise Conv adds ``+- radius * ||w_c||_1``). A channel whose interval is a
-single point at every consumer is *clamped*: constant for every input up to ``margin`` times the
-largest the samples showed, so folding it changes nothing there.
+``X_i = max|x_i|`` per input channel of each ungrouped Conv (raised so that no input contributes
+less than 1e-2 of the largest input's ``X_j * sum_c ||W1[c, j]||_1``, so a channel one sample
+leaves at 0 still counts, whatever per-channel rescaling the previous layer carries) and
+propagates the interval ``b1[c] +- margin * sum_i ||W1[c, i]||_1 X_i`` (default ``margin = 10``)
+through the ops above (interval arithmetic; a depthwise Conv adds ``+- radius * ||w_c||_1``).
+A channel whose interval is a single point at every consumer is *clamped*: constant for every
+input up to ``margin`` times the largest the samples showed, so folding it changes nothing
+there.
 
-A negligible or clamped channel is folded only when every reader is foldable (all paths end in
-Conv/Gemm consumers where the fold is exact and no value on the way is a graph output); its
-weights are then set to exactly 0. A channel whose weights are exactly 0 is folded into every
-consumer where that is exact, and left alone elsewhere (its value does not change).
+Quiet channels (with samples). A constant channel with no activation after it (a projection
+conv's channel with weights ~1e-7 and a bias) is never clamped, and next to a 100 times wider
+reader its data-free bound ``m[c, o]`` is not below ``1e-4``. With samples its interval is known:
+it stays within ``tolerance`` times its constant ``k_c`` (``radius_c <= tolerance * |k_c|``,
+``radius_c`` the half-width of the interval above, ``margin`` times what the samples need) and
+moves consumer output ``o`` by at most ``radius_c * ||W2[o, i_c]||_1``, while the other input
+channels give that output up to ``sum_{j != i_c} X'_j ||W2[o, j]||_1`` (``X'_j`` the samples'
+``max |x_j|`` at the consumer's input). A channel whose change is at most ``tolerance`` times
+that at every output of every (ungrouped Conv) consumer is *quiet* and folded. Both sides
+change by the same factor when the channel, or any input channel, is rescaled through a
+positively homogeneous op, so a rescaled model gets the same answer.
+
+A negligible, clamped or quiet channel is folded only when every reader is foldable (all paths
+end in Conv/Gemm consumers where the fold is exact and no value on the way is a graph output); its
+weights are then set to exactly 0, and its bias too (and that of every depthwise channel on the
+way): nothing reads its value any more, and a constant left in a bias would still set the
+per-tensor range of that bias or of the activation it feeds. A channel whose weights are exactly
+0 is folded into every consumer where that is exact, and left alone elsewhere (its value does not
+change).
 
 Not handled: Gemm or MatMul producers, ConvTranspose, consumers reading the channel through any
 other op (Add, Mul, Sigmoid, Resize, ...), If/Loop bodies. Weight initializers shared with another
@@ -87,7 +104,10 @@ import onnx_ir as ir
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes._graph import NameGenerator, constant_array
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.cross_layer_equalization import store_constant_input
+from quark_onnx.passes.cross_layer_equalization import (
+    channel_statistics,
+    store_constant_input,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,39 +118,28 @@ _STANDARD = ("", "ai.onnx")
 DEFAULT_TOLERANCE = 1e-4
 #: Default of :attr:`FoldConstantChannels.margin` (see the module docstring).
 DEFAULT_MARGIN = 10.0
-FOLD_KINDS = ("zero", "clamped", "negligible")
+FOLD_KINDS = ("zero", "clamped", "negligible", "quiet")
 #: A sample input channel's ``max |x_i|`` counts as at least this times the largest channel's.
 INPUT_FLOOR = 1e-2
 
 
-def _max_abs(
-    model: ir.Model, feeds: dict[str, np.ndarray], names: list[str]
-) -> dict[str, np.ndarray]:
-    """Per-channel (axis 1) ``max |v|`` of the named values of ``model`` on ``feeds``
-    (onnxruntime, CPU)."""
-    import onnx
-    import onnxruntime as ort
+def _floored_inputs(x_max: np.ndarray, per_input: np.ndarray) -> np.ndarray:
+    """The samples' ``X_i = max |x_i|`` per input channel, each raised so that the input's
+    contribution to the layer, ``X_i * sum_c ||W[c, i]||_1``, is at least :data:`INPUT_FLOOR`
+    times the largest input's.
 
-    from quark_onnx.model_io import to_proto
-
-    proto = to_proto(model)
-    known = {o.name for o in proto.graph.output}
-    for name in names:
-        if name not in known:
-            proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    arrays = session.run(names, feeds)
-    ranges = {}
-    for name, array in zip(names, arrays, strict=True):
-        if array.ndim >= 2 and array.size:
-            flat = np.moveaxis(np.abs(array), 1, 0).reshape(array.shape[1], -1)
-            ranges[name] = flat.max(axis=1).astype(np.float64)
-    return ranges
+    A sample that leaves an input channel at 0 says nothing about its range, so it must count as
+    something. The floor is set on the contribution, not on ``X_i`` itself: an input channel that
+    the previous layer made ``a`` times smaller (and this layer reads ``a`` times harder) then gets
+    an ``a`` times smaller floor, so whether a channel is clamped does not depend on such a
+    rescaling (a floor on ``X_i`` alone inflates the bound of every channel reading a rescaled
+    input by up to ``a``).
+    """
+    reads = per_input.sum(axis=0)  # [cpg]: sum_c ||W[c, i]||_1
+    level = float(np.max(x_max * reads, initial=0.0))
+    with np.errstate(divide="ignore"):
+        floor = np.where(reads > 0, INPUT_FLOOR * level / reads, 0.0)
+    return np.maximum(x_max, floor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,8 @@ class FoldedChannel:
     channel: int
     constant: float  # the channel's value (its bias) before the ops that follow it
     consumers: tuple[str, ...]
+    #: ``"quiet"``: over ``margin`` times the samples' input range it moves every consumer
+    #: output by at most ``tolerance`` times what the other channels give it (weights set to 0);
     #: ``"zero"``: the weights were 0; ``"clamped"``: the activation clamps the channel to one
     #: value for every input up to ``margin`` times the samples' range; ``"negligible"``: its
     #: variation bound is negligible (both: the weights are set to 0 here)
@@ -561,14 +572,14 @@ class FoldConstantChannels(QuarkPass):
         exact = ~np.any(per_input, axis=1)
         bias = layer.effective_bias()
         # sum_i ||W[c, i]||_1 * max|x_i| bounds the channel's variation around its bias. The
-        # samples' per-channel max|x_i| (floored at INPUT_FLOOR of the largest, so a channel a
-        # sample leaves at 0 still counts) is used only for ungrouped producers, whose channels
+        # samples' per-channel max|x_i| (floored, so a channel a sample leaves at 0 still
+        # counts; see _floored_inputs) is used only for ungrouped producers, whose channels
         # all read every input channel: a depthwise channel reads just one
         variation = per_input.sum(axis=1)
         x_max = self._input_max.get(producer.inputs[0].name) if layer.group == 1 else None
         radius = np.where(exact, 0.0, np.inf)
         if x_max is not None and x_max.size == cpg:
-            x_in = np.maximum(x_max, INPUT_FLOOR * float(np.max(x_max)))
+            x_in = _floored_inputs(x_max, per_input)
             radius = np.where(exact, 0.0, (per_input @ x_in) * self.margin)
         leaves: list[_Leaf] = []
         start = _Path(
@@ -589,6 +600,7 @@ class FoldConstantChannels(QuarkPass):
         # bound cannot compare: only ungrouped producers qualify
         negligible = np.full(channels, layer.group == 1 and self.tolerance > 0)
         flat = np.ones(channels, dtype=bool)
+        quiet = np.full(channels, self.tolerance > 0 and bool(self._input_max))
         for leaf in leaves:
             if leaf.node is None:
                 foldable_everywhere[:] = False
@@ -603,25 +615,37 @@ class FoldConstantChannels(QuarkPass):
             m = (variation * leaf.path.lam)[:, None] * target.read_gains(leaf.path.idx)
             ref = m.max(axis=0, initial=0.0)
             negligible &= np.all(m <= self.tolerance * ref, axis=1)
+            quiet &= self._quiet(leaf.path, target)
         for leaf in leaves:  # a depthwise conv on the way must be foldable too
             for _dw, _idx, const in leaf.path.dws:
                 foldable_everywhere &= np.isfinite(const)
-        fire = ~exact & (negligible | flat) & foldable_everywhere
+        fire = ~exact & (negligible | flat | quiet) & foldable_everywhere
         modified = False
         for c in np.flatnonzero(exact | fire):
             c = int(c)
             consumers: list[str] = []
             done_dw: set[int] = set()
+            # folded into every reader: nothing reads the channel's value any more, so it (and
+            # every depthwise channel on the way) can be 0 instead of the constant; a constant
+            # left in a bias would still widen the per-tensor range of that bias and of the
+            # activation it feeds
+            unread = bool(foldable_everywhere[c]) and not any(
+                leaf.node is not None
+                and self._layers[id(leaf.node)].gemm
+                and self._layers[id(leaf.node)].beta == 0.0
+                for leaf in leaves
+            )
             for leaf in leaves:
                 for dw, idx, const in leaf.path.dws:
-                    k = const[c]
+                    k = 0.0 if unread else const[c]
                     if not np.isfinite(k) or id(dw) in done_dw:
                         continue
                     done_dw.add(id(dw))
                     dw_layer = self._layers[id(dw)]
                     ch = int(idx[c])
                     if np.any(dw_layer.weight[ch]) or k != dw_layer.effective_bias()[ch]:
-                        # its input is the constant: its output channel is k, now by its bias
+                        # its input is the constant: its output channel is k (or 0 when nothing
+                        # reads it), now by its bias
                         dw_layer.weight[ch] = 0.0
                         base = 0.0 if dw_layer.bias is None else dw_layer.bias[ch]
                         dw_layer.bias_delta[ch] = k - base
@@ -645,15 +669,41 @@ class FoldConstantChannels(QuarkPass):
             if fire[c]:
                 layer.weight[c] = 0.0
                 layer.weight_changed = True
+            if unread and layer.bias is not None and layer.effective_bias()[c] != 0.0:
+                layer.bias_delta[c] = -layer.bias[c]
             modified = True
-            kind = "zero" if exact[c] else ("negligible" if negligible[c] else "clamped")
+            kind = "zero" if exact[c] else "negligible" if negligible[c] else None
+            kind = kind or ("clamped" if flat[c] else "quiet")
             self.report.folded.append(
                 FoldedChannel(_label(producer), c, float(bias[c]), tuple(consumers), kind)
             )
-        kept = (exact | negligible | flat) & ~foldable_everywhere
+        kept = (exact | negligible | flat | quiet) & ~foldable_everywhere
         for c in np.flatnonzero(kept):
             self.report.kept.append(f"{_label(producer)}[{int(c)}]")
         return modified
+
+    def _quiet(self, path: _Path, target: _Layer) -> np.ndarray:
+        """Per producer channel: it is its constant ``k`` to within ``tolerance * |k|`` over the
+        samples' input range (``margin`` times it), and that variation moves every output ``o``
+        of ``target`` by at most ``tolerance`` times the bound the other input channels give
+        that output on the samples, ``sum_j X_j ||W2[o, j]||_1`` (``X_j`` = the samples' ``max
+        |x_j|`` at the consumer's input); all False where the consumer's inputs were not
+        measured (no samples, Gemm, grouped consumer).
+
+        The first condition keeps a real channel that merely contributes little to a wide
+        consumer (a small share of the sum) from being taken for a constant one."""
+        no = np.zeros(path.idx.shape, dtype=bool)
+        x_in = self._input_max.get(target.node.inputs[0].name) if not target.gemm else None
+        if x_in is None or target.group != 1 or x_in.size != target.weight.shape[1]:
+            return no
+        radius = (path.hi - path.lo) / 2
+        with np.errstate(invalid="ignore"):
+            finite = np.isfinite(radius) & (radius <= self.tolerance * np.abs(path.const))
+        gains = target.read_gains(path.idx)  # [C, O]: ||W2[o, idx_c]||_1
+        l1 = np.abs(target.weight.reshape(target.weight.shape[0], x_in.size, -1)).sum(axis=2)
+        others = (l1 @ x_in)[None, :] - gains * x_in[path.idx][:, None]  # [C, O], j != idx_c
+        change = np.where(finite, radius, 0.0)[:, None] * gains
+        return finite & np.all(change <= self.tolerance * np.maximum(others, 0.0), axis=1)
 
     def _measure_inputs(self, model: ir.Model) -> dict[str, np.ndarray]:
         """Per-channel ``max |x|`` over the samples of every ungrouped Conv's input (empty
@@ -675,7 +725,8 @@ class FoldConstantChannels(QuarkPass):
         if not names:
             return {}
         try:
-            return _max_abs(model, self.sample_feeds, names)
+            stats = channel_statistics(model, self.sample_feeds, names)
+            return {name: stat.max_abs for name, stat in stats.items()}
         except Exception as exc:  # onnxruntime raises its own exception types
             logger.warning(
                 "FoldConstantChannels: cannot run the model on the samples (%s); only the "
@@ -730,7 +781,7 @@ class FoldConstantChannels(QuarkPass):
             self._write_back(model.graph)
             logger.info(
                 "FoldConstantChannels: %d channels folded (%d already zero, %d clamped, "
-                "%d negligible)",
+                "%d negligible, %d quiet)",
                 len(self.report.folded),
                 *(sum(f.kind == k for f in self.report.folded) for k in FOLD_KINDS),
             )

@@ -125,7 +125,8 @@ def prepare_passes(
     """The prepare-stage passes for ``qconfig`` and its resolved ``options``, in run order.
 
     ``sample_feeds`` (model inputs, e.g. the first calibration batch) lets FoldConstantChannels
-    also fold channels the samples show clamped to one value with a wide margin.
+    also fold channels the samples show clamped to one value with a wide margin, and lets
+    CrossLayerEqualization's component gate weigh the activations it rescales.
     ``range_samples`` (the first calibration samples; default ``[sample_feeds]``) give
     EqualizeGatedActivations the activations' channel ranges.
 
@@ -137,6 +138,8 @@ def prepare_passes(
         steps=options.CLESteps,
         threshold=options.CLETotalLayerDiffThreshold,
         scale_append_bias=options.CLEScaleAppendBias,
+        gate="component",
+        sample_feeds=sample_feeds,
     )
     chosen: list[tuple[bool, QuarkPass | type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),

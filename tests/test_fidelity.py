@@ -122,24 +122,25 @@ def test_cheap_pass_is_silent():
 
 
 def _two_channel_model(big: float, small: float) -> onnx.ModelProto:
-    """x -> Conv(2 channels: weights ``big`` and ``small``) -> Relu -> Conv 1x1 -> y.
+    """x -> Conv(2 channels: weights ``big`` and ``small``) -> Clip(0, 6) -> Conv 1x1 -> y.
 
-    The second conv reads channel 0 with 0.01 / big and channel 1 with 1 / small, so y = 1.01 x
-    whatever the weights. With big = 1000 and small = 0.01 the two channels of the Relu output
-    are 1e5 apart and one power-of-two int8 scale rounds channel 1, which carries the output, to
-    zero; with big = small = 1 they share one range."""
+    The second conv reads channel 0 with 0.01 / big and channel 1 with 1 / small, so y ~ x
+    whatever the weights. With big = 1000 and small = 0.01 the two channels of the ReLU6 output
+    are 600 apart and one power-of-two int8 scale rounds channel 1, which carries the output, to
+    zero; with big = small = 1 they share one range. (Through a Relu the preset's cross-layer
+    equalization would undo the spread; ReLU6 is not positively homogeneous.)"""
     w1 = np.array([big, small], dtype=np.float32).reshape(2, 1, 1, 1)
     w2 = np.array([0.01 / big, 1.0 / small], dtype=np.float32).reshape(1, 2, 1, 1)
     nodes = [
         h.make_node("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1]),
-        h.make_node("Relu", ["c1"], ["r1"]),
+        h.make_node("Clip", ["c1", "lo", "hi"], ["r1"]),
         h.make_node("Conv", ["r1", "w2"], ["y"], kernel_shape=[1, 1]),
     ]
     return make_model(
         nodes,
         [h.make_tensor_value_info("x", T.FLOAT, [1, 1, 8, 8])],
         [h.make_tensor_value_info("y", T.FLOAT, [1, 1, 8, 8])],
-        {"w1": w1, "w2": w2},
+        {"w1": w1, "w2": w2, "lo": np.float32(0.0), "hi": np.float32(6.0)},
     )
 
 

@@ -62,6 +62,7 @@ def test_xint8_pipeline_order():
         "ConvertSplitToSlice",
         "ConvertBNToConv",
         "FoldConstantChannels",
+        "CrossLayerEqualization",
         "EqualizeGatedActivations",
         "ConvertReduceMeanToGlobalAvgPool",
         "SplitLargeKernelPool",
@@ -72,6 +73,7 @@ def test_xint8_pipeline_order():
 
 def test_every_switch_is_honoured():
     qconfig, options = _xint8(ReplaceClip6Relu=True, ConvertClipToRelu=True)
+    qconfig.include_cle = False  # a QuantizationConfig field, not a switch: see the order test
     assert _names(prepare_passes(qconfig, options)) == ALL_PREPARE
     for i, name in enumerate(ALL_PREPARE[2:-1], start=2):  # RemoveInferenceDropout: always on
         _, off = _xint8(**{"ReplaceClip6Relu": True, "ConvertClipToRelu": True, name: False})

@@ -12,23 +12,24 @@ from onnx import TensorProto, helper
 
 
 def _unfaithful_model() -> onnx.ModelProto:
-    """x -> Conv(2 channels, weights 1000 and 0.01) -> Relu -> Conv 1x1 -> y = 1.01 x.
+    """x -> Conv(2 channels, weights 1000 and 0.01) -> Clip(0, 6) -> Conv 1x1 -> y ~ x.
 
-    The Relu output's channels are 1e5 apart: one power-of-two int8 scale rounds the channel that
-    carries the output to zero (output SQNR about 0 dB)."""
+    The ReLU6 output's channels are 600 apart: one power-of-two int8 scale rounds the channel
+    that carries the output to zero (output SQNR about 0 dB). Through a Relu, cross-layer
+    equalization would repair it; ReLU6 is not positively homogeneous, so nothing can."""
     w1 = np.array([1000.0, 0.01], dtype=np.float32).reshape(2, 1, 1, 1)
     w2 = np.array([1e-5, 100.0], dtype=np.float32).reshape(1, 2, 1, 1)
     conv = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1]}
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", group=1, **conv),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6"),
         helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2", group=1, **conv),
     ]
     return make_model(
         nodes,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8, 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 8, 8])],
-        {"w1": w1, "w2": w2},
+        {"w1": w1, "w2": w2, "lo": np.float32(0.0), "hi": np.float32(6.0)},
     )
 
 

@@ -484,8 +484,10 @@ def test_digits_cnn_after_bn_folding_keeps_outputs_and_accuracy():
     reference = ir.to_proto(model)
     out, cle, modified = _apply(reference, steps=-1)
     assert modified and cle.report.converged
-    # expand -> dw -> project in 4 blocks, squeeze-excite fc1 -> fc2 in 2 (see GUIDE section 4)
-    assert len(cle.report.pairs) == 8
+    # expand -> dw -> project in 4 blocks, squeeze-excite fc1 -> fc2 in 2 (see GUIDE section 4),
+    # and the two branches through the channel Concat into the last block (this model carries no
+    # inferred shapes: the Concat's channel counts come from the branches' convs)
+    assert len(cle.report.pairs) == 10
     data = np.load(shared_path("models", "digits_test.npz"))
     x, y = data["x"][:256].astype(np.float32), data["y"][:256]
     ref, got = run_ort(reference, {"image": x})[0], run_ort(out, {"image": x})[0]
@@ -700,3 +702,167 @@ def test_randomly_rescaled_pair_is_equalized_back_through_the_gate():
     assert modified
     _assert_same_outputs(model, out)
     assert channel_range_spread(_node_weight(out, "A")) < 4 * spread0
+
+
+def _assert_float_exact(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+    """``max |b - a| / max |a| <= 1e-5`` over the outputs (float32 rounding of the rescaled
+    weights only)."""
+    feeds = _feeds(a)
+    for ref, got in zip(run_ort(a, feeds), run_ort(b, feeds), strict=True):
+        rel = np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert rel <= 1e-5, rel
+
+
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "prelu"])
+def test_converged_cle_does_not_depend_on_a_per_channel_rescaling(act):
+    """Channel factors from 1/100 to 100 through a positively homogeneous activation (the
+    stress benchmark's transform): the rescaled channels' ranges are 1e4 apart, yet CLE run to
+    convergence reaches the same weights as on the original pair, because the balanced point
+    ``r1_i = r2_i`` absorbs any factor (a channel is ~0 only by the product ``r1_i * r2_i``,
+    which the rescaling leaves alone)."""
+    nodes = {
+        "relu": _relu(),
+        "leaky_relu": [helper.make_node("LeakyRelu", ["a"], ["h"], alpha=0.1)],
+        "prelu": [helper.make_node("PRelu", ["a", "slope"], ["h"])],
+    }[act]
+    extra = {"slope": np.linspace(0.05, 0.3, 8, dtype=np.float32).reshape(8, 1, 1)}
+    model = _conv_act_conv(nodes, c=8, extra=extra if act == "prelu" else None)
+    w = _weights(model)
+    factors = np.exp(_rng(16).uniform(np.log(1e-2), np.log(1e2), 8))
+    # the extremes on the channel conv B reads hardest (1/100) and the widest of conv A (100):
+    # each is then below 1e-4 of the widest channel of one layer, which a per-layer "~0" test
+    # takes for dead, so neither would ever be equalized
+    small = int(np.argmax(input_channel_ranges(w["wb"], 1)))
+    big = int(np.argmax(np.where(np.arange(8) == small, 0, output_channel_ranges(w["wa"]))))
+    factors[[small, big]] = [1e-2, 1e2]
+    stressed = onnx.ModelProto()
+    stressed.CopyFrom(model)
+    new = {
+        "wa": w["wa"] * factors.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * factors,
+        "wb": w["wb"] / factors.reshape(1, -1, 1, 1),
+    }
+    for t in stressed.graph.initializer:
+        if t.name in new:
+            t.CopyFrom(onnx.numpy_helper.from_array(new[t.name].astype(np.float32), t.name))
+    _assert_float_exact(model, stressed)
+    ref, _, _ = _apply(model, steps=-1)
+    out, cle, modified = _apply(stressed, steps=-1)
+    assert modified and cle.report.converged
+    _assert_float_exact(model, out)
+    for node, index in (("A", 1), ("A", 2), ("B", 1)):
+        got, want = _node_weight(out, node, index), _node_weight(ref, node, index)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+# --- component gate ------------------------------------------------------------------------------
+
+
+def test_activation_noise_is_the_power_of_two_step_over_the_signal():
+    """Two channels, maxima 1 and 100, read with column energies 4 and 1: the step is the
+    power of two holding 100 / 127 (1.0), the noise D^2/12 * sum rho_c reads_c over the signal
+    sum E[y_c^2] reads_c; dividing channel 1 by 10 (and its reads by 1/100) makes the step
+    2^-3 and leaves the signal alone."""
+    from passes.cross_layer_equalization import ChannelStats, activation_noise
+
+    stats = ChannelStats(np.array([1.0, 100.0]), np.array([0.25, 400.0]), np.array([0.5, 1.0]))
+    reads = np.array([4.0, 1.0])
+    assert activation_noise(stats, np.ones(2), reads) == pytest.approx(
+        1.0 / 12 * (0.5 * 4 + 1.0) / (0.25 * 4 + 400.0)
+    )
+    scale = np.array([1.0, 10.0])
+    assert activation_noise(stats, scale, reads * np.square(scale)) == pytest.approx(
+        2.0**-6 / 12 * (0.5 * 4 + 100.0) / (0.25 * 4 + 400.0)
+    )
+
+
+def _stressed_pair(factors: np.ndarray) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv whose channels were multiplied by ``factors`` (float-exact)."""
+    model = _conv_act_conv(_relu(), c=8)
+    w = _weights(model)
+    new = {
+        "wa": w["wa"] * factors.reshape(-1, 1, 1, 1),
+        "ba": w["ba"] * factors,
+        "wb": w["wb"] / factors.reshape(1, -1, 1, 1),
+    }
+    for t in model.graph.initializer:
+        if t.name in new:
+            t.CopyFrom(onnx.numpy_helper.from_array(new[t.name].astype(np.float32), t.name))
+    return model
+
+
+def test_component_gate_keeps_the_equalized_weights_where_they_predict_less_noise():
+    """Randomly rescaled channels (1/100..100): with the activation between the convs measured
+    on samples, equalizing predicts far less noise; the result is the converged equalization."""
+    model = _stressed_pair(np.exp(_rng(17).uniform(np.log(1e-2), np.log(1e2), 8)))
+    feeds = _feeds(model, seed=3)
+    out, cle, modified = _apply(model, steps=-1, gate="component", sample_feeds=feeds)
+    assert modified
+    (choice,) = cle.report.components
+    assert choice.kept and choice.noise_after < choice.noise_before / 10
+    _assert_float_exact(model, out)
+    ref, _, _ = _apply(model, steps=-1, gate=False)
+    for node in ("A", "B"):
+        np.testing.assert_array_equal(_node_weight(out, node), _node_weight(ref, node))
+
+
+def test_component_gate_leaves_a_pair_alone_when_equalizing_predicts_more_noise():
+    """Both convs hold exact int8 codes at one power-of-two scale: any rescaling only adds
+    rounding noise, so the equalized weights are dropped and the model is left as it was."""
+    rng = _rng(12)
+    w1 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 128).astype(np.float32)
+    w1[0] = rng.integers(-15, 16, (4, 1, 1)) / 128
+    w2 = (rng.integers(-127, 128, (4, 4, 1, 1)) / 16).astype(np.float32)
+    model = _gate_pair(w1, w2)
+    out, cle, modified = _apply(model, steps=-1, gate="component", sample_feeds=_feeds(model))
+    assert not modified
+    (choice,) = cle.report.components
+    assert not choice.kept and choice.noise_after > choice.noise_before
+    assert cle.report.rejected == ["c1 -> c2"]
+    np.testing.assert_array_equal(_node_weight(out, "c1"), w1)
+    np.testing.assert_array_equal(_node_weight(out, "c2"), w2)
+
+
+def test_components_are_pairs_that_share_layers():
+    """A -> B -> C (two pairs sharing B) is one component; a separate D -> E pair another."""
+    from passes.cross_layer_equalization import _components
+
+    a, b, c, d, e = (object() for _ in range(5))
+
+    class P:
+        def __init__(self, first, readers):
+            self.first, self.reader_layers = first, readers
+
+    pairs = [P(a, [b]), P(d, [e]), P(b, [c])]
+    groups = _components(pairs)
+    assert [[pairs.index(p) for p in g] for g in groups] == [[0, 2], [1]]
+
+
+def test_concat_channel_counts_come_from_the_producers_without_shapes():
+    """A model with no recorded shapes (not run through shape inference): the Concat's input
+    channel counts are read from the convs that produce them, so the pair is still found."""
+    rng = _rng(21)
+    inits = {
+        "w1": rng.standard_normal((4, 3, 1, 1)).astype(np.float32),
+        "w2": rng.standard_normal((6, 3, 1, 1)).astype(np.float32),
+        "w3": rng.standard_normal((5, 10, 1, 1)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="A", kernel_shape=[1, 1]),
+        helper.make_node("Relu", ["a"], ["ra"]),
+        helper.make_node("Conv", ["x", "w2"], ["b"], name="B", kernel_shape=[1, 1]),
+        helper.make_node("LeakyRelu", ["b"], ["rb"], alpha=0.1),
+        helper.make_node("Concat", ["ra", "rb"], ["c"], axis=1),
+        helper.make_node("Conv", ["c", "w3"], ["y"], name="C", kernel_shape=[1, 1]),
+    ]
+    x, y = _io(3, 5)
+    model = make_model(nodes, [x], [y], inits)
+    del model.graph.value_info[:]
+    ir_model = ir.from_proto(model)
+    for node in ir_model.graph:
+        for value in node.outputs:
+            value.shape = None
+    cle = CrossLayerEqualization(steps=-1, gate=False)
+    out = ir.to_proto(cle(ir_model).model)
+    assert sorted((p.first, p.second) for p in cle.report.pairs) == [("A", "C"), ("B", "C")]
+    _assert_float_exact(model, out)

@@ -480,3 +480,91 @@ def test_stress_dead_channels_of_squeezenet_are_folded_away():
     assert any(stressed[k] > 10 * before[k] for k in before)  # the stress did blow ranges up
     for name, r in before.items():
         assert after[name] <= r * (1 + 1e-6), name
+
+
+# --------------------------------------------------------------------------- quiet (samples)
+
+
+def _no_activation_model(scale: float, boost: float = 1e4) -> onnx.ModelProto:
+    """x -> A -> B 1x1, no activation between: A's channels CONST have weights ``scale`` times a
+    unit draw and biases -2 and 2 (constant up to the weights: no activation clamps them), B
+    reads them ``boost`` times harder. The other channels carry large biases (200) on small
+    weights, as in a BatchNorm-folded projection layer, so the data-free bound, which ignores
+    biases, cannot tell the CONST channels from them."""
+    rng = _rng(7)
+    wa = (rng.standard_normal((C, 3, 3, 3)) * 0.01).astype(np.float32)
+    ba = (np.sign(rng.standard_normal(C)) * 200.0).astype(np.float32)
+    for c in CONST:
+        wa[c] = rng.standard_normal((3, 3, 3)) * scale
+    ba[CONST[0]], ba[CONST[1]] = -2.0, 2.0
+    wb = rng.standard_normal((5, C, 1, 1)).astype(np.float32)
+    for c in CONST:
+        wb[:, c] *= boost
+    inits = {"wa": wa, "ba": ba, "wb": wb, "bb": rng.standard_normal(5).astype(np.float32)}
+    nodes = [_conv("A", "x", "wa", "ba", "a"), _conv("B", "a", "wb", "bb", "y", k=1)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])
+    return make_model(nodes, [x], [_out("y")], inits)
+
+
+def test_quiet_constant_channel_without_activation_is_folded_with_samples():
+    model = _no_activation_model(scale=1e-8)
+    _, _, modified = _apply(model)  # data-free: B's 1e4 columns keep them above the tolerance
+    assert not modified
+    samples = _feeds(model, seed=4)
+    out, fold, modified = _apply(model, sample_feeds=samples)
+    assert modified
+    assert [(f.channel, f.kind) for f in fold.report.folded] == [(c, "quiet") for c in CONST]
+    _assert_folded(model, out)
+    _assert_same_outputs(model, out, _feeds(model, seed=5))
+    _assert_same_outputs(model, out, {"x": samples["x"] * 5})
+
+
+def test_channel_that_varies_is_not_quiet():
+    """Weights 1e-5: over 10x the samples' range the channel moves by ~1e-2, far more than 1e-4
+    of its constant (2): a real, if small, channel."""
+    model = _no_activation_model(scale=1e-5)
+    out, fold, _ = _apply(model, sample_feeds=_feeds(model, seed=4))
+    assert not fold.report.folded
+    np.testing.assert_array_equal(_weight(out, "B"), _weight(model, "B"))
+
+
+def test_input_floor_does_not_depend_on_a_rescaling_of_the_inputs():
+    """The floor that stands in for an input channel the samples leave at 0 is set on the
+    channel's contribution, so rescaling input channel i by a (and the layer's column by 1/a)
+    rescales its floored range by exactly a; the bound sum_i ||W[c, i]|| X_i is unchanged."""
+    from passes.fold_constant_channels import _floored_inputs
+
+    rng = _rng(11)
+    per_input = np.abs(rng.standard_normal((6, 5)))  # [C, cpg]: ||W[c, i]||_1
+    x_max = np.array([3.0, 0.0, 1e-6, 2.0, 0.5])
+    a = np.array([1.0, 1e-3, 1e2, 1e-2, 1.0])
+    floored = _floored_inputs(x_max, per_input)
+    rescaled = _floored_inputs(x_max * a, per_input / a)
+    np.testing.assert_allclose(rescaled, floored * a, rtol=1e-12)
+    np.testing.assert_allclose((per_input / a) @ rescaled, per_input @ floored, rtol=1e-12)
+    assert floored[1] > 0 and floored[2] > x_max[2]  # the silent inputs still count
+    np.testing.assert_array_equal(floored[[0, 3]], x_max[[0, 3]])  # the others as measured
+
+
+def test_folded_channel_bias_is_zeroed_where_nothing_reads_it():
+    """Folded into every reader, the constant no longer needs its bias (A's and the unpadded
+    depthwise D's): zeroing them keeps a constant from setting those biases' ranges."""
+    model = _dw_chain(pad=0)
+    out, _, modified = _apply(model)
+    assert modified
+    _assert_same_outputs(model, out)
+    ba, bd = _weight(out, "A", 2), _weight(out, "D", 2)
+    assert not np.any(ba[list(CONST)]) and not np.any(bd[list(CONST)])
+    others = [c for c in range(C) if c not in CONST]
+    np.testing.assert_array_equal(ba[others], _weight(model, "A", 2)[others])
+    np.testing.assert_array_equal(bd[others], _weight(model, "D", 2)[others])
+
+
+def test_bias_of_a_channel_still_read_is_kept():
+    """Padded depthwise: the constant 0.9 channel cannot be folded into it, so A keeps its bias
+    (the dead one, folded everywhere, loses it)."""
+    model = _dw_chain(pad=1)
+    out, _, _ = _apply(model)
+    _assert_same_outputs(model, out)
+    ba = _weight(out, "A", 2)
+    assert ba[CONST[1]] == _weight(model, "A", 2)[CONST[1]] and ba[CONST[0]] == 0.0
