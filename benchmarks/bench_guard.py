@@ -9,7 +9,8 @@ For every shared model and stress variant, the XINT8 preset quantizes it on its 
 (as ``bench_fidelity.py`` loads it) and the guard's verdict is printed as one JSON line: faithful
 or not, each output's SQNR and top-1 agreement on the guard's samples, and the layer that loses the
 most. Stress variants run twice, the second time with the range repairs off
-(``FoldConstantChannels``, ``include_cle`` and ``EqualizeGatedActivations``: "repairs off"). Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
+(``FoldConstantChannels``, ``include_cle`` and ``EqualizeGatedActivations``: "repairs off").
+Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
 """
 
 from __future__ import annotations

@@ -64,10 +64,10 @@ import onnx_ir as ir
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.cross_layer_equalization import (
+    channel_statistics,
     input_channel_ranges,
     output_channel_ranges,
 )
-from quark_onnx.passes.fold_constant_channels import _max_abs as channel_max_abs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -247,7 +247,8 @@ class EqualizeGatedActivations(QuarkPass):
         ranges: dict[str, np.ndarray] = {}
         try:
             for feeds in self.sample_feeds:
-                for name, r in channel_max_abs(model, feeds, names).items():
+                for name, stat in channel_statistics(model, feeds, names).items():
+                    r = stat.max_abs
                     ranges[name] = np.maximum(ranges[name], r) if name in ranges else r
         except Exception as exc:  # onnxruntime raises its own exception types
             text = str(exc).strip()
