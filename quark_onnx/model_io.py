@@ -567,12 +567,40 @@ def to_proto(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto
     the proto is small whatever the weights; pass that folder to onnxruntime
     (``session.model_external_initializers_file_folder_path``) to run it.
     """
+    from quark_onnx import runtime
+
+    runtime.COUNTS.serialisations += 1
+    return serialize_ir(model, keep_external=keep_external)
+
+
+def serialize_ir(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto:
+    """:func:`to_proto` without counting it (``quark_onnx.runtime`` counts a model it serializes
+    to build a session as part of that session)."""
     proto = ir.serde.serialize_model(model)
     if not keep_external:
         external = _external_tensors(proto)
         if external:
             folder = external_data_dir(model)
             _read_external_data(external, folder if folder is not None else Path.cwd())
+    return proto
+
+
+def signature_proto(model: ir.Model) -> onnx.ModelProto:
+    """A proto of ``model``'s interface only: its opsets and the graph inputs a feed provides
+    (initializers listed as inputs left out), no node and no tensor.
+
+    What the calibration readers read (names, element types, dims) without serializing the
+    graph: a full :func:`to_proto` of a 50,000-node model costs ~30 MB for that.
+    """
+    graph = model.graph
+    initializers = set(graph.initializers)
+    proto = onnx.ModelProto(ir_version=model.ir_version)
+    for domain, version in model.opset_imports.items():
+        proto.opset_import.add(domain=domain, version=version)
+    proto.graph.name = graph.name or ""
+    for value in graph.inputs:
+        if value.name not in initializers:
+            proto.graph.input.append(ir.serde.serialize_value(value))
     return proto
 
 
