@@ -197,9 +197,9 @@ def test_external_save_round_trips_and_leaves_the_model_alone(tmp_path):
 
 
 def test_typed_field_tensor_goes_external(tmp_path, monkeypatch):
-    from quark_onnx import model_io
+    from quark_onnx import model_files
 
-    monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)
+    monkeypatch.setattr(model_files.save, "EXTERNAL_THRESHOLD", 64)
     model = _weighted()
     save_model(model, tmp_path / "m.onnx", external_data=True)
     header = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
