@@ -34,15 +34,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_CHILD = textwrap.dedent(
-    """
-    import json, resource, sys, tempfile, time
-    from pathlib import Path
+
+def build_chain(kind: str, n: int, path: Path) -> None:
+    """Write the ``conv`` or ``add`` chain of ``n`` nodes (module doc) to ``path``."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
 
-    kind, n = sys.argv[1], int(sys.argv[2])
     rng = np.random.default_rng(0)
     nodes, inits = [], []
     if kind == "conv":
@@ -55,25 +53,50 @@ _CHILD = textwrap.dedent(
             inits.append(onnx.numpy_helper.from_array(w.astype(np.float32), f"w{i}"))
             b = rng.standard_normal(c).astype(np.float32) * 0.1
             inits.append(onnx.numpy_helper.from_array(b, f"b{i}"))
-            nodes.append(helper.make_node(
-                "Conv", ["x" if i == 0 else f"t{i}", f"w{i}", f"b{i}"], [f"t{i + 1}"],
-                name=f"conv{i}", kernel_shape=[1, 1], strides=[1, 1], pads=[0, 0, 0, 0],
-                dilations=[1, 1], group=1))
-    else:
+            nodes.append(
+                helper.make_node(
+                    "Conv",
+                    ["x" if i == 0 else f"t{i}", f"w{i}", f"b{i}"],
+                    [f"t{i + 1}"],
+                    name=f"conv{i}",
+                    kernel_shape=[1, 1],
+                    strides=[1, 1],
+                    pads=[0, 0, 0, 0],
+                    dilations=[1, 1],
+                    group=1,
+                )
+            )
+    elif kind == "add":
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])
         y = helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [1, 16])
         for i in range(n):
             v = (rng.standard_normal(16) * 0.01).astype(np.float32)
             inits.append(onnx.numpy_helper.from_array(v, f"c{i}"))
-            nodes.append(helper.make_node(
-                "Add", ["x" if i == 0 else f"t{i}", f"c{i}"], [f"t{i + 1}"], name=f"add{i}"))
+            nodes.append(
+                helper.make_node(
+                    "Add", ["x" if i == 0 else f"t{i}", f"c{i}"], [f"t{i + 1}"], name=f"add{i}"
+                )
+            )
+    else:
+        raise ValueError(f"unknown chain kind {kind!r}: conv or add")
     graph = helper.make_graph(nodes, "chain", [x], [y], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
+    onnx.save(model, path)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys, tempfile, time
+    from pathlib import Path
+
+    sys.path.insert(0, "benchmarks")
+    from bench_scaling import build_chain
+
+    kind, n = sys.argv[1], int(sys.argv[2])
     folder = Path(tempfile.mkdtemp())
     path = folder / "chain.onnx"
-    onnx.save(model, path)
-    del model, graph, nodes, inits
+    build_chain(kind, n, path)
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     from quark_onnx import Config, ModelQuantizer, get_default_config
@@ -90,6 +113,7 @@ _CHILD = textwrap.dedent(
         "peak_rss_mb": round(peak, 1), "rss_after_build_mb": round(built, 1),
         "model_mb": round(path.stat().st_size / 2**20, 2),
         "stages": quantizer.report.timings,
+        "stage_peak_rss_mb": quantizer.report.peak_rss_mb,
     }))
     """
 )

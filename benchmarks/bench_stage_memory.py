@@ -5,9 +5,13 @@ Run from the repository root::
     python benchmarks/bench_stage_memory.py --model mobilenetv2
     python benchmarks/bench_stage_memory.py --model path/to/model.onnx --calib path/to/calib.npy
 
+    python benchmarks/bench_stage_memory.py --chain add:10000
+
 ``--model`` is a shared model name (digits_cnn, squeezenet1.1, mobilenetv2) or a path; the shared
 names read the calibration arrays that ``bench_peers.py`` caches under ``benchmarks/.work/data``
 (run it once first), a path needs ``--calib`` (a ``.npy`` of samples along axis 0).
+``--chain KIND:N`` quantizes ``bench_scaling.py``'s chain of N Conv or Add nodes instead, as that
+script does (2 random samples, ``optimize_model=False``): which stage holds what as graphs grow.
 
 A thread reads the resident set (``quark_onnx.memory.resident_mb``) every 3 ms and keeps the
 maximum per label; the label is the quantizer stage running (``ModelQuantizer``'s stages: load,
@@ -32,6 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mobilenetv2")
     parser.add_argument("--calib", help="a .npy of calibration samples (axis 0)")
+    parser.add_argument("--chain", metavar="KIND:N", help="a chain of N conv or add nodes")
     parser.add_argument("--preset", default="XINT8")
     parser.add_argument("--trim", action="store_true", help="trim the heap after every stage")
     args = parser.parse_args(argv)
@@ -79,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = StageSampler()
     import onnx
 
-    import quark_onnx.quantizer as quantizer_module
     from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-    from quark_onnx.memory import release_freed_memory
 
+    if args.chain:
+        return _chain(args, sampler)
     if args.model in SHARED_MODELS:
         model_file, calib_file = SHARED_MODELS[args.model]
         model_path, calib_path = SHARED / model_file, Path(args.calib or DATA / calib_file)
@@ -93,18 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if not calib_path.exists():
         parser.error(f"{calib_path}: missing (python benchmarks/bench_peers.py caches it)")
 
-    original_stage = quantizer_module._stage
-
-    @contextlib.contextmanager
-    def labelled_stage(report, name: str) -> Iterator[None]:
-        sampler.mark(name)
-        with original_stage(report, name):
-            yield
-        if args.trim:
-            release_freed_memory()
-        sampler.mark(f"after {name}")
-
-    quantizer_module._stage = labelled_stage
+    _label_stages(sampler, args.trim)
     sampler.mark("calibration array")
     samples = np.load(calib_path)
     input_name = onnx.load(str(model_path), load_external_data=False).graph.input[0].name
@@ -112,16 +107,59 @@ def main(argv: list[str] | None = None) -> int:
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config(args.preset)))
     with tempfile.TemporaryDirectory() as tmp:
         quantizer.quantize_model(str(model_path), Path(tmp) / "out.onnx", reader)
+    _print(sampler, quantizer, f"{model_path.name}, {args.preset}, {len(samples)} samples")
+    return 0
+
+
+def _label_stages(sampler: StageSampler, trim: bool) -> None:
+    """Label the sampler with the quantizer stage running (and trim after each, if asked)."""
+    import quark_onnx.quantizer as quantizer_module
+    from quark_onnx.memory import release_freed_memory
+
+    original_stage = quantizer_module._stage
+
+    @contextlib.contextmanager
+    def labelled_stage(report, name: str) -> Iterator[None]:
+        sampler.mark(name)
+        with original_stage(report, name):
+            yield
+        if trim:
+            release_freed_memory()
+        sampler.mark(f"after {name}")
+
+    quantizer_module._stage = labelled_stage
+
+
+def _chain(args: argparse.Namespace, sampler: StageSampler) -> int:
+    from bench_scaling import build_chain
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    kind, _, count = args.chain.partition(":")
+    with tempfile.TemporaryDirectory() as tmp:
+        sampler.mark("build")
+        path = Path(tmp) / "chain.onnx"
+        build_chain(kind, int(count), path)
+        _label_stages(sampler, args.trim)
+        qc = get_default_config(args.preset)
+        qc.optimize_model = False
+        qc.extra_options.update(UseRandomData=True, RandomDataSamples=2)
+        quantizer = ModelQuantizer(Config(global_quant_config=qc))
+        quantizer.quantize_model(path, Path(tmp) / "out.onnx", progress=False)
+    _print(sampler, quantizer, f"{kind} chain of {count}, {args.preset}, 2 random samples")
+    return 0
+
+
+def _print(sampler: StageSampler, quantizer: Any, title: str) -> None:
     sampler.mark("end")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{model_path.name}, {args.preset}, {len(samples)} samples: process peak {peak:.0f} MB")
+    print(f"{title}: process peak {peak:.0f} MB")
     print(f"  {'stage':28s} {'peak MB':>8s} {'seconds':>8s}")
     timings = quantizer.report.timings
     for label, value in sampler.peaks.items():
         seconds = timings.get(label)
         shown = f"{seconds:8.3f}" if seconds is not None else ""
         print(f"  {label:28s} {value:8.0f} {shown}")
-    return 0
 
 
 if __name__ == "__main__":

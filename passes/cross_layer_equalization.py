@@ -239,21 +239,16 @@ def channel_statistics(
     """:class:`ChannelStats` of the named values of ``model`` on ``feeds`` (onnxruntime, CPU,
     graph optimisations off); values of rank < 2 or empty are left out."""
     import onnx
-    import onnxruntime as ort
 
-    from quark_onnx.model_io import to_proto
+    from quark_onnx import runtime
 
-    proto = to_proto(model)
-    known = {o.name for o in proto.graph.output}
-    for name in names:
-        if name not in known:
-            proto.graph.output.append(onnx.ValueInfoProto(name=name))
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    def add_outputs(proto: onnx.ModelProto) -> None:
+        known = {o.name for o in proto.graph.output}
+        for name in names:
+            if name not in known:
+                proto.graph.output.append(onnx.ValueInfoProto(name=name))
+
+    session = runtime.create_session(model, purpose="channel_statistics", edit=add_outputs)
     arrays = session.run(list(names), feeds)
     stats = {}
     for name, array in zip(names, arrays, strict=True):

@@ -403,7 +403,7 @@ class _Session:
     def __init__(
         self, model: onnx.ModelProto, extra: Sequence[str], label: str, optimize: bool = False
     ) -> None:
-        import onnxruntime as ort
+        from quark_onnx import runtime
 
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -415,35 +415,24 @@ class _Session:
                 copy.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
         self.names = [o.name for o in copy.graph.output]
         self.label = label
-        so = ort.SessionOptions()
         # The quantized model unoptimised: its arithmetic is then the QDQ simulation of the ONNX
         # specification (no int8 kernel fusion). The float model optimised: fusions move its
         # outputs by float rounding only, and it runs 2-3x faster (MobileNetV2).
-        so.graph_optimization_level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if optimize
-            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        )
-        so.log_severity_level = 3
         # No arena: an arena keeps the buffers of its largest run until the session ends, and the
         # two sessions live together, so large activations (512x896 maps) would be held twice
         # (benchmarks/results/segmenter_memory.txt).
-        so.enable_cpu_mem_arena = False
+        so = runtime.session_options(optimize="all" if optimize else "none", arena=False)
         self._tmp: tempfile.TemporaryDirectory | None = None
         try:
             if copy.ByteSize() < _PROTOBUF_LIMIT:
-                self.session = ort.InferenceSession(
-                    copy.SerializeToString(), so, providers=["CPUExecutionProvider"]
-                )
+                self.session = runtime.create_session(copy, so, purpose="compare")
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="quark_onnx_compare_")
                 path = Path(self._tmp.name) / "model.onnx"
                 onnx.save_model(
                     copy, str(path), save_as_external_data=True, location="model.onnx.data"
                 )
-                self.session = ort.InferenceSession(
-                    str(path), so, providers=["CPUExecutionProvider"]
-                )
+                self.session = runtime.create_session(path, so, purpose="compare")
         except Exception as exc:
             self.close()
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

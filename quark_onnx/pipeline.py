@@ -291,23 +291,21 @@ def run_model(
     ``saturation``, every Relu whose output carries a range cap is run as
     ``Clip(x, 0, saturation(cap))`` (the model itself is not changed).
     """
-    import onnxruntime as ort
+    from quark_onnx import runtime
 
-    from quark_onnx.model_io import to_proto
-
-    proto = to_proto(model)  # weights memory-mapped from external data are read in
-    if saturation is not None:
-        _saturate_capped_relus(proto, saturation)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = runtime.create_session(model, purpose="run_model", edit=_saturator(saturation))
     names = [o.name for o in session.get_outputs()]
     if isinstance(feeds, dict):
         return dict(zip(names, session.run(names, feeds), strict=True))
     return [dict(zip(names, session.run(names, feed), strict=True)) for feed in feeds]
+
+
+def _saturator(
+    saturation: Callable[[float], float] | None,
+) -> Callable[[onnx.ModelProto], None] | None:
+    if saturation is None:
+        return None
+    return lambda proto: _saturate_capped_relus(proto, saturation)
 
 
 def _saturate_capped_relus(proto: onnx.ModelProto, saturation: Callable[[float], float]) -> None:

@@ -175,7 +175,8 @@ class ModelQuantizer:
             else:
                 # external weights stay in their files, memory-mapped on use
                 model = model_io.load_ir(model_input)
-                proto = model_io.to_proto(model, keep_external=True)
+                # the readers read the graph's inputs only: no serialisation of the graph
+                proto = model_io.signature_proto(model)
 
         _check_architecture(model, source, self.qconfig, require_ready)
         reader = _make_reader(
@@ -185,7 +186,7 @@ class ModelQuantizer:
             model=proto,
             keep=max(self._samples_to_keep(), self.keep_samples),
         )
-        del proto  # only the reader's checks read it: its weight bytes need not stay resident
+        del proto  # only the reader's checks read it
         # The first samples serve the measurement of numerics-changing passes and the fidelity
         # guard; the reader hands them to calibration as well.
         fidelity_samples = reader.peek(self._fidelity_samples()) if reader is not None else []

@@ -197,9 +197,9 @@ def test_external_save_round_trips_and_leaves_the_model_alone(tmp_path):
 
 
 def test_typed_field_tensor_goes_external(tmp_path, monkeypatch):
-    from quark_onnx import model_io
+    from quark_onnx import model_files
 
-    monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)
+    monkeypatch.setattr(model_files.save, "EXTERNAL_THRESHOLD", 64)
     model = _weighted()
     save_model(model, tmp_path / "m.onnx", external_data=True)
     header = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
@@ -278,3 +278,32 @@ def test_written_files_get_the_usual_mode_not_a_private_one(tmp_path) -> None:
         assert target.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(mask)
+
+
+def test_signature_proto_holds_the_inputs_a_feed_provides_and_nothing_else():
+    import onnx_ir as ir
+
+    from quark_onnx.calibration.readers import input_specs
+    from quark_onnx.model_io import signature_proto
+
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Add", ["x", "c"], ["t"]),
+            onnx.helper.make_node("Mul", ["t", "s"], ["y"]),
+        ],
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3]),
+            onnx.helper.make_tensor_value_info("s", onnx.TensorProto.INT8, [1]),
+            # an initializer listed as an input (IR < 4 style): not something a feed provides
+            onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, [3]),
+        ],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+        [onnx.numpy_helper.from_array(np.ones(3, np.float32), "c")],
+    )
+    full = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    signature = signature_proto(ir.serde.deserialize_model(full))
+    assert input_specs(signature) == input_specs(full)
+    assert [i.name for i in signature.graph.input] == ["x", "s"]
+    assert not signature.graph.node and not signature.graph.initializer
+    assert [(o.domain, o.version) for o in signature.opset_import] == [("", 17)]

@@ -147,8 +147,6 @@ MAX_FUNCTION_LINES = 120
 
 #: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
 LONG_MODULES = {
-    "quark_onnx/model_io.py": "load/validate, IR<->proto, paths and atomic writes, streamed "
-    "external-data save: being split into load / external data / save",
     "quark_onnx/check.py": "the readiness checker: moving, with the NPU rule tables, into one "
     "package of op facts, rules, solver and checker",
     "quark_onnx/constraints.py": "the position solver: moving into the same NPU rules package",

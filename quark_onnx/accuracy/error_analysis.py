@@ -27,7 +27,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.accuracy.layerwise import ir_model_to_proto
 from quark_onnx.plan import QuantPlan
 
 logger = logging.getLogger(__name__)
@@ -62,20 +61,25 @@ def quantized_views(model: ir.Model) -> dict[str, str]:
     return views
 
 
-def _session(proto: onnx.ModelProto, outputs: Sequence[str]) -> Any:
-    import onnxruntime as ort
+def _session(model: onnx.ModelProto | ir.Model, outputs: Sequence[str]) -> Any:
+    """A session of ``model`` with ``outputs`` added, without a copy of the model: a proto gets
+    them only while it is serialized; an IR model is serialized by the session's builder."""
+    from quark_onnx import runtime
 
-    model = onnx.ModelProto()
-    model.CopyFrom(proto)
-    present = {o.name for o in model.graph.output}
-    for name in outputs:
-        if name not in present:
-            model.graph.output.append(onnx.ValueInfoProto(name=name))
-            present.add(name)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    def add_outputs(proto: onnx.ModelProto) -> int:
+        present = {o.name for o in proto.graph.output}
+        added = [n for n in dict.fromkeys(outputs) if n not in present]
+        proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in added)
+        return len(added)
+
+    if isinstance(model, ir.Model):
+        return runtime.create_session(model, purpose="error_analysis", edit=add_outputs)
+    added = add_outputs(model)
+    try:
+        data = runtime.serialize(model)
+    finally:
+        del model.graph.output[len(model.graph.output) - added :]
+    return runtime.create_session(data, purpose="error_analysis")
 
 
 def layer_errors(
@@ -100,7 +104,7 @@ def layer_errors(
     if not tensors:
         return []
     f_sess = _session(prepared, tensors)
-    q_sess = _session(ir_model_to_proto(model), [views[t] for t in tensors])
+    q_sess = _session(model, [views[t] for t in tensors])
     signal = np.zeros(len(tensors))
     noise = np.zeros(len(tensors))
     for feed in samples:

@@ -109,16 +109,13 @@ def session_options(nodes: int = 0) -> ort.SessionOptions:
     arena holds both. Without, each run allocates tensor by tensor from those chunks, in less
     memory and the same time (``benchmarks/results/measurements.md``).
     """
-    so = ort.SessionOptions()
-    so.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if nodes <= EXTENDED_OPTIMIZATION_MAX_NODES
-        else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    from quark_onnx import runtime
+
+    return runtime.session_options(
+        optimize="all" if nodes <= EXTENDED_OPTIMIZATION_MAX_NODES else "basic",
+        spinning=False,
+        mem_pattern=False,
     )
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.enable_mem_pattern = False
-    return so
 
 
 def calibrate(
@@ -464,23 +461,17 @@ class Collector:
         return graph_copy
 
     def _session_from_bytes(self, data: bytes) -> ort.InferenceSession:
-        options = session_options(len(self.model.graph.node))
-        if self.external_data_dir is not None:
-            # weights stay in the model's data files: onnxruntime maps them read-only;
-            # pre-packing would copy every Gemm/MatMul weight into its own buffers
-            options.add_session_config_entry(
-                "session.model_external_initializers_file_folder_path",
-                str(self.external_data_dir),
-            )
-            options.add_session_config_entry("session.disable_prepacking", "1")
+        from quark_onnx import runtime
+
+        # weights stay in the model's data files (onnxruntime maps them read-only)
         with _load_errors():
-            session = ort.InferenceSession(data, options, providers=self.providers)
-        # The Python session keeps the bytes only to rebuild itself after a provider fallback,
-        # which the CPU provider never needs: 14 MB for MobileNetV2 for the session's lifetime.
-        # (A private attribute: touched only when it is exactly our bytes.)
-        if getattr(session, "_model_bytes", None) is data:
-            session._model_bytes = None
-        return session
+            return runtime.create_session(
+                data,
+                session_options(len(self.model.graph.node)),
+                external_data_dir=self.external_data_dir,
+                providers=self.providers,
+                purpose="calibration",
+            )
 
     def _session_from_file(self, proto: onnx.ModelProto) -> ort.InferenceSession:
         # Above 2 GB the model cannot be passed as bytes: stream it to a private temporary
@@ -490,8 +481,13 @@ class Collector:
                 self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
             path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
             save_model(proto, path, external_data=True)
-            return ort.InferenceSession(
-                str(path), session_options(len(proto.graph.node)), providers=self.providers
+            from quark_onnx import runtime
+
+            return runtime.create_session(
+                path,
+                session_options(len(proto.graph.node)),
+                providers=self.providers,
+                purpose="calibration",
             )
 
     def close(self) -> None:

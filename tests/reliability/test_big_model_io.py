@@ -16,7 +16,7 @@ import onnx
 import onnxruntime as ort
 from fuzz_models import quantizer, residual
 
-from quark_onnx import model_io
+from quark_onnx import model_files
 from quark_onnx.calibration import collector
 from quark_onnx.model_io import written_files
 
@@ -49,8 +49,8 @@ def test_external_data_model_quantizes_to_external_data(tmp_path, monkeypatch):
     before = _tree(indir)
     assert "m.weights" in before  # the input really uses external data
 
-    monkeypatch.setattr(model_io, "_PROTOBUF_LIMIT", 2048)  # "above 2 GB" from 2 kB on
-    monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)  # int8 weights are small
+    monkeypatch.setattr(model_files.external, "_PROTOBUF_LIMIT", 2048)  # "above 2 GB" from 2 kB on
+    monkeypatch.setattr(model_files.save, "EXTERNAL_THRESHOLD", 64)  # int8 weights are small
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the collector's copy goes
     made: list[str] = []
     real_save = collector.save_model

@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto
 from onnx import helper as h
 
-from quark_onnx import model_io, pipeline
+from quark_onnx import model_files, model_io, pipeline
 from quark_onnx.passes import ConvertSigmoidToHardSigmoid, SimplifyWithOnnxsim
 from quark_onnx.passes import simplify_with_onnxsim as simplify_module
 
@@ -204,7 +204,8 @@ def test_saving_a_mapped_model_equals_saving_it_read_into_memory(tmp_path, exter
 def test_mapped_model_above_the_limit_is_saved_with_external_data(tmp_path, monkeypatch):
     path = _save_external(_gemm_reshape(k=256), tmp_path / "in")
     model = model_io.load_ir(path)
-    monkeypatch.setattr(model_io, "_PROTOBUF_LIMIT", 64 * 1024)  # the weights count, unread
+    # the weights count, unread
+    monkeypatch.setattr(model_files.external, "_PROTOBUF_LIMIT", 64 * 1024)
     out = tmp_path / "q.onnx"
     model_io.save_model(model, out)
     assert [f.name for f in model_io.written_files(out)] == ["q.onnx", "q.onnx.data"]

@@ -15,7 +15,7 @@ import onnx
 import pytest
 from fuzz_models import conv_chain, quantizer
 
-from quark_onnx import model_io
+from quark_onnx import model_files
 from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
 from quark_onnx.model_io import load_model, save_model, written_files
 
@@ -107,7 +107,7 @@ def test_missing_and_short_data_files(tmp_path):
 
 
 def test_output_external_data_stays_in_the_output_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(model_io, "EXTERNAL_THRESHOLD", 64)  # the tiny weights go out too
+    monkeypatch.setattr(model_files.save, "EXTERNAL_THRESHOLD", 64)  # the tiny weights go out too
     src, _ = _external_model(tmp_path / "in", "w.bin")
     outdir = tmp_path / "out"
     outdir.mkdir()

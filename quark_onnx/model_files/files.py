@@ -1,0 +1,223 @@
+"""Files written atomically and read within bounds; temporary files removed on interrupt.
+
+Every file is written to a temporary name (``.<name>.<pid>.<random>.partial``) in the destination
+folder and renamed into place only when complete and flushed, so an interrupted run leaves either
+the old file or the new one, never a partial file (:func:`atomic_write_bytes`). Reads of
+user-named files go through :func:`read_regular_file`: only regular files, never above a limit.
+
+Python does not unwind ``finally`` blocks on ``SIGTERM``: :func:`sigterm_as_interrupt` turns it
+into :class:`Terminated` (a ``KeyboardInterrupt``) for the duration of a run, so temporary files
+are removed on ``kill`` as on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import signal
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from quark_onnx.errors import ModelLoadError, ModelSaveError
+
+_PARTIAL_SUFFIX = ".partial"
+#: External data is copied between files in pieces of this size.
+_COPY_CHUNK = 16 << 20
+
+
+#: Longest file name component most file systems accept, in bytes.
+_NAME_MAX = 255
+
+
+def check_path_text(path: str | os.PathLike, what: str, error: type[Exception]) -> Path:
+    """``path`` as a Path, refusing a NUL byte or a name component above 255 bytes (which the
+    operating system refuses with an error that names neither the path nor the option)."""
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\0" in text:
+        raise error(f"{what} {text!r}: a path cannot contain a NUL character")
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > _NAME_MAX:
+            raise error(
+                f"{what} {text[:80]!r}...: the name {part[:40]!r}... is {len(os.fsencode(part))} "
+                f"bytes long; file systems accept at most {_NAME_MAX}: choose a shorter name"
+            )
+    return Path(text)
+
+
+def read_regular_file(
+    path: str | os.PathLike,
+    *,
+    limit: int,
+    what: str,
+    error: type[Exception] = ModelLoadError,
+    option: str | None = None,
+) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file of at most ``limit`` bytes.
+
+    Opened without blocking (a FIFO never waits for a writer) and checked with ``fstat`` on the
+    open descriptor, so a device (``/dev/zero``), FIFO or a link to a huge file is refused before
+    one byte is read; at most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
+
+    Raises:
+        ``error``: naming ``what``, the file and ``option`` (the flag or setting it came from).
+    """
+    p = Path(path)
+    label = f"{option} {p}" if option else str(p)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise error(f"{label}: no such file ({what})") from None
+    except OSError as exc:
+        raise error(f"{label}: cannot be read ({exc.strerror or exc}); check the path") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
+            raise error(f"{label}: is {kind}, not a regular file; give the path of the {what}")
+        if info.st_size > limit:
+            raise error(
+                f"{label}: {info.st_size} bytes, above the {limit}-byte limit for a {what}; "
+                "this is not the file you meant (or it is corrupt)"
+            )
+        chunks = []
+        left = limit + 1
+        while left > 0:
+            piece = os.read(fd, min(left, _COPY_CHUNK))
+            if not piece:
+                break
+            chunks.append(piece)
+            left -= len(piece)
+    except OSError as exc:
+        raise error(f"{label}: cannot be read ({exc.strerror or exc})") from exc
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise error(f"{label}: grew above the {limit}-byte limit for a {what} while being read")
+    return data
+
+
+#: Temporary files this process has created and not yet renamed or removed. A path is recorded
+#: *before* the file is created, so an interrupt (SIGTERM, Ctrl-C) arriving at any instant between
+#: creating the file and the caller's ``try`` still finds it: :func:`remove_temporary_files` runs
+#: when :func:`sigterm_as_interrupt` exits by an exception and at interpreter exit.
+_LIVE_TEMPS: set[Path] = set()
+
+
+def temp_file_beside(final: Path) -> tuple[int, Path]:
+    """An open temporary file in ``final``'s folder, to be renamed onto ``final`` when complete.
+
+    Created with mode 0666 less the umask (what a plainly created file gets, unlike
+    ``mkstemp``'s private 0600), named ``.<final name>.<pid>.<random>.partial``. Call
+    :func:`temp_file_done` once it has been renamed or removed.
+    """
+    folder = final.parent if str(final.parent) else Path(".")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = folder / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{_PARTIAL_SUFFIX}"
+        _LIVE_TEMPS.add(tmp)
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            _LIVE_TEMPS.discard(tmp)
+        except BaseException:
+            _LIVE_TEMPS.discard(tmp)
+            raise
+    raise ModelSaveError(f"{final}: could not create a temporary file in {folder}")
+
+
+def temp_file_done(tmp: Path) -> None:
+    """``tmp`` (from :func:`temp_file_beside`) was renamed into place or removed."""
+    _LIVE_TEMPS.discard(tmp)
+
+
+def remove_temporary_files() -> None:
+    """Remove every temporary file of this process that is still recorded (after an interrupt)."""
+    for tmp in list(_LIVE_TEMPS):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        _LIVE_TEMPS.discard(tmp)
+
+
+atexit.register(remove_temporary_files)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
+    p = Path(path)
+    _refuse_special(p)
+    try:
+        fd, tmp = temp_file_beside(p)
+    except OSError as exc:
+        raise ModelSaveError(f"{p}: cannot be written ({exc.strerror or exc})") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ModelSaveError(
+            f"{p}: cannot be written ({exc.strerror or exc}); check free space and permissions"
+        ) from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        temp_file_done(tmp)
+
+
+def _refuse_special(p: Path) -> None:
+    """Every rename onto ``p`` goes through here: a device, FIFO or folder is never replaced."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise ModelSaveError(
+            f"{p}: exists and is not a regular file (a folder, device, FIFO or socket); it is "
+            "never replaced: choose a file path"
+        )
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process receives ``SIGTERM`` inside
+    :func:`sigterm_as_interrupt`; unwinds ``finally`` blocks like Ctrl-C does."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"received signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, ``SIGTERM`` raises :class:`Terminated` so temporary files are removed.
+
+    Only the main thread can install signal handlers: elsewhere (and where ``SIGTERM`` does not
+    exist) this does nothing. A handler other than the default one (set by an embedding
+    application) is left alone. The previous handler is restored on exit.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "SIGTERM")
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except BaseException:
+        remove_temporary_files()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,112 @@
+"""quark_onnx.runtime: one place builds the sessions; the XINT8 pipeline's budget of model forms."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from conftest import shared_path
+from onnx import TensorProto, helper
+
+from quark_onnx import Config, ModelQuantizer, get_default_config, runtime
+
+
+def _add_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [onnx.numpy_helper.from_array(np.array([1.5, -2.0], np.float32), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_session_options_carry_each_setting() -> None:
+    so = runtime.session_options(optimize="basic", arena=False, mem_pattern=False)
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert not so.enable_cpu_mem_arena and not so.enable_mem_pattern
+    assert so.log_severity_level == 3
+    so = runtime.session_options(spinning=False, simulate_qdq=True)
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert so.get_session_config_entry("session.disable_quant_qdq") == "1"
+    with pytest.raises(ValueError, match="optimize='fast'"):
+        runtime.session_options(optimize="fast")
+
+
+@pytest.mark.parametrize("form", ["proto", "bytes", "ir"])
+def test_create_session_runs_every_form_and_counts(form: str) -> None:
+    proto = _add_model()
+    model = {
+        "proto": proto,
+        "bytes": proto.SerializeToString(),
+        "ir": ir.serde.deserialize_model(proto),
+    }[form]
+    runtime.COUNTS.reset()
+    session = runtime.create_session(model, purpose="test")
+    (y,) = session.run(None, {"x": np.array([1.0, 2.0], np.float32)})
+    np.testing.assert_array_equal(y, np.array([2.5, 0.0], np.float32))
+    assert runtime.COUNTS.sessions == 1 and runtime.COUNTS.purposes == ["test"]
+    # a proto is serialized once (counted); bytes are not; an IR model is serialized as part
+    # of its session, not as a form the pipeline keeps
+    assert runtime.COUNTS.serialisations == (1 if form == "proto" else 0)
+    assert getattr(session, "_model_bytes", None) is None  # the bytes are not kept
+
+
+def test_create_session_edit_changes_only_the_private_proto() -> None:
+    model = ir.serde.deserialize_model(_add_model())
+
+    def extra_output(proto: onnx.ModelProto) -> None:
+        proto.graph.output.append(onnx.ValueInfoProto(name="x"))
+
+    session = runtime.create_session(model, edit=extra_output)
+    assert [o.name for o in session.get_outputs()] == ["y", "x"]
+    assert [v.name for v in model.graph.outputs] == ["y"]
+    with pytest.raises(ValueError, match="ir.Model"):
+        runtime.create_session(_add_model(), edit=extra_output)
+
+
+@pytest.mark.real_model
+def test_xint8_digits_serialises_three_times_and_builds_sessions_only_to_run_data(
+    tmp_path, monkeypatch
+) -> None:
+    """XINT8 on digits_cnn: the working model is turned into a proto three times (onnxsim's
+    input, the float copy calibration and the accuracy stages read, the written model), and
+    every onnxruntime session the process builds runs data."""
+    created: list[int] = []
+    ran: collections.Counter[int] = collections.Counter()
+    init, run = ort.InferenceSession.__init__, ort.InferenceSession.run
+
+    def counting_init(self, *args, **kwargs):
+        created.append(id(self))
+        return init(self, *args, **kwargs)
+
+    def counting_run(self, *args, **kwargs):
+        ran[id(self)] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting_init)
+    monkeypatch.setattr(ort.InferenceSession, "run", counting_run)
+    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
+    runtime.COUNTS.reset()
+    quantizer.quantize_model(
+        shared_path("models", "digits_cnn.onnx"),
+        tmp_path / "q.onnx",
+        calibration_data_path=shared_path("models", "digits_calib.npz"),
+        progress=False,
+    )
+    assert runtime.COUNTS.serialisations <= 3
+    assert created and all(ran[s] > 0 for s in created), "a session was built that ran no data"
+    # the stages that run data: the float reference, the measured passes, the channel ranges
+    # of FoldConstantChannels and of CLE's gate, calibration, the fidelity run of the
+    # quantized model
+    assert collections.Counter(runtime.COUNTS.purposes) == {
+        "run_model": 5,
+        "channel_statistics": 2,
+        "calibration": 1,
+    }
