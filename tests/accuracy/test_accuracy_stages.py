@@ -376,6 +376,22 @@ def test_error_analysis_ranks_a_damaged_layer_worst():
     assert worst_layers(errors, 0) == []
 
 
+def test_error_analysis_of_a_large_graph_measures_a_subset_with_exact_drops():
+    rng = np.random.default_rng(12)
+    proto = _conv_chain(rng, n=6)
+    calib = _samples(rng, 2)
+    prepared, model, plan, _, _ = _quantize(proto, calib)
+    full = {e["tensor"]: e for e in layer_errors(prepared, model, calib, plan)}
+    subset = layer_errors(prepared, model, calib, plan, max_tensors=4)
+    assert 0 < len(subset) <= 4 < len(full)
+    ranked = [e for e in subset if e["node"] is not None]
+    assert ranked  # the picked tensors, measured with their producer's inputs: exact drops
+    for e in subset:
+        assert e["sqnr_db"] == pytest.approx(full[e["tensor"]]["sqnr_db"], abs=1e-3)
+    for e in ranked:
+        assert e["drop_db"] == pytest.approx(full[e["tensor"]]["drop_db"], abs=1e-3)
+
+
 def test_error_analysis_without_damage_has_high_sqnr_everywhere():
     rng = np.random.default_rng(9)
     proto = _conv_chain(rng, n=2)
