@@ -71,6 +71,7 @@ from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibra
 from quark_onnx.errors import CalibrationError
 from quark_onnx.memory import release_freed_memory
 from quark_onnx.model_io import copy_fields, fits_in_protobuf, save_model
+from quark_onnx.npu.ops import ops_where
 from quark_onnx.options import ExtraOptions, closest_name
 from quark_onnx.progress import Progress
 
@@ -86,7 +87,8 @@ _FLOAT_TYPES = {
     onnx.TensorProto.DOUBLE,
     onnx.TensorProto.BFLOAT16,
 }
-_SAME_VALUES_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+#: Ops whose output values are input values (the ``same_values`` rows of the NPU op table).
+_SAME_VALUES_OPS = ops_where(lambda row: row.same_values)
 _HISTOGRAM_METHODS = {
     PowerOfTwoMethod.MinMSE,
     CalibrationMethod.Percentile,
