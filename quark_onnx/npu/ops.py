@@ -158,7 +158,7 @@ _OPS: dict[str, OpSpec] = {
         cpu_hint="it runs on the CPU in XINT8 (A8W8/A16W8 presets support it)",
     ),
     # MatMul: B (slot 1) is the weight when it is a constant, an activation otherwise (attention)
-    "MatMul": OpSpec(activation_inputs=(0, 1), weight_input=1, fusable_producer=True, linear=True),
+    "MatMul": OpSpec(weight_input=1, fusable_producer=True, linear=True),
     # --- element-wise arithmetic -------------------------------------------------------------
     "Add": OpSpec(
         activation_inputs=(0, 1), fusable_producer=True, shift_rules=("shift_read", "shift_write")
@@ -207,7 +207,6 @@ _OPS: dict[str, OpSpec] = {
     "Softmax": OpSpec(),
     # --- embedding lookups: float scales only (Gather runs on the CPU in XINT8) ----------------
     "Gather": OpSpec(
-        activation_inputs=(),
         weight_input=0,
         embedding=True,
         quantize_output=False,
