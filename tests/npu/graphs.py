@@ -84,7 +84,39 @@ def build(seed: int = 0) -> onnx.ModelProto:
             name="clip3",
         )
     )
-    n.append(helper.make_node("Concat", ["k3", "a1"], ["cat"], name="concat", axis=1))
+    # shift_bias "before LeakyRelu": a Conv read by a LeakyRelu and by an Add (not only by the
+    # LeakyRelu), and a Conv whose fused Relu feeds a LeakyRelu
+    n.extend(
+        [
+            helper.make_node(
+                "Conv",
+                ["r1", w("w4", (8, 8, 1, 1)), w("b4", (8,), 0.1)],
+                ["c4"],
+                name="conv4",
+                kernel_shape=[1, 1],
+                pads=[0, 0, 0, 0],
+                strides=[1, 1],
+                dilations=[1, 1],
+                group=1,
+            ),
+            helper.make_node("LeakyRelu", ["c4"], ["l4"], name="leaky4", alpha=0.1),
+            helper.make_node("Add", ["c4", "l4"], ["a4"], name="add4"),
+            helper.make_node(
+                "Conv",
+                ["a4", w("w5", (8, 8, 1, 1)), w("b5", (8,), 0.1)],
+                ["c5"],
+                name="conv5",
+                kernel_shape=[1, 1],
+                pads=[0, 0, 0, 0],
+                strides=[1, 1],
+                dilations=[1, 1],
+                group=1,
+            ),
+            helper.make_node("Relu", ["c5"], ["r5"], name="relu5"),
+            helper.make_node("LeakyRelu", ["r5"], ["l5"], name="leaky5", alpha=0.1),
+        ]
+    )
+    n.append(helper.make_node("Concat", ["k3", "a1", "l5"], ["cat"], name="concat", axis=1))
     n.append(
         helper.make_node(
             "MaxPool", ["cat"], ["mp"], name="maxpool", kernel_shape=[2, 2], strides=[2, 2]
@@ -139,7 +171,7 @@ def build(seed: int = 0) -> onnx.ModelProto:
     n.append(
         helper.make_node(
             "ConvTranspose",
-            ["rs", w("wt", (16, 4, 2, 2)), w("bt", (4,), 0.1)],
+            ["rs", w("wt", (24, 4, 2, 2)), w("bt", (4,), 0.1)],
             ["ct"],
             name="convT",
             kernel_shape=[2, 2],

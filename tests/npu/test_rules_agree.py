@@ -78,6 +78,7 @@ def test_graph_holds_every_rule_op(every_rule_op):
         ("conv1", "Relu"),
         ("conv2", "LeakyRelu"),
         ("conv3", "PRelu"),
+        ("conv5", "Relu"),
         ("hsig1", "Mul"),
         ("avgpool", "Mul"),
         ("gap", "Mul"),
