@@ -15,7 +15,8 @@ import types
 
 import onnx
 
-from quark_onnx.npu.readiness import ADVISORY_RULES, CheckResult, Finding, check
+from quark_onnx.npu.findings import ADVISORY_RULES, CheckResult, Finding
+from quark_onnx.npu.readiness import check
 
 __all__ = ["ADVISORY_RULES", "CheckResult", "Finding", "check"]
 

@@ -43,12 +43,11 @@ What is checked (rule ids in brackets):
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,9 @@ import onnx_ir as ir
 from quark_onnx.model_io import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
+from quark_onnx.npu.findings import CheckResult, Finding, node_label
 from quark_onnx.npu.rules import Pos, Site
+from quark_onnx.npu.structure import model_findings
 from quark_onnx.passes._graph import constant_array, single_consumer
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ _QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
 _FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 )
-_CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})
-_CONV_ATTRIBUTES = ("kernel_shape", "strides", "pads", "dilations", "group")
 
 
 def _row(node: ir.Node) -> npu_ops.OpSpec | None:
@@ -91,90 +90,6 @@ def _fuses(producer: ir.Node, consumer: ir.Node) -> bool:
     return (p_row.fusable_producer and c_row.fuse_option is not None) or (
         p_row.dpu_scale_mul and consumer.op_type == "Mul"
     )
-
-
-#: Rules that do not stop a model from compiling for the NPU: the op runs on the CPU between NPU
-#: partitions (it costs speed, not correctness). Reported as warnings; every other rule is an
-#: error and makes the model not ready.
-ADVISORY_RULES = frozenset({"unsupported_op"})
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One reason a model is not Vitis AI-ready (or, for advisory rules, runs partly on the CPU).
-
-    Attributes:
-        rule: short id (``"shift_cut"``, ``"non_pof2_scale"``, ``"unsupported_op"`` ...).
-        node: the node's name, or the tensor's name for tensor findings; None for the model.
-        message: names the node/tensor, the values, the allowed range and the fix.
-    """
-
-    rule: str
-    node: str | None
-    message: str
-
-    @property
-    def severity(self) -> str:
-        """``"warning"`` for :data:`ADVISORY_RULES`, else ``"error"``."""
-        return "warning" if self.rule in ADVISORY_RULES else "error"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "severity": self.severity,
-            "node": self.node,
-            "message": self.message,
-        }
-
-
-@dataclass
-class CheckResult:
-    """Every :class:`Finding` of one model; ready when none of them is an error."""
-
-    findings: list[Finding] = field(default_factory=list)
-    model: str | None = None
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "warning"]
-
-    @property
-    def ready(self) -> bool:
-        return not self.errors
-
-    def by_rule(self, rule: str) -> list[Finding]:
-        """The findings of one rule id."""
-        return [f for f in self.findings if f.rule == rule]
-
-    def rules(self) -> set[str]:
-        """The distinct rule ids found."""
-        return {f.rule for f in self.findings}
-
-    def summary(self) -> str:
-        """``Vitis AI ready`` or ``NOT Vitis AI ready``, then one line per finding, errors first."""
-        head = (
-            "Vitis AI ready" if self.ready else f"NOT Vitis AI ready ({len(self.errors)} error(s))"
-        )
-        if self.warnings:
-            head += f", {len(self.warnings)} warning(s)"
-        lines = [head]
-        lines += [f"  error {f.rule}: {f.message}" for f in self.errors]
-        lines += [f"  warning {f.rule}: {f.message}" for f in self.warnings]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``ready``, ``model``, ``counts`` per rule and the ``findings``."""
-        counts = collections.Counter(f.rule for f in self.findings)
-        return {
-            "ready": self.ready,
-            "model": self.model,
-            "counts": dict(sorted(counts.items())),
-            "findings": [f.to_dict() for f in self.findings],
-        }
 
 
 def check(model: str | os.PathLike | onnx.ModelProto) -> CheckResult:
@@ -206,13 +121,6 @@ class _Pos:
 
     tensor: str
     pos: int | None
-
-
-def _label(node: ir.Node) -> str:
-    if node.name:
-        return node.name
-    out = node.outputs[0].name if node.outputs else None
-    return out or f"<unnamed {node.op_type}>"
 
 
 def _is_q(node: ir.Node) -> bool:
@@ -257,104 +165,24 @@ class _Checker:
         self.findings.append(Finding(rule, node, message))
 
     def run(self) -> list[Finding]:
-        self._model_level()
+        self.findings += model_findings(self.graph, self.label, self.nodes, self.has_qdq)
         self._qdq_parameters()
         self._ops()
         self._shift_rules()
         return self.findings
 
     # ---------------------------------------------------------------- model level
-    def _model_level(self) -> None:
-        if not self.has_qdq:
-            computing = sum(1 for n in self.nodes if n.op_type not in ("Constant",))
-            self.add(
-                "not_quantized",
-                None,
-                f"model {self.label!r} is not quantized: it has no QuantizeLinear/"
-                f"DequantizeLinear nodes, so its {computing} float nodes would run on the CPU; "
-                "quantize it with the XINT8 configuration (quark_onnx.ModelQuantizer with "
-                "get_default_config('XINT8'))",
-            )
-        for value in self.graph.inputs:
-            if value.is_initializer():
-                continue
-            shape = value.shape
-            if shape is None:
-                self.add(
-                    "dynamic_shape",
-                    value.name,
-                    f"graph input {value.name!r} has no shape; the NPU compiles static shapes "
-                    "only: give the input a fixed shape (batch 1)",
-                )
-                continue
-            dims = list(shape.dims)
-            loose = [i for i, d in enumerate(dims) if not isinstance(d, int)]
-            if loose:
-                shown = ["?" if getattr(d, "value", d) is None else str(d) for d in dims]
-                self.add(
-                    "dynamic_shape",
-                    value.name,
-                    f"graph input {value.name!r} has shape [{', '.join(shown)}] with symbolic or "
-                    f"unknown dims at axes {loose}; the NPU compiles static shapes only: "
-                    f"quantize with the FixShapes option (--set FixShapes='{value.name}:[1,...]' "
-                    "with batch 1, or --fix-shapes-from-calib to take the calibration data's "
-                    "shape)",
-                )
-            if len(dims) >= 2 and isinstance(dims[0], int) and dims[0] > 1:
-                self.add(
-                    "batch_size",
-                    value.name,
-                    f"graph input {value.name!r} has batch size {dims[0]} (shape "
-                    f"{[d if isinstance(d, int) else str(d) for d in dims]}); the NPU runs batch "
-                    "1 only: export the model with batch 1",
-                )
-        conv_count = 0
-        for node in ir.traversal.RecursiveGraphIterator(self.graph):
-            if node.op_type in _CONTROL_FLOW and node.domain in _STANDARD_DOMAINS:
-                self.add(
-                    "control_flow",
-                    _label(node),
-                    f"{node.op_type} node {_label(node)!r}: control flow (Loop/If/Scan) is not "
-                    "compiled for the NPU (an If with data-dependent shapes aborts Vitis AI EP "
-                    "session creation); unroll or fold it, or split the model at that node",
-                )
-            if node.op_type == "Conv" and node.domain in _STANDARD_DOMAINS:
-                conv_count += 1
-        if conv_count < rules.MIN_CONV_NODES:
-            self.add(
-                "too_few_conv",
-                None,
-                f"model {self.label!r} has {conv_count} Conv node(s); the Vitis AI EP compiles a "
-                f"model for the NPU only with at least {rules.MIN_CONV_NODES} Conv nodes "
-                "(XLNX_MINIMUM_NUM_OF_CONV), otherwise everything runs on the CPU",
-            )
-        for node in self.nodes:
-            if node.op_type != "Conv" or node.domain not in _STANDARD_DOMAINS:
-                continue
-            if len(node.inputs) < 2:
-                continue
-            missing = [a for a in _CONV_ATTRIBUTES if a not in node.attributes]
-            if missing:
-                self.add(
-                    "conv_default_attributes",
-                    _label(node),
-                    f"Conv {_label(node)!r} relies on ONNX defaults for {', '.join(missing)}; the "
-                    "Vitis AI EP aborts session creation on such a Conv: write all of "
-                    "kernel_shape, strides, pads, dilations, group explicitly (pass "
-                    "MakeConvAttributesExplicit, or onnxsim.legalize_for_vitisai)",
-                )
-
     # ---------------------------------------------------------------- Q/DQ parameters
     def _tensor_of(self, node: ir.Node) -> str:
         """The float tensor a Q/DQ quantizes: Q's input, or the Q input before a DQ."""
         source = node.inputs[0]
         if source is None:
-            return _label(node)
+            return node_label(node)
         if _is_dq(node):
             producer = source.producer()
             if producer is not None and _is_q(producer) and producer.inputs[0] is not None:
-                return producer.inputs[0].name or source.name or _label(node)
-        return source.name or _label(node)
+                return producer.inputs[0].name or source.name or node_label(node)
+        return source.name or node_label(node)
 
     def _qdq_parameters(self) -> None:
         seen: dict[tuple[str | None, str | None], _Pos] = {}
@@ -383,7 +211,7 @@ class _Checker:
                 "non_pof2_scale",
                 tensor,
                 f"tensor {tensor!r}: the scale {scale_name!r} of {node.op_type} "
-                f"{_label(node)!r} is not a constant, so it cannot be a fixed power of two; "
+                f"{node_label(node)!r} is not a constant, so it cannot be a fixed power of two; "
                 "store scales as initializers",
             )
             return None
@@ -393,7 +221,7 @@ class _Checker:
             self.add(
                 "per_axis_scale",
                 tensor,
-                f"tensor {tensor!r}: {node.op_type} {_label(node)!r} has a per-axis scale "
+                f"tensor {tensor!r}: {node.op_type} {node_label(node)!r} has a per-axis scale "
                 f"{scale_name!r} of {values.size} values (axis {axis}); the NPU takes one scale "
                 "per tensor: quantize per tensor (per_channel=False)",
             )
@@ -428,7 +256,7 @@ class _Checker:
                 self.add(
                     "quant_dtype",
                     tensor,
-                    f"tensor {tensor!r} is quantized to int32 by {_label(node)!r}; XINT8 uses "
+                    f"tensor {tensor!r} is quantized to int32 by {node_label(node)!r}; XINT8 uses "
                     "int32 only for Conv/Gemm bias: quantize it to int8",
                 )
             expected = 0
@@ -442,7 +270,7 @@ class _Checker:
                 "quant_dtype",
                 tensor,
                 f"tensor {tensor!r} is quantized to {dtype.name.lower()} by "
-                f"{_label(node)!r}; XINT8 needs int8 (activations may be uint8 with zero point "
+                f"{node_label(node)!r}; XINT8 needs int8 (activations may be uint8 with zero point "
                 f"128; {what}): use the XINT8 preset's types",
             )
             return
@@ -451,7 +279,7 @@ class _Checker:
                 self.add(
                     "nonzero_zero_point",
                     tensor,
-                    f"tensor {tensor!r}: zero point {zero_point.name!r} of {_label(node)!r} is "
+                    f"tensor {tensor!r}: zero point {zero_point.name!r} of {node_label(node)!r} is "
                     f"not a constant; XINT8 needs a constant {expected}",
                 )
                 return
@@ -528,7 +356,7 @@ class _Checker:
         for node in self.nodes:
             if _is_q(node) or _is_dq(node):
                 continue
-            label = _label(node)
+            label = node_label(node)
             if not self._on_npu(node):
                 if self._computes_on_tensors(node):
                     op = (
@@ -656,7 +484,7 @@ class _Checker:
             if x is None:
                 return None
             return Site(
-                node=_label(node),
+                node=node_label(node),
                 op_type=node.op_type,
                 inputs=(x,),
                 output=self._known(self.output_pos(node)),
@@ -671,7 +499,7 @@ class _Checker:
         if not ins or any(p is None for p in ins):
             return None
         return Site(
-            node=_label(node),
+            node=node_label(node),
             op_type=node.op_type,
             inputs=tuple(p for p in ins if p is not None),
             output=self._known(self.output_pos(node)),
@@ -696,7 +524,7 @@ class _Checker:
         known = [self._known(p) for p in ins]
         out = self._known(self.output_pos(node))
         group = [p for p in known if p is not None]
-        site = Site(_label(node), node.op_type, inputs=tuple(group), output=out)
+        site = Site(node_label(node), node.op_type, inputs=tuple(group), output=out)
         violation = rules.RULES["shared_scale"].evaluate(site)
         if violation is not None:
             self.add(violation.rule, violation.node, violation.message)
