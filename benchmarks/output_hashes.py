@@ -237,13 +237,37 @@ def _mobilenet_case(preset: str) -> Case:
     return Case(f"mobilenetv2/{preset}", False, run, ("models/mobilenetv2_rebuilt.onnx",))
 
 
+def _every_rule_op():
+    """The test graph holding every NPU rule op (``tests/npu/graphs.py``)."""
+    sys.path.insert(0, str(REPO / "tests" / "npu"))
+    from graphs import build
+
+    return build()
+
+
+def _shared_case(tag: str, model: str, name: str, shape: tuple, scale: float) -> Case:
+    """XINT8 on a shared model, calibrated on four seeded random arrays of ``shape``."""
+
+    def run(folder: Path) -> Path:
+        x = np.random.default_rng(5).standard_normal((4, *shape)) * scale
+        path = str(SHARED / "models" / model)
+        return _quantize_api(path, "XINT8", {name: x.astype(np.float32)}, folder / f"{tag}.onnx")
+
+    return Case(f"{tag}/XINT8", False, run, (f"models/{model}",))
+
+
 def cases() -> list[Case]:
     out = [_small_case(_small_cnn, "small_cnn", p, (1, 3, 16, 16)) for p in PRESETS]
     out += [_small_case(_small_mlp, "small_mlp", p, (4, 64)) for p in PRESETS]
+    out.append(_small_case(_every_rule_op, "every_rule_op", "XINT8", (1, 3, 16, 16)))
     out.append(_small_cli_case())
     out += [_digits_case(p) for p in PRESETS]
     out += [_squeezenet_cli_case(p) for p in REAL_PRESETS]
     out += [_mobilenet_case(p) for p in ("XINT8", "A8W8")]
+    out.append(
+        _shared_case("person_detector", "person_detector_192.onnx", "images", (3, 192, 192), 64.0)
+    )
+    out.append(_shared_case("ppocr", "ppocr_direction_cls.onnx", "x", (3, 48, 192), 0.5))
     return out
 
 

@@ -122,8 +122,8 @@ class PlannedNode:
     ``output`` is the tensor whose position is this node's output position: the node's own output,
     or the fused activation's output when the pair between them is removed (``fused_tensor``).
     ``fused_op``: the op type fused after this node (Relu/Clip/LeakyRelu/PRelu, or the ``Mul`` of
-    the DPU simulation); ``next_op``: op type of the single consumer of the (fused) output, if any
-    (the shift_bias rule needs to know whether a LeakyRelu follows).
+    the DPU simulation); ``readers``: the op types reading the node's own output (the shift_bias
+    rule needs to know whether a LeakyRelu reads it, fused or not, as the DPU compiler does).
     """
 
     name: str
@@ -134,12 +134,13 @@ class PlannedNode:
     bias: str | None = None
     fused_tensor: str | None = None
     fused_op: str | None = None
-    next_op: str | None = None
+    readers: tuple[str, ...] = ()
 
     @property
     def before_leaky_relu(self) -> bool:
-        """A LeakyRelu follows the output (fused into this node, or its single consumer)."""
-        return "LeakyRelu" in (self.fused_op, self.next_op)
+        """A LeakyRelu reads the node's own output (fused into it or not; not after a fused
+        Relu: the constraint is on the layer whose output the LeakyRelu takes)."""
+        return "LeakyRelu" in self.readers
 
     @property
     def activation_inputs(self) -> tuple[str, ...]:
@@ -706,18 +707,16 @@ def build_plan(
                     weight = slots[slot]
             elif strategy is not QuantStrategy.WEIGHT_ONLY:
                 slots[slot] = register(value, TensorKind.ACTIVATION, qconfig.activation_type)
-        output = fused_tensor = next_op = fused_op = None
+        output = fused_tensor = fused_op = None
+        readers: tuple[str, ...] = ()
         if node.outputs:
             out = node.outputs[0]
-            consumer = single_consumer(out)
-            next_op = consumer.op_type if consumer is not None else None
+            readers = tuple(sorted({use.node.op_type for use in out.uses()}))
             if id(out) in fused_by_value:
                 fused_tensor = out.name
                 fused_op = fused_by_value[id(out)].activation_op
                 act_out = fused_act_output[id(out)]
                 output = act_out.name if _is_float(act_out) else None
-                act_consumer = single_consumer(act_out)
-                next_op = act_consumer.op_type if act_consumer is not None else None
             elif static and policy.quantize_output:
                 output = register(out, TensorKind.ACTIVATION, qconfig.activation_type)
         if not static and not any(slots):
@@ -731,7 +730,7 @@ def build_plan(
             bias=bias,
             fused_tensor=fused_tensor,
             fused_op=fused_op,
-            next_op=next_op,
+            readers=readers,
         )
         planned.append(planned_node)
         if node.outputs:

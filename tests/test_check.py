@@ -348,9 +348,8 @@ def test_hard_sigmoid(p_in, p_out, ok):
     a = g.input("a", p_in)
     g.output(g.op("HardSigmoid", [a], "hsig", alpha=2731 / 16384, beta=0.5), p_out)
     found = check(g.model()).rules()
-    # HardSigmoid runs on the CPU in XINT8 (GUIDE §3), so it is always an unsupported op too.
-    assert found - {"unsupported_op"} == (set() if ok else {"hard_sigmoid"})
-    assert "unsupported_op" in found
+    # HardSigmoid is computed by the NPU (quark_onnx.npu.ops): its position rule is the finding
+    assert found == (set() if ok else {"hard_sigmoid"})
 
 
 # ------------------------------------------------------------------------- Q/DQ parameters
@@ -602,9 +601,10 @@ def test_hard_sigmoid_rule():
 
 
 def test_op_sets():
-    for op in ("Sigmoid", "HardSigmoid", "Split", "ConvTranspose", "Gather", "PRelu"):
+    # PRelu is on the NPU only fused into its producer (quark_onnx.npu.ops: Placement.FUSED)
+    for op in ("Sigmoid", "Split", "ConvTranspose", "Gather", "PRelu"):
         assert op not in R.XINT8_OPS
-    for op in ("Conv", "Gemm", "Add", "Mul", "Concat", "MaxPool", "QuantizeLinear"):
+    for op in ("Conv", "Gemm", "Add", "Mul", "Concat", "MaxPool", "QuantizeLinear", "HardSigmoid"):
         assert op in R.XINT8_OPS
     assert "DequantizeLinear" in R.XINT8_OPS
     assert {"Concat", "MaxPool", "AveragePool", "GlobalAveragePool", "Pad", "Slice"} == set(

@@ -147,9 +147,6 @@ MAX_FUNCTION_LINES = 120
 
 #: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
 LONG_MODULES = {
-    "quark_onnx/check.py": "the readiness checker: moving, with the NPU rule tables, into one "
-    "package of op facts, rules, solver and checker",
-    "quark_onnx/constraints.py": "the position solver: moving into the same NPU rules package",
     "quark_onnx/plan.py": "the planner: build_plan and the Erf-Gelu matcher become patterns",
     "quark_onnx/quantizer.py": "ModelQuantizer: quantize_model becomes the one pipeline sequencer "
     "that recipe.rebuild shares",

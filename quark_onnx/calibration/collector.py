@@ -61,6 +61,7 @@ from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibra
 from quark_onnx.errors import CalibrationError
 from quark_onnx.memory import release_freed_memory
 from quark_onnx.model_io import copy_fields, fits_in_protobuf, save_model
+from quark_onnx.npu.ops import spec
 from quark_onnx.options import ExtraOptions, closest_name
 from quark_onnx.progress import Progress
 
@@ -76,7 +77,14 @@ _FLOAT_TYPES = {
     onnx.TensorProto.DOUBLE,
     onnx.TensorProto.BFLOAT16,
 }
-_SAME_VALUES_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+
+
+def _same_values(op_type: str) -> bool:
+    """The op's output values are input values (its row in the NPU op table says so)."""
+    row = spec(op_type)
+    return row is not None and row.same_values
+
+
 _HISTOGRAM_METHODS = {
     PowerOfTwoMethod.MinMSE,
     CalibrationMethod.Percentile,
@@ -365,12 +373,12 @@ class Collector:
         src = node.input[0]
         if self.moving_average is not None:
             # batch-wise averages do not commute with Relu or Concat; identical data still is
-            return "same" if node.op_type in _SAME_VALUES_OPS and src in wanted else None
+            return "same" if _same_values(node.op_type) and src in wanted else None
         if node.domain not in ("", "ai.onnx"):
             return None
         if node.op_type == "Relu" and src in wanted:
             return "relu"
-        if node.op_type in _SAME_VALUES_OPS and src in wanted:
+        if _same_values(node.op_type) and src in wanted:
             return "same"
         if node.op_type == "Dropout" and len(node.input) < 3 and src in wanted:
             return "same"

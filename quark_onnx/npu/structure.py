@@ -1,0 +1,103 @@
+"""Model-level readiness findings: the structure the Vitis AI EP needs, before any op."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from quark_onnx.npu import rules
+from quark_onnx.npu.findings import Finding, node_label
+
+_STANDARD_DOMAINS = ("", "ai.onnx")
+_CONTROL_FLOW = frozenset({"Loop", "If", "Scan"})
+_CONV_ATTRIBUTES = ("kernel_shape", "strides", "pads", "dilations", "group")
+
+
+def model_findings(
+    graph: ir.Graph, label: str, nodes: list[ir.Node], has_qdq: bool
+) -> list[Finding]:
+    """The model-level findings: not quantized, dynamic shapes, batch size, control flow, too few
+    Conv nodes, Conv attributes left to their defaults."""
+    findings: list[Finding] = []
+
+    def add(rule: str, node: str | None, message: str) -> None:
+        findings.append(Finding(rule, node, message))
+
+    if not has_qdq:
+        computing = sum(1 for n in nodes if n.op_type not in ("Constant",))
+        add(
+            "not_quantized",
+            None,
+            f"model {label!r} is not quantized: it has no QuantizeLinear/"
+            f"DequantizeLinear nodes, so its {computing} float nodes would run on the CPU; "
+            "quantize it with the XINT8 configuration (quark_onnx.ModelQuantizer with "
+            "get_default_config('XINT8'))",
+        )
+    for value in graph.inputs:
+        if value.is_initializer():
+            continue
+        shape = value.shape
+        if shape is None:
+            add(
+                "dynamic_shape",
+                value.name,
+                f"graph input {value.name!r} has no shape; the NPU compiles static shapes "
+                "only: give the input a fixed shape (batch 1)",
+            )
+            continue
+        dims = list(shape.dims)
+        loose = [i for i, d in enumerate(dims) if not isinstance(d, int)]
+        if loose:
+            shown = ["?" if getattr(d, "value", d) is None else str(d) for d in dims]
+            add(
+                "dynamic_shape",
+                value.name,
+                f"graph input {value.name!r} has shape [{', '.join(shown)}] with symbolic or "
+                f"unknown dims at axes {loose}; the NPU compiles static shapes only: "
+                f"quantize with the FixShapes option (--set FixShapes='{value.name}:[1,...]' "
+                "with batch 1, or --fix-shapes-from-calib to take the calibration data's "
+                "shape)",
+            )
+        if len(dims) >= 2 and isinstance(dims[0], int) and dims[0] > 1:
+            add(
+                "batch_size",
+                value.name,
+                f"graph input {value.name!r} has batch size {dims[0]} (shape "
+                f"{[d if isinstance(d, int) else str(d) for d in dims]}); the NPU runs batch "
+                "1 only: export the model with batch 1",
+            )
+    conv_count = 0
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.op_type in _CONTROL_FLOW and node.domain in _STANDARD_DOMAINS:
+            add(
+                "control_flow",
+                node_label(node),
+                f"{node.op_type} node {node_label(node)!r}: control flow (Loop/If/Scan) is not "
+                "compiled for the NPU (an If with data-dependent shapes aborts Vitis AI EP "
+                "session creation); unroll or fold it, or split the model at that node",
+            )
+        if node.op_type == "Conv" and node.domain in _STANDARD_DOMAINS:
+            conv_count += 1
+    if conv_count < rules.MIN_CONV_NODES:
+        add(
+            "too_few_conv",
+            None,
+            f"model {label!r} has {conv_count} Conv node(s); the Vitis AI EP compiles a "
+            f"model for the NPU only with at least {rules.MIN_CONV_NODES} Conv nodes "
+            "(XLNX_MINIMUM_NUM_OF_CONV), otherwise everything runs on the CPU",
+        )
+    for node in nodes:
+        if node.op_type != "Conv" or node.domain not in _STANDARD_DOMAINS:
+            continue
+        if len(node.inputs) < 2:
+            continue
+        missing = [a for a in _CONV_ATTRIBUTES if a not in node.attributes]
+        if missing:
+            add(
+                "conv_default_attributes",
+                node_label(node),
+                f"Conv {node_label(node)!r} relies on ONNX defaults for {', '.join(missing)}; the "
+                "Vitis AI EP aborts session creation on such a Conv: write all of "
+                "kernel_shape, strides, pads, dilations, group explicitly (pass "
+                "MakeConvAttributesExplicit, or onnxsim.legalize_for_vitisai)",
+            )
+    return findings
