@@ -237,3 +237,14 @@ def test_graph_output_range_is_kept_when_no_rule_forces_a_clip():
         )
     )
     assert 127 * 2.0 ** -quantizer.report.positions["y"] >= peak / 2
+
+
+def test_random_calibration_keeps_samples_for_bias_correction(tmp_path):
+    # the random reader is built once and its samples kept: bias correction runs on them
+    qc = get_default_config("XINT8")
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=8)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantizer.quantize_model(shared_path("models", "digits_cnn.onnx"), tmp_path / "q.onnx")
+    corrected = quantizer.report.bias_correction
+    assert corrected["samples"] == 8
+    assert corrected["layers"] > 0 and corrected["changed_channels"] > 0
