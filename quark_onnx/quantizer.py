@@ -704,6 +704,9 @@ class _PeekableReader:
         self._ended = False
         self._keep = keep
         self.kept: list[dict[str, np.ndarray]] = []
+        # the wrapped reader's length, so that calibration's guard does not cap a reader of
+        # known length (``--random-calib 100000`` reads 100,000 samples, not the default cap)
+        self.num_samples: int | None = getattr(reader, "num_samples", None)
 
     def _remember(self, feed: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
         if feed is not None and len(self.kept) < self._keep:

@@ -248,3 +248,22 @@ def test_random_calibration_keeps_samples_for_bias_correction(tmp_path):
     corrected = quantizer.report.bias_correction
     assert corrected["samples"] == 8
     assert corrected["layers"] > 0 and corrected["changed_channels"] > 0
+
+
+def test_random_calibration_reads_every_sample_asked_for(tmp_path, monkeypatch):
+    # a reader of known length is not capped at the default for readers of unknown length
+    from quark_onnx.calibration import readers
+
+    monkeypatch.setattr(readers, "DEFAULT_MAX_FEEDS", 5)
+    w = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    model = make_model(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        {"w": w},
+    )
+    qc = get_default_config("XINT8")
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=12)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantizer.quantize_model(model, tmp_path / "q.onnx")
+    assert quantizer.report.calibration["samples"] == 12
