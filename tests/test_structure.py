@@ -224,3 +224,19 @@ def test_the_size_probes_count_what_they_claim(tmp_path):
     assert long_modules(files, tmp_path) == {}
     (tmp_path / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     assert long_modules(files, tmp_path) == {"big.py": MAX_MODULE_LINES + 1}
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """A package directory missing from pyproject's ``packages`` installs from a checkout
+    (editable) but not from a wheel: ``pip install .`` then fails at import."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        "quark_onnx." + ".".join(p.parent.relative_to(REPO / "quark_onnx").parts)
+        for p in (REPO / "quark_onnx").rglob("__init__.py")
+    }
+    found = {name.rstrip(".") for name in found}
+    assert found - listed == set()
