@@ -119,7 +119,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -234,32 +234,44 @@ class ChannelStats:
 
 
 def channel_statistics(
-    model: ir.Model, feeds: dict[str, np.ndarray], names: Sequence[str]
+    model: ir.Model,
+    feeds: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
+    names: Sequence[str],
 ) -> dict[str, ChannelStats]:
-    """:class:`ChannelStats` of the named values of ``model`` on ``feeds`` (onnxruntime, CPU,
-    graph optimisations off); values of rank < 2 or empty are left out."""
-    import onnx
-
+    """:class:`ChannelStats` of the named values of ``model`` over ``feeds`` (one feed or
+    several, one onnxruntime session, CPU, graph optimisations off); values of rank < 2 or empty
+    are left out."""
     from quark_onnx import runtime
 
-    def add_outputs(proto: onnx.ModelProto) -> None:
-        known = {o.name for o in proto.graph.output}
-        for name in names:
-            if name not in known:
-                proto.graph.output.append(onnx.ValueInfoProto(name=name))
-
-    session = runtime.create_session(model, purpose="channel_statistics", edit=add_outputs)
-    arrays = session.run(list(names), feeds)
-    stats = {}
-    for name, array in zip(names, arrays, strict=True):
-        if array.ndim >= 2 and array.size:
+    names = list(names)
+    session = runtime.create_session(
+        model, purpose="channel_statistics", edit=lambda p: runtime.add_outputs(p, names)
+    )
+    batches = [feeds] if isinstance(feeds, Mapping) else list(feeds)
+    max_abs: dict[str, np.ndarray] = {}
+    square: dict[str, np.ndarray] = {}
+    nonzero: dict[str, np.ndarray] = {}
+    count: dict[str, int] = {}
+    for feed in batches:
+        for name, array in zip(names, session.run(names, dict(feed)), strict=True):
+            if array.ndim < 2 or not array.size:
+                continue
             flat = np.moveaxis(array.astype(np.float64), 1, 0).reshape(array.shape[1], -1)
-            stats[name] = ChannelStats(
-                np.abs(flat).max(axis=1),
-                np.mean(np.square(flat), axis=1),
-                np.mean(flat != 0, axis=1),
-            )
-    return stats
+            peak = np.abs(flat).max(axis=1)
+            if name in max_abs:
+                max_abs[name] = np.maximum(max_abs[name], peak)
+                square[name] += np.square(flat).sum(axis=1)
+                nonzero[name] += (flat != 0).sum(axis=1)
+                count[name] += flat.shape[1]
+            else:
+                max_abs[name] = peak
+                square[name] = np.square(flat).sum(axis=1)
+                nonzero[name] = (flat != 0).sum(axis=1).astype(np.float64)
+                count[name] = flat.shape[1]
+    return {
+        name: ChannelStats(max_abs[name], square[name] / count[name], nonzero[name] / count[name])
+        for name in max_abs
+    }
 
 
 def activation_noise(stats: ChannelStats, scale: np.ndarray, reads: np.ndarray) -> float:

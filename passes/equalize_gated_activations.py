@@ -244,12 +244,8 @@ class EqualizeGatedActivations(QuarkPass):
         names = sorted({name for name in names if name})
         if not self.sample_feeds or not names:
             return {}
-        ranges: dict[str, np.ndarray] = {}
         try:
-            for feeds in self.sample_feeds:
-                for name, stat in channel_statistics(model, feeds, names).items():
-                    r = stat.max_abs
-                    ranges[name] = np.maximum(ranges[name], r) if name in ranges else r
+            stats = channel_statistics(model, self.sample_feeds, names)
         except Exception as exc:  # onnxruntime raises its own exception types
             text = str(exc).strip()
             logger.warning(
@@ -258,7 +254,7 @@ class EqualizeGatedActivations(QuarkPass):
                 text.splitlines()[0] if text else type(exc).__name__,
             )
             return {}
-        return ranges
+        return {name: stat.max_abs for name, stat in stats.items()}
 
     def _rewrite(
         self, graph: ir.Graph, conv: ir.Node, names: NameGenerator, *, dry_run: bool = False

@@ -36,6 +36,7 @@ __all__ = [
     "COUNTS",
     "CPU",
     "Counts",
+    "add_outputs",
     "create_session",
     "serialize",
     "session_options",
@@ -97,6 +98,16 @@ def serialize(model: onnx.ModelProto) -> bytes:
     """``model``'s bytes (one counted full-model serialisation)."""
     COUNTS.serialisations += 1
     return model.SerializeToString()
+
+
+def add_outputs(proto: onnx.ModelProto, names: Sequence[str]) -> int:
+    """Make the named tensors graph outputs of ``proto`` (those not already outputs, once each),
+    so that a session returns them; the number added (a caller that edits a user's proto
+    removes them again from the end)."""
+    present = {o.name for o in proto.graph.output}
+    added = [n for n in dict.fromkeys(names) if n not in present]
+    proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in added)
+    return len(added)
 
 
 def create_session(

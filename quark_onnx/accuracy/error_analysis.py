@@ -73,15 +73,11 @@ def _session(model: onnx.ModelProto | ir.Model, outputs: Sequence[str]) -> Any:
     them only while it is serialized; an IR model is serialized by the session's builder."""
     from quark_onnx import runtime
 
-    def add_outputs(proto: onnx.ModelProto) -> int:
-        present = {o.name for o in proto.graph.output}
-        added = [n for n in dict.fromkeys(outputs) if n not in present]
-        proto.graph.output.extend(onnx.ValueInfoProto(name=n) for n in added)
-        return len(added)
-
     if isinstance(model, ir.Model):
-        return runtime.create_session(model, purpose="error_analysis", edit=add_outputs)
-    added = add_outputs(model)
+        return runtime.create_session(
+            model, purpose="error_analysis", edit=lambda p: runtime.add_outputs(p, outputs)
+        )
+    added = runtime.add_outputs(model, outputs)
     try:
         data = runtime.serialize(model)
     finally:

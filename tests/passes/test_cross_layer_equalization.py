@@ -16,6 +16,7 @@ from quark_onnx.passes import CrossLayerEqualization
 from quark_onnx.passes.cross_layer_equalization import (
     RANGE_MAX_KEY,
     channel_range_spread,
+    channel_statistics,
     input_channel_ranges,
     output_channel_ranges,
 )
@@ -866,3 +867,19 @@ def test_concat_channel_counts_come_from_the_producers_without_shapes():
     out = ir.to_proto(cle(ir_model).model)
     assert sorted((p.first, p.second) for p in cle.report.pairs) == [("A", "C"), ("B", "C")]
     _assert_float_exact(model, out)
+
+
+def test_channel_statistics_over_several_feeds_equal_numpy_over_all_samples():
+    model = _conv_act_conv(_relu())
+    feeds = [_feeds(model, seed) for seed in (1, 2, 3)]
+    stats = channel_statistics(ir.serde.deserialize_model(model), feeds, ["h", "y"])
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(onnx.ValueInfoProto(name="h"))
+    for index, name in ((1, "h"), (0, "y")):
+        values = np.concatenate([run_ort(probe, f)[index] for f in feeds]).astype(np.float64)
+        flat = np.moveaxis(values, 1, 0).reshape(values.shape[1], -1)
+        np.testing.assert_allclose(stats[name].max_abs, np.abs(flat).max(axis=1), rtol=1e-12)
+        np.testing.assert_allclose(stats[name].mean_square, np.square(flat).mean(axis=1), rtol=1e-9)
+        np.testing.assert_allclose(stats[name].nonzero, np.mean(flat != 0, axis=1), rtol=1e-12)
+    assert np.any(stats["h"].nonzero < 1.0)  # the Relu's zeros are counted
