@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ import onnx
 
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.enums import PowerOfTwoMethod
-from quark_onnx.errors import CalibrationError, ConfigError, FidelityError, QuantizationError
+from quark_onnx.errors import ConfigError, FidelityError, QuantizationError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.report import QuantizationReport
 
@@ -179,7 +179,9 @@ class ModelQuantizer:
                 proto = model_io.signature_proto(model)
 
         _check_architecture(model, source, self.qconfig, require_ready)
-        reader = _make_reader(
+        from quark_onnx.calibration.sources import calibration_source
+
+        reader = calibration_source(
             calibration_data_reader,
             calibration_data_path,
             options,
@@ -692,59 +694,6 @@ def _materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
         model_io.materialize(prepared, external_dir)
 
 
-class _PeekableReader:
-    """Wraps a calibration reader: the first sample can be looked at without losing it, and the
-    first ``keep`` samples are kept (bounded memory) for the stages that run after calibration
-    (bias correction, AdaRound, error analysis)."""
-
-    def __init__(self, reader: Any, keep: int = 0, specs: Sequence[Any] = ()) -> None:
-        self._reader = reader
-        self._specs = list(specs)  # the model's inputs: peeked feeds are checked against them
-        self._ahead: list[dict[str, np.ndarray]] = []  # read by peek, not yet by get_next
-        self._ended = False
-        self._keep = keep
-        self.kept: list[dict[str, np.ndarray]] = []
-        # the wrapped reader's length, so that calibration's guard does not cap a reader of
-        # known length (``--random-calib 100000`` reads 100,000 samples, not the default cap)
-        self.num_samples: int | None = getattr(reader, "num_samples", None)
-
-    def _remember(self, feed: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
-        if feed is not None and len(self.kept) < self._keep:
-            self.kept.append({k: np.array(v, copy=True) for k, v in feed.items()})
-        return feed
-
-    def peek(self, count: int = 1) -> list[dict[str, np.ndarray]]:
-        """Copies of the first ``count`` samples (fewer if the reader has fewer); get_next still
-        returns them, in order.
-
-        Raises:
-            CalibrationError: a peeked feed is not a dict of the model's inputs (the message
-                calibration would give for it).
-        """
-        from quark_onnx.calibration.readers import validate_feed
-
-        while len(self._ahead) < count and not self._ended:
-            feed = self._reader.get_next()
-            if feed is None:
-                self._ended = True
-            else:
-                if self._specs:
-                    try:
-                        validate_feed(feed, self._specs, len(self._ahead), len(self._ahead))
-                    except CalibrationError as exc:
-                        name = getattr(self._reader, "reader_name", type(self._reader).__name__)
-                        raise CalibrationError(f"calibration data reader {name}: {exc}") from exc
-                self._ahead.append(feed)
-        return [{k: np.array(v, copy=True) for k, v in f.items()} for f in self._ahead[:count]]
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._ahead:
-            return self._remember(self._ahead.pop(0))
-        if self._ended:
-            return None
-        return self._remember(self._reader.get_next())
-
-
 def _check_path_arguments(**arguments: Any) -> None:
     """Refuse path arguments of the wrong type (a number, bytes, a list) with the argument named,
     instead of a ``TypeError`` from deep inside."""
@@ -757,74 +706,6 @@ def _check_path_arguments(**arguments: Any) -> None:
         if not isinstance(value, allowed):
             expected = "a path or an onnx.ModelProto" if name == "model_input" else "a path"
             raise ConfigError(f"{name} must be {expected}, got {type(value).__name__}")
-
-
-def _make_reader(
-    reader: Any,
-    npz_path: str | os.PathLike | None,
-    options: ExtraOptions,
-    *,
-    model: onnx.ModelProto,
-    keep: int = 0,
-) -> _PeekableReader | None:
-    from quark_onnx.calibration import ArrayDataReader
-
-    if reader is not None and npz_path is not None:
-        raise ConfigError("give either calibration_data_reader or calibration_data_path, not both")
-    if npz_path is not None:
-        reader = _npz_reader(npz_path, model)
-    elif isinstance(reader, dict):
-        reader = ArrayDataReader(reader)
-    if reader is not None and options.UseRandomData:
-        # The Vitis AI documentation's XINT8 snippet sets UseRandomData and users pass their data
-        # anyway: ranges taken from random inputs say nothing about the real ones, and the kept
-        # samples that bias correction replays would be noise too, so the real data is used.
-        logger.warning(
-            "UseRandomData is set but calibration data was given: calibrating on the given data "
-            "(unset UseRandomData to silence this)"
-        )
-    if reader is None and options.UseRandomData:
-        from quark_onnx.calibration import reader_for
-
-        reader = reader_for(model, None, options)  # kept samples then serve bias correction too
-    if reader is None:
-        return None  # a saved calibration result
-    if not callable(getattr(reader, "get_next", None)):
-        raise ConfigError(
-            f"calibration_data_reader must have get_next() (onnxruntime's "
-            f"CalibrationDataReader protocol); got {type(reader).__name__}"
-        )
-    if callable(getattr(reader, "bind", None)):
-        reader.bind(model)  # readers that take their input name from the model (.npz files)
-    from quark_onnx.calibration.readers import GuardedReader, input_specs
-
-    return _PeekableReader(GuardedReader(reader, options), keep=keep, specs=input_specs(model))
-
-
-def _npz_reader(path: str | os.PathLike, model: onnx.ModelProto) -> Any:
-    """A reader of a ``.npz``/``.npy`` file as the CLI's ``--calib`` reads it: a single-input
-    model takes the only array (or the one named like the input, or ``x``); a multi-input model
-    takes one array per input, named like the inputs (stacked over samples on axis 0)."""
-    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
-    from quark_onnx.calibration.readers import input_specs
-    from quark_onnx.errors import CalibrationError
-
-    names = [spec.name for spec in input_specs(model)]
-    if len(names) <= 1:
-        return NpzDataReader(path, input_name=names[0] if names else None)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = list(archive.files)
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise CalibrationError(
-                    f"{path}: the model has inputs {names}; the archive has arrays {keys} "
-                    f"(missing {missing}): save one array per input, named like the input"
-                )
-            arrays = {n: archive[n] for n in names}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CalibrationError(f"{path}: not a readable .npz file ({exc})") from exc
-    return ArrayDataReader(arrays)
 
 
 #: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed
