@@ -59,6 +59,7 @@ from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import ConfigError, ModelSaveError, QuantizationError, QuarkOnnxError
 from quark_onnx.qparams import QuantParams
+from quark_onnx.sequencer import Stages
 
 logger = logging.getLogger(__name__)
 
@@ -228,21 +229,54 @@ def rebuild(
     """Apply ``params`` to a loaded float model: the config's prepare passes, ``InsertQDQ``, the
     config's finalize passes (``config=None``: ``InsertQDQ`` alone). Runs no calibration.
 
-    ``check`` is called with the prepared ``onnx_ir`` graph before ``InsertQDQ``."""
-    from quark_onnx import model_io
-    from quark_onnx.passes.insert_qdq import InsertQDQ
-    from quark_onnx.pipeline import finalize_passes, quantize_passes, run_passes
+    The stages are :func:`quark_onnx.sequencer.run`'s, the order ``quantize_model`` runs them
+    in, with the parameters taken from the recipe. ``check`` is called with the prepared
+    ``onnx_ir`` graph before ``InsertQDQ``."""
+    from quark_onnx import sequencer
 
-    model = model_io.to_ir(float_model)
-    if config is not None:
-        options = config.validate()
-        run_passes(model, quantize_passes(config, options))
-    if check is not None:
-        check(model.graph)
-    InsertQDQ(params)(model)
-    if config is not None:
-        run_passes(model, finalize_passes(config, options))
-    return model_io.to_proto(model)
+    return sequencer.run(_RecipeStages(float_model, config, params, check)).model
+
+
+class _RecipeStages(Stages):
+    """The pipeline's stages with the parameters taken from a recipe: no plan, no calibration,
+    no accuracy stage (the recipe's codes hold its effect), no check or save."""
+
+    def __init__(
+        self,
+        float_model: onnx.ModelProto,
+        config: QuantizationConfig | None,
+        params: dict[str, QuantParams],
+        check: Callable[[Any], None] | None,
+    ) -> None:
+        self.float_model = float_model
+        self.config = config
+        self.options = config.validate() if config is not None else None
+        self.params = params
+        self.check_graph = check
+
+    def load(self) -> Any:
+        from quark_onnx import model_io
+
+        return model_io.to_ir(self.float_model)
+
+    def prepare(self, model: Any) -> None:
+        from quark_onnx.pipeline import quantize_passes, run_passes
+
+        if self.config is not None:
+            run_passes(model, quantize_passes(self.config, self.options))
+        if self.check_graph is not None:
+            self.check_graph(model.graph)
+
+    def parameters(self, model: Any, plan: Any) -> dict[str, QuantParams]:
+        return self.params
+
+    def finalize(self, model: Any) -> onnx.ModelProto:
+        from quark_onnx import model_io
+        from quark_onnx.pipeline import finalize_passes, run_passes
+
+        if self.config is not None:
+            run_passes(model, finalize_passes(self.config, self.options))
+        return model_io.to_proto(model)
 
 
 # ------------------------------------------------------------------------------------------------
