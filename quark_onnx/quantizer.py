@@ -23,6 +23,7 @@ quantization logic of its own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -76,9 +77,9 @@ class ModelQuantizer:
         self.options: ExtraOptions = config.global_quant_config.validate()
         #: The report of the last :meth:`quantize_model` call.
         self.report: QuantizationReport | None = None
-        #: Tensor name -> QuantParams written by the last :meth:`quantize_model` call, in the
-        #: order written (float-scale flows: with the constants' codes; XINT8: the solved
-        #: positions as scales ``2^-p``, before bias correction and AdaRound change codes).
+        #: Tensor name -> QuantParams the model of the last :meth:`quantize_model` call holds, in
+        #: the order written: scales, zero points and every constant's codes, after AdaRound
+        #: and bias correction (what :func:`quark_onnx.recipe.save_recipe` takes as ``params``).
         self.params: dict[str, Any] | None = None
         #: Keep this many of the first calibration samples in :attr:`kept_samples` (the CLI's
         #: float-vs-quantized comparison reuses them instead of reading the data again).
@@ -331,6 +332,7 @@ class _Run(Stages):
         self.external_dir: Path | None = None
         self.power_of_two = False  # set by the plan
         self.positions: dict[str, int] = {}  # XINT8: the solved positions
+        self.quantized: dict[str, Any] = {}  # constant -> the initializer of its codes
 
     def load(self) -> Any:
         from quark_onnx import model_io
@@ -466,6 +468,7 @@ class _Run(Stages):
         with _stage(self.report, "insert_qdq"):
             inserter = InsertQDQ(plan, parameters) if self.power_of_two else InsertQDQ(parameters)
             inserter(model)
+        self.quantized = inserter.quantized
         return inserter.params
 
     def accuracy(self, model: Any, plan: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -493,7 +496,23 @@ class _Run(Stages):
                 )
                 # a corrected bias may move inside its shift_bias window
                 report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
-        return params
+        return self._written(params, plan)
+
+    def _written(self, params: dict[str, Any], plan: Any) -> dict[str, Any]:
+        """``params`` as the model now holds them: the codes of every constant (AdaRound and
+        bias correction rewrite them in place) and the bias positions bias correction moved."""
+        from quark_onnx import qparams
+
+        moved = (self.report.bias_correction or {}).get("moved_bias_positions", {})
+        written = {}
+        for name, p in params.items():
+            if name in moved:
+                p = qparams.from_position(moved[name], plan.tensors[name].qtype)
+            value = self.quantized.get(name)
+            if value is not None and value.const_value is not None:
+                p = dataclasses.replace(p, codes=value.const_value.numpy())
+            written[name] = p
+        return written
 
     def measure(self, model: Any, plan: Any) -> None:
         report = self.report

@@ -501,12 +501,15 @@ def save_recipe(
     preset: str | None = None,
     verify: bool = True,
     overwrite: bool = False,
+    params: dict[str, QuantParams] | None = None,
 ) -> Path:
     """Write the recipe of ``quantized_model`` to ``directory``; return the ``recipe.json`` path.
 
-    The parameters are read from the quantized model itself (:func:`quark_onnx.importer.
-    extract_params`: scales, zero points and the integer codes of every constant, so AdaRound
-    and bias correction are kept), in the order the quantizer wrote them.
+    The parameters are ``params`` (:attr:`ModelQuantizer.params <quark_onnx.quantizer.
+    ModelQuantizer.params>` after the quantization that wrote the model) or, when not given,
+    read from the quantized model itself (:func:`quark_onnx.importer.extract_params`); either
+    way scales, zero points and the integer codes of every constant, so AdaRound and bias
+    correction are kept, in the order the quantizer wrote them.
 
     Args:
         directory: the recipe folder (created; its parent must exist).
@@ -523,6 +526,8 @@ def save_recipe(
             leave no trace the rebuild could check, and a float model whose weights are all
             quantized is only identified by its structure and its float (unquantized) tensors.
         overwrite: replace a recipe already in ``directory``.
+        params: the parameters the model holds (``ModelQuantizer.params``); read from
+            ``quantized_model`` when None.
 
     Raises:
         RecipeError: ``verify`` failed (the message names the first difference; usually the
@@ -536,7 +541,8 @@ def save_recipe(
     preset = preset or named
     qproto, qlabel = _load_quantized(quantized_model)
     fproto, _ = _load_float(float_model)
-    params = extract_params(qproto)
+    if params is None:
+        params = extract_params(qproto)
     if not params:
         raise RecipeError(
             f"{qlabel}: holds no quantized tensor (no QuantizeLinear/"
