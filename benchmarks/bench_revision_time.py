@@ -2,7 +2,8 @@
 
 ::
 
-    python benchmarks/bench_revision_time.py --base 740763a [--repeats 3] [--models squeezenet,mobilenetv2]
+    python benchmarks/bench_revision_time.py --base 740763a [--repeats 3]
+        [--models squeezenet,mobilenetv2]
 
 The older revision is checked out into a temporary ``git worktree`` (removed at the end). Each
 measurement is one child process that imports ``quark_onnx`` from one revision's sources (its
@@ -63,9 +64,9 @@ def _mount(root: Path) -> str:
 def _child(root: Path, model: str, data: Path, out: Path) -> None:
     """Quantize ``model`` with the revision at ``root``; print one JSON line."""
     source = _mount(root)
-    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-
     from bench_accuracy import MODELS as PATHS
+
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 
     x = np.load(data)
     name = {"squeezenet": "data_0", "mobilenetv2": "input"}[model]
