@@ -12,7 +12,9 @@ measurement is one child process that imports ``quark_onnx`` from one revision's
 until the output file is written, on the 100 shared ImageNet calibration images pre-processed
 once for both (``bench_accuracy.image_arrays``). The revisions alternate within each repeat
 (base, head, base, head...), so load on the shared machine falls on both alike; the fastest of
-the repeats is kept and the ratio is head / base (below 1.0: this checkout is faster).
+the repeats is kept and the ratio is head / base (below 1.0: this checkout is faster). The
+process CPU time of the same call (all threads) is reported beside the wall time: on a machine
+shared with other work it varies less.
 
 The quantized models of both revisions are compared byte for byte as well (a refactor must not
 change them). Results: ``results/revision_time.json`` and ``results/revision_time.md``.
@@ -72,11 +74,11 @@ def _child(root: Path, model: str, data: Path, out: Path) -> None:
     name = {"squeezenet": "data_0", "mobilenetv2": "input"}[model]
     reader = ArrayDataReader({name: x}, batch_size=1)
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     quantizer.quantize_model(str(PATHS[model]), str(out), reader, progress=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    print(json.dumps({"seconds": seconds, "sha256": digest, "source": source}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "sha256": digest, "source": source}))
 
 
 def _measure(root: Path, model: str, data: Path, out: Path) -> dict:
@@ -117,6 +119,7 @@ def main() -> int:
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     base = _git("rev-parse", "--short", args.base)
     seconds: dict[str, dict[str, list[float]]] = {m: {"base": [], "head": []} for m in models}
+    cpu: dict[str, dict[str, list[float]]] = {m: {"base": [], "head": []} for m in models}
     digests: dict[str, dict[str, str]] = {m: {} for m in models}
     with tempfile.TemporaryDirectory(prefix="quark_onnx_rev_") as tmp:
         tmp_path = Path(tmp)
@@ -136,17 +139,26 @@ def main() -> int:
                         out = tmp_path / f"{model}_{rev}.onnx"
                         got = _measure(roots[rev], model, data[model], out)
                         seconds[model][rev].append(got["seconds"])
+                        cpu[model][rev].append(got["cpu"])
                         digests[model][rev] = got["sha256"]
-                        print(f"{model:12s} {rev:4s} {got['seconds']:7.2f} s", flush=True)
+                        print(
+                            f"{model:12s} {rev:4s} {got['seconds']:7.2f} s "
+                            f"(cpu {got['cpu']:7.2f} s)",
+                            flush=True,
+                        )
         finally:
             _git("worktree", "remove", "--force", str(worktree))
     rows = {}
     for model in models:
         b, h = min(seconds[model]["base"]), min(seconds[model]["head"])
+        cb, ch = min(cpu[model]["base"]), min(cpu[model]["head"])
         rows[model] = {
             "base_s": round(b, 3),
             "head_s": round(h, 3),
             "ratio": round(h / b, 3),
+            "base_cpu_s": round(cb, 3),
+            "head_cpu_s": round(ch, 3),
+            "cpu_ratio": round(ch / cb, 3),
             "base_runs": [round(s, 3) for s in seconds[model]["base"]],
             "head_runs": [round(s, 3) for s in seconds[model]["head"]],
             "same_output": digests[model]["base"] == digests[model]["head"],
@@ -168,12 +180,14 @@ def main() -> int:
         f"Fastest of {args.repeats} interleaved runs per revision; "
         "`python benchmarks/bench_revision_time.py --base " + args.base + "`.",
         "",
-        "| model | base s | head s | head / base | same output bytes |",
-        "|---|---:|---:|---:|---|",
+        "| model | base s | head s | head / base | base CPU s | head CPU s | CPU head / base "
+        "| same output bytes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for model, r in rows.items():
         lines.append(
             f"| {model} | {r['base_s']:.2f} | {r['head_s']:.2f} | {r['ratio']:.3f} | "
+            f"{r['base_cpu_s']:.2f} | {r['head_cpu_s']:.2f} | {r['cpu_ratio']:.3f} | "
             f"{'yes' if r['same_output'] else 'NO'} |"
         )
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
