@@ -1,9 +1,10 @@
 """``ModelQuantizer``: the Quark-shaped entry point that runs the whole pipeline.
 
-The stages (GUIDE §1), each a module of its own::
+The stages (GUIDE §1), each a module of its own, in the order :mod:`quark_onnx.sequencer`
+runs them (the order a recipe's rebuild shares)::
 
     load -> prepare passes -> plan -> calibrate -> positions -> NPU constraints -> insert QDQ
-         -> check -> save (+ report)
+         -> accuracy stages -> error analysis, fidelity guard -> finalize -> check -> save
 
 One pipeline serves every strategy and data type; the config selects what each stage does:
 
@@ -16,8 +17,8 @@ One pipeline serves every strategy and data type; the config selects what each s
   :class:`~quark_onnx.qparams.QuantParams` (:func:`quark_onnx.strategy.compute_params`), then
   ``InsertQDQ(params)``.
 
-This module only sequences them, times them and collects what each reports; it holds no
-quantization logic of its own.
+This module gives each stage its work (``_Run``, the :class:`~quark_onnx.sequencer.Stages` of
+one call), times it and collects what it reports; it holds no quantization logic of its own.
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quark_onnx import fidelity_guard, pipeline
+from quark_onnx import fidelity_guard, pipeline, sequencer
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.errors import ConfigError, QuantizationError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.pipeline import RANGE_SAMPLES  # noqa: F401 (read by benchmarks)
 from quark_onnx.report import QuantizationReport
-from quark_onnx.sequencer import Stages
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,6 @@ class ModelQuantizer:
             require_ready=require_ready,
         )
         run.output = (model_output, input_path, overwrite)
-        from quark_onnx import sequencer
-
         outcome = sequencer.run(run)
         self.params = outcome.params
         logger.info("%s: quantized in %.2f s", source, report.total_seconds)
@@ -304,7 +302,7 @@ def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
             report.peak_rss_mb[name] = peak
 
 
-class _Run(Stages):
+class _Run(sequencer.Stages):
     """The stages of one :meth:`ModelQuantizer.quantize_model` call (run by
     :func:`quark_onnx.sequencer.run`), with what they hand each other."""
 
