@@ -186,6 +186,8 @@ class InsertQDQ(QuarkPass):
         positions: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
+        #: constant -> the initializer of its codes (stages after this one may rewrite them)
+        self.quantized: dict[str, ir.Value] = {}
         #: with a plan: tensor -> "is a weight/bias" (the plan decides); else found in the graph
         self._plan_constants: dict[str, bool] | None = None
         if isinstance(params, QuantPlan):
@@ -555,6 +557,7 @@ class InsertQDQ(QuarkPass):
             self._gathered_table(graph, value, codes, params)
             return
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
+        self.quantized[name] = quantized
         if params.is_cast:
             out = ir.Value(
                 name=self._names(f"{name}_CastFloat_Output"),
@@ -612,6 +615,7 @@ class InsertQDQ(QuarkPass):
         whole table on every run."""
         name = value.name or ""
         quantized = add_initializer(graph, self._names(f"{name}_quantized"), codes)
+        self.quantized[name] = quantized
         scale = None
         if not params.is_cast:
             assert params.scale is not None

@@ -60,6 +60,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from quark_onnx.config import QuantizationConfig
+from quark_onnx.enums import PowerOfTwoMethod
 from quark_onnx.errors import PassError
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes import (
@@ -508,3 +509,46 @@ def run_passes(
             )
         )
     return report
+
+
+#: Calibration samples whose activation ranges the prepare passes read (EqualizeGatedActivations):
+#: each is one onnxruntime run of the float model before calibration.
+RANGE_SAMPLES = 8
+
+
+def prepare(
+    model: ir.Model,
+    qconfig: QuantizationConfig,
+    options: ExtraOptions,
+    samples: Sequence[Feeds],
+    reference: Sequence[dict[str, np.ndarray]] | None,
+) -> list[dict]:
+    """Run the prepare passes of ``qconfig`` on ``model`` as ``quantize_model`` does: the
+    numerics-changing ones measured on ``samples`` (against ``reference``, the model's outputs
+    on them, when known), with a Relu's range cap saturating where a power-of-two position
+    puts it; the report of each pass."""
+
+    saturation = None
+    method = qconfig.calibrate_method
+    if qconfig.enable_npu_cnn or isinstance(method, PowerOfTwoMethod):
+        from quark_onnx import pof2
+
+        qtype = qconfig.activation_type
+
+        def saturation(cap: float) -> float:
+            # the int8 range of the power-of-two position that holds the cap (6 -> 7.94)
+            return pof2.code_range(qtype)[1] * 2.0 ** -pof2.position_for_abs_max(cap, qtype)
+
+    # FoldConstantChannels reads the first sample's ranges
+    first = samples[0] if samples else None
+    # EqualizeGatedActivations reads the channel ranges of the first few samples
+    passes = quantize_passes(qconfig, options, first, samples[:RANGE_SAMPLES])
+    pipeline = run_passes(
+        model,
+        passes,
+        sample_feeds=samples,
+        saturation=saturation,
+        revert_costly=options.RevertCostlyPasses,
+        reference_outputs=reference,
+    )
+    return pipeline.as_dict()["passes"]

@@ -1,9 +1,10 @@
 """``ModelQuantizer``: the Quark-shaped entry point that runs the whole pipeline.
 
-The stages (GUIDE §1), each a module of its own::
+The stages (GUIDE §1), each a module of its own, in the order :mod:`quark_onnx.sequencer`
+runs them (the order a recipe's rebuild shares)::
 
     load -> prepare passes -> plan -> calibrate -> positions -> NPU constraints -> insert QDQ
-         -> check -> save (+ report)
+         -> accuracy stages -> error analysis, fidelity guard -> finalize -> check -> save
 
 One pipeline serves every strategy and data type; the config selects what each stage does:
 
@@ -16,19 +17,19 @@ One pipeline serves every strategy and data type; the config selects what each s
   :class:`~quark_onnx.qparams.QuantParams` (:func:`quark_onnx.strategy.compute_params`), then
   ``InsertQDQ(params)``.
 
-This module only sequences them, times them and collects what each reports; it holds no
-quantization logic of its own.
+This module gives each stage its work (``_Run``, the :class:`~quark_onnx.sequencer.Stages` of
+one call), times it and collects what it reports; it holds no quantization logic of its own.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
-import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from quark_onnx import fidelity_guard, pipeline, sequencer
 from quark_onnx.config import Config, QuantizationConfig
-from quark_onnx.enums import PowerOfTwoMethod
-from quark_onnx.errors import CalibrationError, ConfigError, FidelityError, QuantizationError
+from quark_onnx.errors import ConfigError, QuantizationError
 from quark_onnx.options import ExtraOptions
+from quark_onnx.pipeline import RANGE_SAMPLES  # noqa: F401 (read by benchmarks)
 from quark_onnx.report import QuantizationReport
 
 logger = logging.getLogger(__name__)
@@ -75,9 +77,9 @@ class ModelQuantizer:
         self.options: ExtraOptions = config.global_quant_config.validate()
         #: The report of the last :meth:`quantize_model` call.
         self.report: QuantizationReport | None = None
-        #: Tensor name -> QuantParams written by the last :meth:`quantize_model` call, in the
-        #: order written (float-scale flows: with the constants' codes; XINT8: the solved
-        #: positions as scales ``2^-p``, before bias correction and AdaRound change codes).
+        #: Tensor name -> QuantParams the model of the last :meth:`quantize_model` call holds, in
+        #: the order written: scales, zero points and every constant's codes, after AdaRound
+        #: and bias correction (what :func:`quark_onnx.recipe.save_recipe` takes as ``params``).
         self.params: dict[str, Any] | None = None
         #: Keep this many of the first calibration samples in :attr:`kept_samples` (the CLI's
         #: float-vs-quantized comparison reuses them instead of reading the data again).
@@ -168,203 +170,27 @@ class ModelQuantizer:
                 what="calibration result",
             )
 
-        with _stage(report, "load"):
-            if isinstance(model_input, onnx.ModelProto):
-                proto = model_io.validate_proto(model_input)
-                model = model_io.to_ir(proto)
-            else:
-                # external weights stay in their files, memory-mapped on use
-                model = model_io.load_ir(model_input)
-                # the readers read the graph's inputs only: no serialisation of the graph
-                proto = model_io.signature_proto(model)
-
-        _check_architecture(model, source, self.qconfig, require_ready)
-        reader = _make_reader(
-            calibration_data_reader,
-            calibration_data_path,
-            options,
-            model=proto,
-            keep=max(self._samples_to_keep(), self.keep_samples),
+        run = _Run(
+            self,
+            report,
+            source,
+            model_input,
+            reader=calibration_data_reader,
+            npz_path=calibration_data_path,
+            calibration_result=calibration_result,
+            save_calibration=save_calibration,
+            progress=progress,
+            require_ready=require_ready,
         )
-        del proto  # only the reader's checks read it
-        # The first samples serve the measurement of numerics-changing passes and the fidelity
-        # guard; the reader hands them to calibration as well.
-        fidelity_samples = reader.peek(self._fidelity_samples()) if reader is not None else []
-        with _stage(report, "prepare"):
-            # the original model's outputs: the reference of the pass costs and of the guard
-            reference = self._reference_outputs(source, model, fidelity_samples)
-            report.passes = self._prepare(model, fidelity_samples, reference)
-            extra = report.settings.get("extra_options", {})
-            for record in report.passes:
-                if record["reverted"] and record["name"] in extra:
-                    # the setting in force is the one a recipe must rebuild with
-                    extra[record["name"]] = False
-
-        with _stage(report, "plan"):
-            from quark_onnx.plan import build_plan
-
-            plan = build_plan(model, self.qconfig, options)
-            report.plan = plan.summary()
-            report.float_nodes = [
-                {"node": f.name, "op_type": f.op_type, "reason": f.reason} for f in plan.float_nodes
-            ]
-        if not plan.nodes:
-            raise QuantizationError(
-                f"{source}: no node can be quantized (the model has "
-                f"{len(report.float_nodes)} node(s), none with a quantization policy)"
-            )
-
-        from quark_onnx import strategy
-
-        # weights still in external files stay references: the float model is not copied
-        prepared = model_io.to_proto(model, keep_external=True)
-        external_dir = model_io.external_data_dir(model)
-        power_of_two = any(spec.power_of_two for spec in plan.tensors.values())
-        result = None
-        if strategy.needs_calibration(plan):
-            names = plan.activation_names() if power_of_two else strategy.calibrated_names(plan)
-            with _stage(report, "calibrate"):
-                result = self._calibrate(
-                    prepared, names, reader, calibration_result, progress, external_dir
-                )
-                if save_calibration is not None:
-                    result.save(save_calibration)
-                report.calibration = {"samples": result.num_samples, "method": result.method}
-        else:
-            report.calibration = {"samples": 0, "method": None}
-            logger.info(
-                "%s: %s quantization needs no calibration data", source, plan.strategy.value
-            )
-
-        samples = reader.kept[: self._samples_to_keep()] if reader is not None else []
-        self.kept_samples = reader.kept[: self.keep_samples] if reader is not None else []
-        if power_of_two:
-            self._power_of_two(report, source, model, prepared, plan, result, samples, external_dir)
-        else:
-            with _stage(report, "params"):
-                params = strategy.compute_params(plan, result, model, self.qconfig, options)
-                report.plan["params"] = len(params)
-                report.plan["types"] = sorted({p.qtype.name for p in params.values()})
-            with _stage(report, "insert_qdq"):
-                from quark_onnx.passes.insert_qdq import InsertQDQ
-
-                InsertQDQ(params)(model)
-            self.params = params
-        if options.LayerErrorAnalysis and samples:
-            _materialize(prepared, external_dir)
-            with _stage(report, "error_analysis"):
-                from quark_onnx.accuracy.error_analysis import layer_errors
-
-                report.layer_errors = layer_errors(prepared, model, samples, plan)
-        if reference:
-            # before finalize: fixing the batch dimension changes no value, and the samples'
-            # own batch sizes still fit
-            with _stage(report, "fidelity"):
-                self._guard_fidelity(
-                    report,
-                    source,
-                    model,
-                    fidelity_samples,
-                    reference,
-                    (prepared, plan, external_dir),
-                )
-        with _stage(report, "finalize"):
-            from quark_onnx.pipeline import finalize_passes, run_passes
-
-            report.passes += run_passes(model, finalize_passes(self.qconfig, options)).as_dict()[
-                "passes"
-            ]
-            quantized = model_io.to_proto(model)
-        # the graph objects of the working model and the float copy are the largest things held
-        # per node: dropped before the check builds its own view of the quantized model
-        del model, prepared
-        gc.collect()
-
-        with _stage(report, "check"):
-            from quark_onnx.check import check
-
-            verdict = check(quantized)
-            report.check = verdict.to_dict()
-
-        if model_output is not None:
-            with _stage(report, "save"):
-                model_io.save_model(
-                    quantized,
-                    model_output,
-                    input_path=input_path,
-                    overwrite=overwrite,
-                    # None: external data only above the 2 GB protobuf limit
-                    external_data=True if self.qconfig.use_external_data_format else None,
-                )
-                report.output = str(model_output)
+        run.output = (model_output, input_path, overwrite)
+        outcome = sequencer.run(run)
+        self.params = outcome.params
         logger.info("%s: quantized in %.2f s", source, report.total_seconds)
         if self.qconfig.print_summary:
             logger.info("%s: %s", source, report.summary())
-        return quantized
+        return outcome.model
 
     # -- stages -------------------------------------------------------------------------------
-
-    def _power_of_two(
-        self,
-        report: QuantizationReport,
-        source: str,
-        model: Any,
-        prepared: onnx.ModelProto,
-        plan: Any,
-        result: Any,
-        samples: list[dict[str, np.ndarray]],
-        external_dir: Path | None = None,
-    ) -> None:
-        """The XINT8 flow: positions, NPU constraints, InsertQDQ(plan, positions), accuracy."""
-        options = self.options
-        with _stage(report, "positions"):
-            positions, errors = self._initial_positions(model, plan, result)
-            ranges = _calibrated_ranges(plan, result)
-        with _stage(report, "constraints"):
-            from quark_onnx.constraints import solve_positions
-
-            ceilings = {
-                name: p + CLIP_CEILING
-                for name, (_, p) in ranges.items()
-                if plan.tensors[name].is_graph_output
-            }
-            solved = solve_positions(plan, positions, options, errors, ceilings)
-            report.adjustments = [a.__dict__ for a in solved.adjustments]
-            report.unfixable = [v.message for v in solved.unfixable]
-            for violation in solved.unfixable:
-                logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
-            report.positions = dict(solved.positions)
-            report.range_clips = _range_clips(plan, ranges, positions, solved.positions)
-            for clip in report.range_clips:
-                logger.warning("%s: %s", source, clip["message"])
-            # the weight error curves read the (memory-mapped) float weights: let them go
-            del errors
-
-        with _stage(report, "insert_qdq"):
-            from quark_onnx.passes.insert_qdq import InsertQDQ
-
-            inserter = InsertQDQ(plan, solved.positions)
-            inserter(model)
-        self.params = inserter.params
-
-        if samples and (self.qconfig.include_fast_ft or self.qconfig.include_bias_correction):
-            _materialize(prepared, external_dir)
-        if self.qconfig.include_fast_ft:
-            with _stage(report, "adaround"):
-                from quark_onnx.accuracy.adaround import adaround
-
-                report.adaround = adaround(
-                    prepared, model, samples, plan, solved.positions, options
-                )
-        if self.qconfig.include_bias_correction:
-            with _stage(report, "bias_correction"):
-                from quark_onnx.accuracy.bias_correction import correct_bias
-
-                report.bias_correction = correct_bias(
-                    prepared, model, samples, plan, solved.positions, options
-                )
-                # a corrected bias may move inside its shift_bias window
-                report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
 
     def _samples_to_keep(self) -> int:
         """Calibration samples kept in memory for the stages that need data after calibration."""
@@ -381,136 +207,6 @@ class ModelQuantizer:
         if not self.options.FidelityCheck:
             return 1  # numerics-changing passes are still measured on one sample
         return self.options.FidelitySamples  # >= 1 (options.OPTION_BOUNDS)
-
-    def _reference_outputs(
-        self, source: str, model: Any, samples: list[dict[str, np.ndarray]]
-    ) -> list[dict[str, np.ndarray]] | None:
-        """The loaded model's outputs on ``samples`` (None: no samples, guard off, or onnxruntime
-        cannot run them; calibration then reports a bad feed by name)."""
-        if not samples or not self.options.FidelityCheck:
-            return None
-        from quark_onnx.pipeline import run_model
-
-        try:
-            return run_model(model, samples)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            logger.warning("%s: fidelity not measured: the model does not run: %s", source, first)
-            return None
-
-    def _prepare(
-        self,
-        model: Any,
-        samples: list[dict[str, np.ndarray]],
-        reference: list[dict[str, np.ndarray]] | None,
-    ) -> list[dict]:
-        from quark_onnx.pipeline import quantize_passes, run_passes
-
-        saturation = None
-        method = self.qconfig.calibrate_method
-        if self.qconfig.enable_npu_cnn or isinstance(method, PowerOfTwoMethod):
-            from quark_onnx import pof2
-
-            qtype = self.qconfig.activation_type
-
-            def saturation(cap: float) -> float:
-                # the int8 range of the power-of-two position that holds the cap (6 -> 7.94)
-                return pof2.code_range(qtype)[1] * 2.0 ** -pof2.position_for_abs_max(cap, qtype)
-
-        # FoldConstantChannels reads the first sample's ranges
-        first = samples[0] if samples else None
-        # EqualizeGatedActivations reads the channel ranges of the first few samples
-        passes = quantize_passes(self.qconfig, self.options, first, samples[:RANGE_SAMPLES])
-        pipeline = run_passes(
-            model,
-            passes,
-            sample_feeds=samples,
-            saturation=saturation,
-            revert_costly=self.options.RevertCostlyPasses,
-            reference_outputs=reference,
-        )
-        return pipeline.as_dict()["passes"]
-
-    def _guard_fidelity(
-        self,
-        report: QuantizationReport,
-        source: str,
-        model: Any,
-        samples: list[dict[str, np.ndarray]],
-        reference: list[dict[str, np.ndarray]],
-        stages: tuple[onnx.ModelProto, Any, Path | None],
-    ) -> None:
-        """Measure every output against the original float model; warn (or raise) if unfaithful.
-
-        The reference is the model the user gave, before any pass: the cost of the
-        numerics-changing passes counts. When an output is not faithful, the per-layer error
-        analysis (the tensors whose SQNR drops the most) names where it is lost.
-        """
-        from quark_onnx import fidelity
-        from quark_onnx.pipeline import run_model
-
-        options = self.options
-        try:
-            quantized = run_model(model, samples)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            logger.warning("%s: fidelity not measured: %s", source, first)
-            report.fidelity = {"faithful": None, "error": first}
-            return
-        result = fidelity.FidelityResult(
-            samples=len(samples),
-            outputs=fidelity.compare_runs(
-                reference,
-                quantized,
-                min_sqnr_db=options.FidelityMinSQNR,
-                min_agreement=options.FidelityMinAgreement,
-            ),
-            min_sqnr_db=options.FidelityMinSQNR,
-            min_agreement=options.FidelityMinAgreement,
-        )
-        if not result.faithful:
-            result.worst_layers = self._worst_layers(report, samples, model, *stages)
-        report.fidelity = result.to_dict()
-        if result.faithful:
-            logger.info(
-                "%s: faithful on %d sample(s): %s",
-                source,
-                result.samples,
-                "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs),
-            )
-            return
-        message = result.message(source)
-        if options.RequireFidelity:
-            raise FidelityError(message + " (RequireFidelity is set: no model was written)")
-        logger.warning(message)
-
-    def _worst_layers(
-        self,
-        report: QuantizationReport,
-        samples: list[dict[str, np.ndarray]],
-        model: Any,
-        prepared: onnx.ModelProto,
-        plan: Any,
-        external_dir: Path | None,
-        count: int = 3,
-    ) -> list[dict[str, Any]]:
-        """The ``count`` quantized tensors whose SQNR drops the most (layer error analysis)."""
-        from quark_onnx.errors import QuarkOnnxError
-
-        errors = report.layer_errors
-        if not errors:
-            from quark_onnx.accuracy.error_analysis import layer_errors
-
-            _materialize(prepared, external_dir)
-            try:
-                errors = layer_errors(prepared, model, samples, plan)
-            except QuarkOnnxError as exc:
-                logger.info("per-layer error analysis failed: %s", exc)
-                return []
-        ranked = sorted(errors, key=lambda e: -e["drop_db"])[:count]
-        return [
-            {k: e[k] for k in ("tensor", "node", "op_type", "sqnr_db", "drop_db")} for e in ranked
-        ]
 
     def _calibrate(
         self,
@@ -550,117 +246,6 @@ class ModelQuantizer:
             external_data_dir=external_dir,
         )
 
-    def _initial_positions(
-        self, model: Any, plan: Any, result: Any
-    ) -> tuple[dict[str, int], dict[str, Any]]:
-        """Calibrated activation positions and weight/bias positions, before the NPU rules."""
-        from quark_onnx import pof2
-        from quark_onnx.plan import ACTIVATION_EQUALITY_OPS, TensorKind
-        from quark_onnx.strategy import constant_data, constant_values
-
-        method = self.qconfig.calibrate_method
-        if not isinstance(method, PowerOfTwoMethod):
-            raise QuantizationError(
-                f"calibrate_method {method} does not give power-of-two "
-                "scales; XINT8 needs PowerOfTwoMethod.MinMSE or NonOverflow"
-            )
-        positions: dict[str, int] = {}
-        errors: dict[str, Any] = {}
-        constants = constant_values(model)  # one scan; arrays are read one weight at a time
-        for name, spec in plan.tensors.items():
-            if spec.kind is TensorKind.ACTIVATION:
-                p = result.position(name, method=method, qtype=spec.qtype)
-                if spec.range_max is not None:
-                    # A clip bound folded into Relu (ConvertClipToRelu): never use a range wider
-                    # than the bound, so the quantized tensor saturates there.
-                    p = max(p, pof2.position_for_abs_max(spec.range_max, spec.qtype))
-                positions[name] = p
-                curve = result.error_function(name, spec.qtype)
-                if curve is not None:  # histogram methods: the solver then minimises error
-                    errors[name] = curve
-            elif spec.kind is TensorKind.WEIGHT:
-                w = constant_data(constants, name)
-                positions[name] = pof2.weight_position(w, method, spec.qtype)
-                errors[name] = pof2.error_function(w, spec.qtype)
-            else:
-                positions[name] = pof2.bias_position(constant_data(constants, name))
-        for eq in plan.equalities:
-            if eq.op_type in ACTIVATION_EQUALITY_OPS and eq.option is None:
-                # the activation's output decides (its range cap included): the input's own
-                # statistics count values the activation discards
-                pre, post = eq.tensors
-                positions[pre] = positions[post]
-                errors.pop(pre, None)
-        return positions, errors
-
-
-#: Calibration samples whose activation ranges the prepare passes read (EqualizeGatedActivations):
-#: each is one onnxruntime run of the float model before calibration.
-RANGE_SAMPLES = 8
-
-
-#: A graph output (and the shared-scale group it is in) starts no higher than its NonOverflow
-#: position + 1: at most the top half of its calibrated range is clipped. Outputs are what the
-#: user reads (box offsets, scores); MinMSE alone may trade their extremes for resolution.
-CLIP_CEILING = 1
-
-
-def _calibrated_ranges(plan: Any, result: Any) -> dict[str, tuple[float, int]]:
-    """Activation -> (calibrated max |x|, its int8 NonOverflow position)."""
-    from quark_onnx import pof2
-    from quark_onnx.plan import TensorKind
-
-    ranges: dict[str, tuple[float, int]] = {}
-    if result is None:
-        return ranges
-    for name, spec in plan.tensors.items():
-        if spec.kind is not TensorKind.ACTIVATION:
-            continue
-        observer = result.observer(name)
-        peak = max(abs(observer.min), abs(observer.max))
-        if spec.range_max is not None:  # a ReLU6 made Relu saturates at its cap on purpose
-            peak = min(peak, spec.range_max)
-        if math.isfinite(peak) and peak > 0:
-            ranges[name] = (peak, pof2.position_for_abs_max(peak, spec.qtype))
-    return ranges
-
-
-def _range_clips(
-    plan: Any,
-    ranges: dict[str, tuple[float, int]],
-    chosen: dict[str, int],
-    solved: dict[str, int],
-) -> list[dict[str, Any]]:
-    """Activations the NPU rules moved to a position that clips more than half their range.
-
-    That happens where a rule forces one position on tensors whose ranges differ by more than
-    int8 holds (a Concat of box offsets and sigmoid scores, a HardSigmoid output floor). A
-    position the tensor's own statistics chose (MinMSE clips long tails on purpose) or a range
-    cap is not reported. Each entry names the tensor, the range kept and the range seen."""
-    from quark_onnx import pof2
-
-    clips = []
-    for name, (peak, nonoverflow) in ranges.items():
-        p = solved.get(name)
-        if p is None or p <= max(chosen.get(name, p), nonoverflow + CLIP_CEILING):
-            continue
-        kept = pof2.code_range(plan.tensors[name].qtype)[1] * 2.0**-p
-        clips.append(
-            {
-                "tensor": name,
-                "position": p,
-                "nonoverflow_position": nonoverflow,
-                "range_kept": kept,
-                "max_abs": peak,
-                "message": (
-                    f"tensor {name!r} is quantized at position {p} (range +-{kept:.4g}) but its "
-                    f"calibrated values reach {peak:.4g} (position {nonoverflow}): the NPU rules "
-                    "that tie it to other tensors clip it"
-                ),
-            }
-        )
-    return clips
-
 
 def _check_architecture(
     model: Any, source: str, qconfig: QuantizationConfig, require_ready: bool
@@ -682,69 +267,6 @@ def _check_architecture(
     logger.warning(message)
 
 
-def _materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
-    """Read external weights into ``prepared`` (no-op without external data): the layer replays
-    of AdaRound, bias correction and error analysis run onnxruntime on model bytes. Called after
-    the positions stage, whose weight error curves are gone by then, to keep the peak low."""
-    if external_dir is not None:
-        from quark_onnx import model_io
-
-        model_io.materialize(prepared, external_dir)
-
-
-class _PeekableReader:
-    """Wraps a calibration reader: the first sample can be looked at without losing it, and the
-    first ``keep`` samples are kept (bounded memory) for the stages that run after calibration
-    (bias correction, AdaRound, error analysis)."""
-
-    def __init__(self, reader: Any, keep: int = 0, specs: Sequence[Any] = ()) -> None:
-        self._reader = reader
-        self._specs = list(specs)  # the model's inputs: peeked feeds are checked against them
-        self._ahead: list[dict[str, np.ndarray]] = []  # read by peek, not yet by get_next
-        self._ended = False
-        self._keep = keep
-        self.kept: list[dict[str, np.ndarray]] = []
-        # the wrapped reader's length, so that calibration's guard does not cap a reader of
-        # known length (``--random-calib 100000`` reads 100,000 samples, not the default cap)
-        self.num_samples: int | None = getattr(reader, "num_samples", None)
-
-    def _remember(self, feed: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
-        if feed is not None and len(self.kept) < self._keep:
-            self.kept.append({k: np.array(v, copy=True) for k, v in feed.items()})
-        return feed
-
-    def peek(self, count: int = 1) -> list[dict[str, np.ndarray]]:
-        """Copies of the first ``count`` samples (fewer if the reader has fewer); get_next still
-        returns them, in order.
-
-        Raises:
-            CalibrationError: a peeked feed is not a dict of the model's inputs (the message
-                calibration would give for it).
-        """
-        from quark_onnx.calibration.readers import validate_feed
-
-        while len(self._ahead) < count and not self._ended:
-            feed = self._reader.get_next()
-            if feed is None:
-                self._ended = True
-            else:
-                if self._specs:
-                    try:
-                        validate_feed(feed, self._specs, len(self._ahead), len(self._ahead))
-                    except CalibrationError as exc:
-                        name = getattr(self._reader, "reader_name", type(self._reader).__name__)
-                        raise CalibrationError(f"calibration data reader {name}: {exc}") from exc
-                self._ahead.append(feed)
-        return [{k: np.array(v, copy=True) for k, v in f.items()} for f in self._ahead[:count]]
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._ahead:
-            return self._remember(self._ahead.pop(0))
-        if self._ended:
-            return None
-        return self._remember(self._reader.get_next())
-
-
 def _check_path_arguments(**arguments: Any) -> None:
     """Refuse path arguments of the wrong type (a number, bytes, a list) with the argument named,
     instead of a ``TypeError`` from deep inside."""
@@ -757,74 +279,6 @@ def _check_path_arguments(**arguments: Any) -> None:
         if not isinstance(value, allowed):
             expected = "a path or an onnx.ModelProto" if name == "model_input" else "a path"
             raise ConfigError(f"{name} must be {expected}, got {type(value).__name__}")
-
-
-def _make_reader(
-    reader: Any,
-    npz_path: str | os.PathLike | None,
-    options: ExtraOptions,
-    *,
-    model: onnx.ModelProto,
-    keep: int = 0,
-) -> _PeekableReader | None:
-    from quark_onnx.calibration import ArrayDataReader
-
-    if reader is not None and npz_path is not None:
-        raise ConfigError("give either calibration_data_reader or calibration_data_path, not both")
-    if npz_path is not None:
-        reader = _npz_reader(npz_path, model)
-    elif isinstance(reader, dict):
-        reader = ArrayDataReader(reader)
-    if reader is not None and options.UseRandomData:
-        # The Vitis AI documentation's XINT8 snippet sets UseRandomData and users pass their data
-        # anyway: ranges taken from random inputs say nothing about the real ones, and the kept
-        # samples that bias correction replays would be noise too, so the real data is used.
-        logger.warning(
-            "UseRandomData is set but calibration data was given: calibrating on the given data "
-            "(unset UseRandomData to silence this)"
-        )
-    if reader is None and options.UseRandomData:
-        from quark_onnx.calibration import reader_for
-
-        reader = reader_for(model, None, options)  # kept samples then serve bias correction too
-    if reader is None:
-        return None  # a saved calibration result
-    if not callable(getattr(reader, "get_next", None)):
-        raise ConfigError(
-            f"calibration_data_reader must have get_next() (onnxruntime's "
-            f"CalibrationDataReader protocol); got {type(reader).__name__}"
-        )
-    if callable(getattr(reader, "bind", None)):
-        reader.bind(model)  # readers that take their input name from the model (.npz files)
-    from quark_onnx.calibration.readers import GuardedReader, input_specs
-
-    return _PeekableReader(GuardedReader(reader, options), keep=keep, specs=input_specs(model))
-
-
-def _npz_reader(path: str | os.PathLike, model: onnx.ModelProto) -> Any:
-    """A reader of a ``.npz``/``.npy`` file as the CLI's ``--calib`` reads it: a single-input
-    model takes the only array (or the one named like the input, or ``x``); a multi-input model
-    takes one array per input, named like the inputs (stacked over samples on axis 0)."""
-    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
-    from quark_onnx.calibration.readers import input_specs
-    from quark_onnx.errors import CalibrationError
-
-    names = [spec.name for spec in input_specs(model)]
-    if len(names) <= 1:
-        return NpzDataReader(path, input_name=names[0] if names else None)
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            keys = list(archive.files)
-            missing = [n for n in names if n not in keys]
-            if missing:
-                raise CalibrationError(
-                    f"{path}: the model has inputs {names}; the archive has arrays {keys} "
-                    f"(missing {missing}): save one array per input, named like the input"
-                )
-            arrays = {n: archive[n] for n in names}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CalibrationError(f"{path}: not a readable .npz file ({exc})") from exc
-    return ArrayDataReader(arrays)
 
 
 #: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed
@@ -846,3 +300,272 @@ def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
         peak = memory.peak_rss_mb()
         if peak is not None:
             report.peak_rss_mb[name] = peak
+
+
+class _Run(sequencer.Stages):
+    """The stages of one :meth:`ModelQuantizer.quantize_model` call (run by
+    :func:`quark_onnx.sequencer.run`), with what they hand each other."""
+
+    def __init__(
+        self,
+        quantizer: ModelQuantizer,
+        report: QuantizationReport,
+        source: str,
+        model_input: Any,
+        **arguments: Any,
+    ) -> None:
+        self.q = quantizer
+        self.qconfig = quantizer.qconfig
+        self.options = quantizer.options
+        self.report = report
+        self.source = source
+        self.model_input = model_input
+        self.arguments = arguments
+        self.output: tuple[Any, Path | None, bool] = (None, None, False)
+        self.reader: Any = None
+        self.fidelity_samples: list[dict[str, np.ndarray]] = []
+        self.reference: list[dict[str, np.ndarray]] | None = None
+        self.samples: list[dict[str, np.ndarray]] = []  # kept for the stages after calibration
+        self.prepared: onnx.ModelProto | None = None  # the float copy calibration reads
+        self.external_dir: Path | None = None
+        self.power_of_two = False  # set by the plan
+        self.positions: dict[str, int] = {}  # XINT8: the solved positions
+        self.quantized: dict[str, Any] = {}  # constant -> the initializer of its codes
+
+    def load(self) -> Any:
+        from quark_onnx import model_io
+        from quark_onnx.calibration.sources import calibration_source
+
+        with _stage(self.report, "load"):
+            if isinstance(self.model_input, onnx.ModelProto):
+                proto = model_io.validate_proto(self.model_input)
+                model = model_io.to_ir(proto)
+            else:
+                # external weights stay in their files, memory-mapped on use
+                model = model_io.load_ir(self.model_input)
+                # the readers read the graph's inputs only: no serialisation of the graph
+                proto = model_io.signature_proto(model)
+        args = self.arguments
+        _check_architecture(model, self.source, self.qconfig, args["require_ready"])
+        self.reader = calibration_source(
+            args["reader"],
+            args["npz_path"],
+            self.options,
+            model=proto,
+            keep=max(self.q._samples_to_keep(), self.q.keep_samples),
+        )
+        # The first samples serve the measurement of numerics-changing passes and the fidelity
+        # guard; the reader hands them to calibration as well.
+        if self.reader is not None:
+            self.fidelity_samples = self.reader.peek(self.q._fidelity_samples())
+        return model
+
+    def prepare(self, model: Any) -> None:
+        report = self.report
+        with _stage(report, "prepare"):
+            # the original model's outputs: the reference of the pass costs and of the guard
+            self.reference = fidelity_guard.reference_outputs(
+                self.source, model, self.fidelity_samples, self.options
+            )
+            report.passes = pipeline.prepare(
+                model, self.qconfig, self.options, self.fidelity_samples, self.reference
+            )
+            extra = report.settings.get("extra_options", {})
+            for record in report.passes:
+                if record["reverted"] and record["name"] in extra:
+                    # the setting in force is the one a recipe must rebuild with
+                    extra[record["name"]] = False
+
+    def plan(self, model: Any) -> Any:
+        report = self.report
+        with _stage(report, "plan"):
+            from quark_onnx.plan import build_plan
+
+            plan = build_plan(model, self.qconfig, self.options)
+            report.plan = plan.summary()
+            report.float_nodes = [
+                {"node": f.name, "op_type": f.op_type, "reason": f.reason} for f in plan.float_nodes
+            ]
+        if not plan.nodes:
+            raise QuantizationError(
+                f"{self.source}: no node can be quantized (the model has "
+                f"{len(report.float_nodes)} node(s), none with a quantization policy)"
+            )
+        self.power_of_two = any(spec.power_of_two for spec in plan.tensors.values())
+        return plan
+
+    def parameters(self, model: Any, plan: Any) -> Any:
+        """Calibration, then the power-of-two positions (solved against the NPU rules) or the
+        float-scale parameters."""
+        from quark_onnx import model_io, strategy
+
+        report, args = self.report, self.arguments
+        # weights still in external files stay references: the float model is not copied
+        self.prepared = model_io.to_proto(model, keep_external=True)
+        self.external_dir = model_io.external_data_dir(model)
+        result = None
+        if strategy.needs_calibration(plan):
+            names = (
+                plan.activation_names() if self.power_of_two else strategy.calibrated_names(plan)
+            )
+            with _stage(report, "calibrate"):
+                result = self.q._calibrate(
+                    self.prepared,
+                    names,
+                    self.reader,
+                    args["calibration_result"],
+                    args["progress"],
+                    self.external_dir,
+                )
+                if args["save_calibration"] is not None:
+                    result.save(args["save_calibration"])
+                report.calibration = {"samples": result.num_samples, "method": result.method}
+        else:
+            report.calibration = {"samples": 0, "method": None}
+            logger.info(
+                "%s: %s quantization needs no calibration data", self.source, plan.strategy.value
+            )
+        kept = self.reader.kept if self.reader is not None else []
+        self.samples = kept[: self.q._samples_to_keep()]
+        self.q.kept_samples = kept[: self.q.keep_samples]
+        if self.power_of_two:
+            return self._positions(model, plan, result)
+        with _stage(report, "params"):
+            params = strategy.compute_params(plan, result, model, self.qconfig, self.options)
+            report.plan["params"] = len(params)
+            report.plan["types"] = sorted({p.qtype.name for p in params.values()})
+        return params
+
+    def _positions(self, model: Any, plan: Any, result: Any) -> dict[str, int]:
+        """The XINT8 positions: calibrated, then moved where an NPU rule needs it."""
+        from quark_onnx import pof2_params
+
+        report, source = self.report, self.source
+        with _stage(report, "positions"):
+            method = self.qconfig.calibrate_method
+            positions, errors = pof2_params.initial_positions(model, plan, result, method)
+            ranges = pof2_params.calibrated_ranges(plan, result)
+        with _stage(report, "constraints"):
+            solved = pof2_params.solve(plan, positions, errors, ranges, self.options)
+            report.adjustments = [a.__dict__ for a in solved.adjustments]
+            report.unfixable = [v.message for v in solved.unfixable]
+            for violation in solved.unfixable:
+                logger.warning("%s: NPU rule cannot be met: %s", source, violation.message)
+            report.positions = dict(solved.positions)
+            report.range_clips = pof2_params.range_clips(plan, ranges, positions, solved.positions)
+            for clip in report.range_clips:
+                logger.warning("%s: %s", source, clip["message"])
+            # the weight error curves read the (memory-mapped) float weights: let them go
+            del errors
+        self.positions = solved.positions
+        return solved.positions
+
+    def insert(self, model: Any, plan: Any, parameters: Any) -> dict[str, Any]:
+        from quark_onnx.passes.insert_qdq import InsertQDQ
+
+        with _stage(self.report, "insert_qdq"):
+            inserter = InsertQDQ(plan, parameters) if self.power_of_two else InsertQDQ(parameters)
+            inserter(model)
+        self.quantized = inserter.quantized
+        return inserter.params
+
+    def accuracy(self, model: Any, plan: Any, params: dict[str, Any]) -> dict[str, Any]:
+        """AdaRound and bias correction (XINT8): they rewrite codes (and may move a bias
+        position inside its shift_bias window)."""
+        qconfig, report, samples = self.qconfig, self.report, self.samples
+        if not self.power_of_two:
+            return params
+        positions = self.positions  # bias correction moves some bias positions in it
+        if samples and (qconfig.include_fast_ft or qconfig.include_bias_correction):
+            fidelity_guard.materialize(self.prepared, self.external_dir)
+        if qconfig.include_fast_ft:
+            with _stage(report, "adaround"):
+                from quark_onnx.accuracy.adaround import adaround
+
+                report.adaround = adaround(
+                    self.prepared, model, samples, plan, positions, self.options
+                )
+        if qconfig.include_bias_correction:
+            with _stage(report, "bias_correction"):
+                from quark_onnx.accuracy.bias_correction import correct_bias
+
+                report.bias_correction = correct_bias(
+                    self.prepared, model, samples, plan, positions, self.options
+                )
+                # a corrected bias may move inside its shift_bias window
+                report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
+        return self._written(params, plan)
+
+    def _written(self, params: dict[str, Any], plan: Any) -> dict[str, Any]:
+        """``params`` as the model now holds them: the codes of every constant (AdaRound and
+        bias correction rewrite them in place) and the bias positions bias correction moved."""
+        from quark_onnx import qparams
+
+        moved = (self.report.bias_correction or {}).get("moved_bias_positions", {})
+        written = {}
+        for name, p in params.items():
+            if name in moved:
+                p = qparams.from_position(moved[name], plan.tensors[name].qtype)
+            value = self.quantized.get(name)
+            if value is not None and value.const_value is not None:
+                p = dataclasses.replace(p, codes=value.const_value.numpy())
+            written[name] = p
+        return written
+
+    def measure(self, model: Any, plan: Any) -> None:
+        report = self.report
+        if self.options.LayerErrorAnalysis and self.samples:
+            fidelity_guard.materialize(self.prepared, self.external_dir)
+            with _stage(report, "error_analysis"):
+                from quark_onnx.accuracy.error_analysis import layer_errors
+
+                report.layer_errors = layer_errors(self.prepared, model, self.samples, plan)
+        if self.reference:
+            # before finalize: fixing the batch dimension changes no value, and the samples'
+            # own batch sizes still fit
+            with _stage(report, "fidelity"):
+                fidelity_guard.guard_fidelity(
+                    report,
+                    self.source,
+                    model,
+                    self.fidelity_samples,
+                    self.reference,
+                    (self.prepared, plan, self.external_dir),
+                    self.options,
+                )
+
+    def finalize(self, model: Any) -> onnx.ModelProto:
+        from quark_onnx import model_io
+        from quark_onnx.pipeline import finalize_passes, run_passes
+
+        with _stage(self.report, "finalize"):
+            passes = finalize_passes(self.qconfig, self.options)
+            self.report.passes += run_passes(model, passes).as_dict()["passes"]
+            return model_io.to_proto(model)
+
+    def release(self) -> None:
+        self.prepared = None
+        gc.collect()
+
+    def check(self, model: onnx.ModelProto) -> None:
+        from quark_onnx.check import check
+
+        with _stage(self.report, "check"):
+            self.report.check = check(model).to_dict()
+
+    def save(self, model: onnx.ModelProto) -> None:
+        from quark_onnx import model_io
+
+        output, input_path, overwrite = self.output
+        if output is None:
+            return
+        with _stage(self.report, "save"):
+            model_io.save_model(
+                model,
+                output,
+                input_path=input_path,
+                overwrite=overwrite,
+                # None: external data only above the 2 GB protobuf limit
+                external_data=True if self.qconfig.use_external_data_format else None,
+            )
+            self.report.output = str(output)

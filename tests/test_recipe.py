@@ -382,3 +382,40 @@ def test_digits_recipe_is_byte_identical(tmp_path, preset):
     rebuilt = load_recipe(tmp_path / "rec", model_path, tmp_path / "rebuilt.onnx")
     assert rebuilt.SerializeToString() == quantized.SerializeToString()
     assert (tmp_path / "rebuilt.onnx").read_bytes() == (tmp_path / "q.onnx").read_bytes()
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("preset", ["XINT8", "A8W8"])
+def test_quantizer_params_are_what_the_model_holds(tmp_path, preset):
+    """``ModelQuantizer.params`` are final (codes after bias correction included): equal to the
+    parameters read back from the written model, and a recipe saved from them without reading
+    the model is the same, file for file."""
+    from quark_onnx.importer import extract_params
+
+    model_path = shared_path("models", "digits_cnn.onnx")
+    x = np.load(shared_path("models", "digits_calib.npz"))["x"][:16]
+    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config(preset)))
+    quantized = quantizer.quantize_model(model_path, tmp_path / "q.onnx", {"image": x})
+    if preset == "XINT8":
+        assert quantizer.report.bias_correction["changed_channels"] > 0  # codes were rewritten
+    read = extract_params(quantized)
+    assert list(quantizer.params) == list(read)
+    for name, p in quantizer.params.items():
+        q = read[name]
+        assert (p.qtype, p.axis, p.block_size, p.dynamic) == (
+            q.qtype,
+            q.axis,
+            q.block_size,
+            q.dynamic,
+        )
+        for kind in ("scale", "zero_point", "codes"):
+            a, b = getattr(p, kind), getattr(q, kind)
+            assert (a is None) == (b is None), (name, kind)
+            if a is not None:
+                assert np.asarray(a).dtype == np.asarray(b).dtype, (name, kind)
+                np.testing.assert_array_equal(a, b, err_msg=f"{name}.{kind}")
+    config = quantizer.config_in_force
+    save_recipe(tmp_path / "read", tmp_path / "q.onnx", config, model_path)
+    save_recipe(tmp_path / "given", quantized, config, model_path, params=quantizer.params)
+    for name in ("recipe.json", "params.safetensors"):
+        assert (tmp_path / "given" / name).read_bytes() == (tmp_path / "read" / name).read_bytes()

@@ -147,14 +147,8 @@ MAX_FUNCTION_LINES = 120
 
 #: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
 LONG_MODULES = {
-    "quark_onnx/plan.py": "the planner: build_plan and the Erf-Gelu matcher become patterns",
-    "quark_onnx/quantizer.py": "ModelQuantizer: quantize_model becomes the one pipeline sequencer "
-    "that recipe.rebuild shares",
-    "quark_onnx/recipe.py": "recipes: rebuild moves onto that shared pipeline sequencer",
     "quark_onnx/calibration/collector.py": "calibration runs: its session building moves to the "
     "one onnxruntime runtime module",
-    "quark_onnx/calibration/readers.py": "the reader constructors of the API, the CLI and the "
-    "comparison become one calibration source",
     "passes/insert_qdq.py": "one pass per file: Q/DQ insertion with its weight and bias writers",
     "passes/cross_layer_equalization.py": "one pass per file: CLE with its float-exact scaling "
     "through every supported op",
@@ -162,12 +156,7 @@ LONG_MODULES = {
 }
 
 #: Functions allowed above MAX_FUNCTION_LINES ("path::name"), and why.
-LONG_FUNCTIONS = {
-    "quark_onnx/plan.py::build_plan": "one pass over the graph deciding every tensor's spec; "
-    "its op cases become registry entries when the planner is restructured",
-    "quark_onnx/quantizer.py::quantize_model": "the pipeline order written out; it becomes the "
-    "shared pipeline sequencer",
-}
+LONG_FUNCTIONS: dict[str, str] = {}
 
 
 def _source_files() -> list[Path]:

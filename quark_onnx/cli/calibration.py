@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from quark_onnx.cli.settings import QuantizeSettings
-from quark_onnx.errors import CalibrationError
 
 logger = logging.getLogger("quark_onnx.cli")
 
@@ -23,51 +22,44 @@ COMPARE_BUDGET = 32 * 3 * 224 * 224
 
 def model_inputs(model: str | os.PathLike) -> list[Any]:
     """The graph inputs of ``model`` (read without its external data)."""
+    from quark_onnx.calibration.readers import input_specs
+
+    return input_specs(_signature(model))
+
+
+def _signature(model: str | os.PathLike) -> Any:
+    """``model`` without its external data: the readers read only its graph inputs."""
     import onnx
 
-    from quark_onnx.calibration.readers import input_specs
     from quark_onnx.model_io import load_model
 
     try:
-        proto = onnx.load(str(model), load_external_data=False)
+        return onnx.load(str(model), load_external_data=False)
     except Exception:
         load_model(model, upgrade_opset=False)  # raises ModelLoadError with the precise reason
         raise
-    return input_specs(proto)
 
 
 def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | None = None) -> Any:
-    """A reader over a ``.npz``/``.npy`` file for ``model``.
-
-    A single-input model reads the archive's only array, the array named like the input, or
-    ``x``. A multi-input model needs one array per input, named like the inputs.
+    """A reader over a ``.npz``/``.npy`` file for ``model``
+    (:func:`quark_onnx.calibration.sources.npz_reader`, as the API reads ``calibration_data_path``).
     """
-    from quark_onnx.calibration import ArrayDataReader, NpzDataReader
-    from quark_onnx.calibration.readers import load_array, npz_keys
+    from quark_onnx.calibration.sources import npz_reader as reader
 
-    names = [s.name for s in model_inputs(model)]
-    if len(names) == 1:
-        return NpzDataReader(path, input_name=names[0], limit=limit)
-    keys = npz_keys(path) or []
-    missing = [n for n in names if n not in keys]
-    if missing:
-        raise CalibrationError(
-            f"{path}: the model has inputs {names}; the archive has arrays {keys} "
-            f"(missing {missing}): save one array per input, named like the input"
-        )
-    return ArrayDataReader({n: load_array(path, n, limit or None) for n in names})
+    return reader(path, _signature(model), limit)
 
 
 def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, limit: int | None):
     """The reader of ``--calib`` for ``model`` (None for random or saved calibration)."""
     if settings.calib is None:
         return None
-    calib = Path(settings.calib)
-    if calib.is_dir():
-        from quark_onnx.calibration.image_reader import ImageFolderDataReader
+    from quark_onnx.calibration.sources import open_reader
 
-        return ImageFolderDataReader(calib, model, settings.preprocess_spec(), limit=limit)
-    return npz_reader(calib, model, limit)
+    calib = Path(settings.calib)
+    preprocess = settings.preprocess_spec() if calib.is_dir() else None
+    return open_reader(
+        calib, _signature(model), model_path=model, preprocess=preprocess, limit=limit
+    )
 
 
 def compare_count(settings: QuantizeSettings) -> int:
@@ -106,17 +98,10 @@ def comparison_feeds(
         return None
     options = qconfig.resolved_options()
     if options.UseRandomData:
-        import onnx
+        from quark_onnx.calibration.sources import random_reader
 
-        from quark_onnx.calibration import RandomDataReader
-
-        reader: Any = RandomDataReader(
-            onnx.load(str(model), load_external_data=False),
-            num_samples=min(count, options.RandomDataSamples),
-            seed=options.RandomDataSeed,
-            shapes=options.RandomDataReaderInputShape or None,
-            ranges=options.RandomDataReaderInputDataRange or None,
-        )
+        samples = min(count, options.RandomDataSamples)
+        reader: Any = random_reader(_signature(model), options, samples=samples)
     else:
         reader = calibration_reader(settings, model, count)
         if reader is None:
@@ -152,24 +137,14 @@ def calibration_shapes(
         source = f"--calib {Path(settings.calib).name}"
         reader = calibration_reader(settings, model, 1)
     elif options.UseRandomData:
-        import onnx
-
-        from quark_onnx.calibration import RandomDataReader
+        from quark_onnx.calibration.sources import random_reader
 
         source = "random calibration data (RandomDataReaderInputShape)"
-        reader = RandomDataReader(
-            onnx.load(str(model), load_external_data=False),
-            num_samples=1,
-            seed=options.RandomDataSeed,
-            shapes=options.RandomDataReaderInputShape or None,
-            ranges=options.RandomDataReaderInputDataRange or None,
-        )
+        reader = random_reader(_signature(model), options, samples=1)
     else:
         return None
     if callable(getattr(reader, "bind", None)):
-        import onnx
-
-        reader.bind(onnx.load(str(model), load_external_data=False))
+        reader.bind(_signature(model))
     first = reader.get_next()
     if not first:
         return None

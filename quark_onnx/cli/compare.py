@@ -36,13 +36,13 @@ def run(args: argparse.Namespace) -> int:
     if args.random is not None:
         import onnx
 
-        from quark_onnx.calibration import RandomDataReader
+        from quark_onnx.calibration.sources import random_reader
 
         if args.random < 1:
             raise ConfigError(f"--random {args.random}: expected a positive number")
-        reader: Any = RandomDataReader(
+        reader: Any = random_reader(
             onnx.load(args.float_model, load_external_data=False),
-            num_samples=min(args.random, args.limit or args.random),
+            samples=min(args.random, args.limit or args.random),
             seed=args.seed,
         )
     else:

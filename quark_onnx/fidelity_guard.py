@@ -1,0 +1,136 @@
+"""The fidelity guard: the quantized model's outputs against the float model's, on the first
+calibration samples.
+
+The reference is the model the user gave, before any pass (:func:`reference_outputs`), so the
+cost of the numerics-changing passes counts. :func:`guard_fidelity` warns (or, with
+``RequireFidelity``, raises) when an output is not faithful, naming the tensors whose SQNR drops
+the most (:func:`worst_layers`, the per-layer error analysis).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+
+from quark_onnx.errors import FidelityError
+from quark_onnx.options import ExtraOptions
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from quark_onnx.report import QuantizationReport
+
+# the quantizer's stages report through the quantizer's logger
+logger = logging.getLogger("quark_onnx.quantizer")
+
+__all__ = ["guard_fidelity", "materialize", "reference_outputs", "worst_layers"]
+
+
+def reference_outputs(
+    source: str, model: ir.Model, samples: list[dict[str, np.ndarray]], options: ExtraOptions
+) -> list[dict[str, np.ndarray]] | None:
+    """The loaded model's outputs on ``samples`` (None: no samples, guard off, or onnxruntime
+    cannot run them; calibration then reports a bad feed by name)."""
+    if not samples or not options.FidelityCheck:
+        return None
+    from quark_onnx.pipeline import run_model
+
+    try:
+        return run_model(model, samples)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning("%s: fidelity not measured: the model does not run: %s", source, first)
+        return None
+
+
+def guard_fidelity(
+    report: QuantizationReport,
+    source: str,
+    model: Any,
+    samples: list[dict[str, np.ndarray]],
+    reference: list[dict[str, np.ndarray]],
+    stages: tuple[onnx.ModelProto, Any, Path | None],
+    options: ExtraOptions,
+) -> None:
+    """Measure every output against the original float model; warn (or raise) if unfaithful.
+
+    The reference is the model the user gave, before any pass: the cost of the
+    numerics-changing passes counts. When an output is not faithful, the per-layer error
+    analysis (the tensors whose SQNR drops the most) names where it is lost.
+    """
+    from quark_onnx import fidelity
+    from quark_onnx.pipeline import run_model
+
+    try:
+        quantized = run_model(model, samples)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning("%s: fidelity not measured: %s", source, first)
+        report.fidelity = {"faithful": None, "error": first}
+        return
+    result = fidelity.FidelityResult(
+        samples=len(samples),
+        outputs=fidelity.compare_runs(
+            reference,
+            quantized,
+            min_sqnr_db=options.FidelityMinSQNR,
+            min_agreement=options.FidelityMinAgreement,
+        ),
+        min_sqnr_db=options.FidelityMinSQNR,
+        min_agreement=options.FidelityMinAgreement,
+    )
+    if not result.faithful:
+        result.worst_layers = worst_layers(report, samples, model, *stages)
+    report.fidelity = result.to_dict()
+    if result.faithful:
+        logger.info(
+            "%s: faithful on %d sample(s): %s",
+            source,
+            result.samples,
+            "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs),
+        )
+        return
+    message = result.message(source)
+    if options.RequireFidelity:
+        raise FidelityError(message + " (RequireFidelity is set: no model was written)")
+    logger.warning(message)
+
+
+def worst_layers(
+    report: QuantizationReport,
+    samples: list[dict[str, np.ndarray]],
+    model: Any,
+    prepared: onnx.ModelProto,
+    plan: Any,
+    external_dir: Path | None,
+    count: int = 3,
+) -> list[dict[str, Any]]:
+    """The ``count`` quantized tensors whose SQNR drops the most (layer error analysis)."""
+    from quark_onnx.errors import QuarkOnnxError
+
+    errors = report.layer_errors
+    if not errors:
+        from quark_onnx.accuracy.error_analysis import layer_errors
+
+        materialize(prepared, external_dir)
+        try:
+            errors = layer_errors(prepared, model, samples, plan)
+        except QuarkOnnxError as exc:
+            logger.info("per-layer error analysis failed: %s", exc)
+            return []
+    ranked = sorted(errors, key=lambda e: -e["drop_db"])[:count]
+    return [{k: e[k] for k in ("tensor", "node", "op_type", "sqnr_db", "drop_db")} for e in ranked]
+
+
+def materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
+    """Read external weights into ``prepared`` (no-op without external data): the layer replays
+    of AdaRound, bias correction and error analysis run onnxruntime on model bytes. Called after
+    the positions stage, whose weight error curves are gone by then, to keep the peak low."""
+    if external_dir is not None:
+        from quark_onnx import model_io
+
+        model_io.materialize(prepared, external_dir)

@@ -1,0 +1,103 @@
+"""Graph patterns the planner recognises: constants (an initializer or a ``Constant`` node's
+output) and the Erf-based Gelu.
+
+:func:`erf_gelu` matches ``x * 0.5 * (1 + Erf(x / sqrt 2))`` in the arrangements exporters write;
+the planner then quantizes such a Gelu at its input and output only, like the Gelu op.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
+
+__all__ = ["erf_gelu", "is_constant"]
+
+
+def is_constant(value: ir.Value) -> bool:
+    if value.const_value is not None:
+        return True
+    producer = value.producer()
+    return (
+        producer is not None
+        and producer.op_type == "Constant"
+        and producer.domain in ("", "ai.onnx")
+    )
+
+
+_SQRT2 = 1.4142135623730951
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a one-element constant, else None."""
+    if value is None or not is_constant(value):
+        return None
+    array = constant_array(value)
+    if array is None or array.size != 1 or array.dtype.kind != "f":
+        return None
+    return float(array.reshape(()))
+
+
+def _close(value: float | None, target: float) -> bool:
+    return value is not None and abs(value - target) <= 1e-3 * abs(target)
+
+
+def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The other input of a two-input node that reads ``value``."""
+    if len(node.inputs) != 2:
+        return None
+    if node.inputs[0] is value:
+        return node.inputs[1]
+    return node.inputs[0] if node.inputs[1] is value else None
+
+
+def erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
+    """Match ``x * 0.5 * (1 + Erf(x / sqrt 2))`` around ``erf``: (x, inner nodes, last node).
+
+    Accepted arrangements: the Erf input is ``Div(x, sqrt 2)`` or ``Mul(x, 1/sqrt 2)``; then
+    ``Add(., 1)``; then ``Mul(x, .)`` followed by ``Mul(., 0.5)``, or ``Mul(Mul(x, 0.5), .)``,
+    or ``Mul(., 0.5)`` followed by ``Mul(x, .)``. Every intermediate has a single consumer.
+    """
+    if not erf.inputs or erf.inputs[0] is None or not erf.outputs:
+        return None
+    scaled = erf.inputs[0].producer()
+    if scaled is None or len(scaled.inputs) != 2 or single_consumer(scaled.outputs[0]) is not erf:
+        return None
+    x = scaled.inputs[0]
+    if x is None:
+        return None
+    c = _scalar(scaled.inputs[1])
+    if not (
+        (is_standard(scaled, "Div") and _close(c, _SQRT2))
+        or (is_standard(scaled, "Mul") and _close(c, 1 / _SQRT2))
+    ):
+        return None
+    add = single_consumer(erf.outputs[0])
+    if not is_standard(add, "Add") or not _close(_scalar(_other(add, erf.outputs[0])), 1.0):
+        return None
+    m1 = single_consumer(add.outputs[0])
+    if not is_standard(m1, "Mul"):
+        return None
+    t = _other(m1, add.outputs[0])
+    if t is None:
+        return None
+    inner = [scaled, erf, add]
+    if t is x:  # Mul(x, 1 + erf) then Mul(., 0.5)
+        m2 = single_consumer(m1.outputs[0])
+        if not is_standard(m2, "Mul") or not _close(_scalar(_other(m2, m1.outputs[0])), 0.5):
+            return None
+        return x, [*inner, m1], m2
+    if _close(_scalar(t), 0.5):  # Mul(1 + erf, 0.5) then Mul(x, .)
+        m2 = single_consumer(m1.outputs[0])
+        if not is_standard(m2, "Mul") or _other(m2, m1.outputs[0]) is not x:
+            return None
+        return x, [*inner, m1], m2
+    half = t.producer()  # Mul(Mul(x, 0.5), 1 + erf)
+    if (
+        is_standard(half, "Mul")
+        and _other(half, x) is not None
+        and _close(_scalar(_other(half, x)), 0.5)
+        and single_consumer(t) is m1
+    ):
+        return x, [*inner, half], m1
+    return None
