@@ -29,21 +29,32 @@ would carry its ~0 range over to the partner, and its bias, divided by a tiny ``
 activation). The product, not either range alone, because it is what the channel contributes to
 the readers and it does not change when the channel is rescaled (``W1[i] * a``, ``W2[:, i] / a``):
 a channel that one layer has made 100 times narrower and the other 100 times wider is not dead,
-it is exactly what CLE must undo. Grouped second convolutions are handled through their channel
-layout: input channel ``i`` of a conv with ``group = g`` and ``C_in / g`` channels per group is
-column ``i mod (C_in / g)`` of the output channels of group ``i div (C_in / g)``; a depthwise conv
-(``group = C_in``, weight ``C_out x 1 x k x k``) thus scales its per-channel filters by ``s_i``.
+it is exactly what CLE must undo. The ungated sweeps (``gate = False`` or ``'component'``) do
+not leave such a channel where the model put it, though, since that is whatever factor the
+model happened to carry on it (a rescaled network keeps a near-dead channel 100x wider than the
+rest, and it sets the whole layer's per-tensor range): they place it where its ranges,
+normalised by the live channels' medians, are equal (:func:`_place_negligible`), which is
+inside both layers' typical ranges whenever its normalised product is at most 1 (a constant
+channel read by wide weights is not, and keeps ``s_i = 1``).
+
+Grouped second convolutions are handled through their channel layout: input channel ``i`` of a conv
+with ``group = g`` and ``C_in / g`` channels per group is column ``i mod (C_in / g)`` of the output
+channels of group ``i div (C_in / g)``; a depthwise conv (``group = C_in``, weight ``C_out x 1 x k
+x k``) thus scales its per-channel filters by ``s_i``.
 
 Chains (``conv -> dw conv -> conv`` in MobileNet blocks) share layers between pairs: a depthwise
 conv is the second layer of one pair and the first of the next. One *step* equalizes every pair
 once, in graph order, recomputing ranges from the current weights (Gauss-Seidel sweeps). Steps
-repeat until ``steps`` is reached or, with ``steps = -1``, until the total relative change of
-the step, ``sum over pairs of mean_i |s_i - 1|`` (the relative change of both layers' channel
-ranges), falls below ``threshold`` (``ExtraOptions.CLETotalLayerDiffThreshold``; AMD Quark
-measures the absolute mean weight change instead, which depends on the weights' magnitudes).
-A step limit of :data:`MAX_ADAPTIVE_STEPS` bounds the adaptive mode. Scales are accumulated in
-float64 and each weight is rounded back to its dtype once, so the float model changes only by
-that rounding (about 1e-7 relative for float32).
+repeat until ``steps`` is reached or, with ``steps = -1``, until the total relative change of the
+step, ``sum over pairs of mean_i |s_i - 1|`` (the relative change of both layers' channel ranges),
+falls below ``threshold`` (``ExtraOptions.CLETotalLayerDiffThreshold``; AMD Quark measures the
+absolute mean weight change instead, which depends on the weights' magnitudes). A step limit of
+:data:`MAX_ADAPTIVE_STEPS` bounds the adaptive mode. In that mode the ungated sweeps over-relax
+each group of pairs that share layers (step ``s^omega``, :func:`over_relaxation` of the group's
+longest chain), since only the end point matters there: a chain's balance is a 1-D Laplacian in log
+scale, whose plain sweeps need ``O(length^2)`` steps. Scales are accumulated in float64 and each
+weight is rounded back to its dtype once, so the float model changes only by that rounding (about
+1e-7 relative for float32).
 
 Gate (on by default). Equalizing ranges is not the same as lowering the error of one
 power-of-two scale per tensor: the rescaled tensor's range may move to a worse point of the
@@ -60,20 +71,22 @@ refuses real trade-offs (equalizing usually coarsens one side a little to save t
 lot) and, measured, leaves a randomly rescaled SqueezeNet unrepaired. This needs no data, so it
 runs in the float prepare stage.
 
-Component gate (``gate = 'component'``, what ``include_cle`` runs). A step-by-step gate makes
-the result depend on where the sweeps start: the same network with its channels rescaled ends
-at another point (a rescaled SqueezeNet lost 5 points where the original lost 1). Converged
+Component gate (``gate = 'component'``, what ``include_cle`` runs). A step-by-step gate makes the
+result depend on where the sweeps start: the same network with its channels rescaled ends at
+another point (a rescaled SqueezeNet lost 5 points where the original lost 1). Converged
 equalization without a gate does not: the balanced point ``r1_i = r2_i`` absorbs any per-channel
-factor, and on chains it is unique. So the pairs are equalized ungated, and then each group of
-pairs that share layers (:func:`_components`) keeps the equalized weights only if they predict
-less noise than the weights the pass found by :data:`COMPONENT_MIN_GAIN`. The prediction
-(:meth:`CrossLayerEqualization._component_noise`) adds, over the group, every pair's
-:func:`propagated_noise` and, given ``sample_feeds``, the :func:`activation_noise` of every
-tensor the readers read (measured once, before equalizing, and followed through the scaling:
-a channel made wider sets a coarser per-tensor step for all the others). The equalized point
-and its predicted noise are the same for a model and any rescaling of it, so a rescaled model
-gets the equalized weights of the original, while an original whose ranges are already fine
-keeps its own weights exactly.
+factor, and on chains it is unique, once the ~0 channels are placed rather than left at ``s = 1``
+(left there, they kept the rescaling's factors, and a rescaled SqueezeNet ended at 1.4x the
+predicted noise of the equalized original; placed, it ends on the same weights). So the pairs are
+equalized ungated, and then each group of pairs that share layers (:func:`_components`) keeps the
+equalized weights only if they predict less noise than the weights the pass found by
+:data:`COMPONENT_MIN_GAIN`. The prediction (:meth:`CrossLayerEqualization._component_noise`) adds,
+over the group, every pair's :func:`propagated_noise` and, given ``sample_feeds``, the
+:func:`activation_noise` of every tensor the readers read (measured once, before equalizing, and
+followed through the scaling: a channel made wider sets a coarser per-tensor step for all the
+others). The equalized point and its predicted noise are the same for a model and any rescaling of
+it, so a rescaled model gets the equalized weights of the original, while an original whose ranges
+are already fine keeps its own weights exactly.
 
 ``max_scale`` bounds the *cumulative* factor applied to each channel boundary to
 ``[1 / max_scale, max_scale]``, so near-dead channels do not blow up the neighbouring weights.
@@ -477,6 +490,54 @@ def _components(pairs: Sequence[_Pair]) -> list[list[_Pair]]:
     return list(groups.values())
 
 
+def _place_negligible(
+    scale: np.ndarray, r1: np.ndarray, r2: np.ndarray, negligible: np.ndarray, live: np.ndarray
+) -> np.ndarray:
+    """Set ``scale`` of the ~0 channels that can sit inside both layers' typical ranges; returns
+    which were set.
+
+    A ~0 channel is not balanced with its partner (:data:`NEGLIGIBLE_RANGE`), but leaving it at
+    ``s = 1`` keeps whatever factor the model happens to carry on it: a network whose channels
+    were rescaled (same function) keeps a near-dead channel 100x wider than the rest and sets
+    the per-tensor range of a whole layer with it, so the equalized point depends on the input
+    scaling. Instead, with ``m1, m2`` the median ranges of the live channels, the channel gets
+    ``s = sqrt((r1 / m1) / (r2 / m2))``, which makes its normalised ranges equal:
+    ``r1 / s / m1 = r2 * s / m2 = sqrt(r1 r2 / (m1 m2))``. Where that is at most 1 the channel
+    is inside the typical range of both layers, and ``s`` follows any rescaling of the channel
+    (``r1 -> a r1``, ``r2 -> r2 / a`` give ``s -> a s``), so the equalized weights no longer
+    depend on it. A channel with ``r1 r2 > m1 m2`` (a constant channel: a large bias read by
+    wide weights, FoldConstantChannels' case) keeps ``s = 1``.
+    """
+    m1, m2 = float(np.median(r1[live])), float(np.median(r2[live]))
+    placed = negligible & (r1 * r2 <= m1 * m2)
+    scale[placed] = np.sqrt((r1[placed] / m1) / (r2[placed] / m2))
+    return placed
+
+
+def over_relaxation(length: int) -> float:
+    """The step exponent ``omega = 2 / (1 + sin(pi / (length + 1)))`` for a chain of ``length``
+    pairs (1.0 for a pair alone).
+
+    In log scale a balancing step sets a boundary's ``log s`` to the mean of what its two
+    neighbouring layers ask for, so a chain's sweeps are Gauss-Seidel sweeps on a 1-D Laplacian;
+    successive over-relaxation with this classical optimum (Young) needs ``O(length)`` sweeps
+    instead of ``O(length^2)``. The max in the ranges makes the real map only piecewise linear,
+    so this is the optimum of the linear model, not a guarantee.
+    """
+    return 2.0 / (1.0 + math.sin(math.pi / (max(length, 1) + 1)))
+
+
+def _chain_length(component: Sequence[_Pair]) -> int:
+    """The most pairs on one path through ``component`` (pairs in graph order; a pair follows
+    another when its first conv is one of the other's readers)."""
+    depth: dict[int, int] = {}
+    for pair in component:
+        depth[id(pair.first)] = max(depth.get(id(pair.first), 0), 1)
+        for layer in pair.reader_layers:
+            depth[id(layer)] = max(depth.get(id(layer), 0), depth[id(pair.first)] + 1)
+    return max(depth.values(), default=1) - 1
+
+
 def _grouped_view(weight: np.ndarray, group: int) -> np.ndarray:
     """``W`` viewed as ``(g, C_out/g, cpg, K)``, ``cpg = C_in/g``.
 
@@ -698,6 +759,8 @@ class _Pair:
     through: tuple[str, ...]
     cumulative: np.ndarray  # product of all s applied at this channel boundary
     rejected: bool = False  # the gate refused this pair's last proposed scaling
+    #: exponent of the ungated sweeps' step ``s^relax`` (:func:`over_relaxation`)
+    relax: float = 1.0
 
     @property
     def reader_layers(self) -> list[_Layer]:
@@ -919,8 +982,15 @@ class CrossLayerEqualization(QuarkPass):
         # a channel carrying ~0 is dead or constant, not narrow: equalizing with it would only
         # carry its ~0 range over to the partner (the weight ranges alone decide, a large bias
         # does not make a constant channel a partner)
-        ok &= ~_negligible(r1w, r2)
-        scale[ok] = np.sqrt(r1[ok] / r2[ok])
+        negligible = _negligible(r1w, r2)
+        live = ok & ~negligible
+        scale[live] = np.sqrt(r1[live] / r2[live])
+        if not gated and np.any(live):
+            # the ungated sweeps place a ~0 channel instead of leaving it where the model put it
+            live |= _place_negligible(scale, r1, r2, ok & negligible, live)
+        ok = live
+        if not gated and pair.relax != 1.0:
+            scale[ok] = scale[ok] ** pair.relax
         if self.max_scale is not None:
             total = np.clip(pair.cumulative * scale, 1.0 / self.max_scale, self.max_scale)
             scale = total / pair.cumulative
@@ -1059,6 +1129,12 @@ class CrossLayerEqualization(QuarkPass):
             report.last_change = 0.0 if not pairs else math.inf
             return ir.passes.PassResult(model, modified=False)
 
+        if self.steps == -1 and self.gate not in ("sum", "per_layer"):
+            # only the end point matters: over-relax the chains (fixed steps keep plain steps)
+            for chain in _components(pairs):
+                relax = over_relaxation(_chain_length(chain))
+                for pair in chain:
+                    pair.relax = relax
         components = _components(pairs) if self.gate == "component" else []
         stats = self._measure(model, pairs) if components and self.sample_feeds else {}
         before = [self._component_noise(comp, stats) for comp in components]
