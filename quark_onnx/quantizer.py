@@ -337,6 +337,18 @@ class ModelQuantizer:
             report.range_clips = _range_clips(plan, ranges, positions, solved.positions)
             for clip in report.range_clips:
                 logger.warning("%s: %s", source, clip["message"])
+            from quark_onnx.npu import costs
+
+            report.position_costs = costs.forced_position_costs(
+                positions,
+                solved.positions,
+                errors,
+                costs.activation_mean_squares(plan, result),
+                solved.adjustments,
+            )
+            for entry in report.position_costs:
+                if entry["cost_db"] >= costs.COST_WARN_DB:
+                    logger.warning("%s: NPU rules: %s", source, costs.cost_message(entry))
             # the weight error curves read the (memory-mapped) float weights: let them go
             del errors
 
