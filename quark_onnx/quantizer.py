@@ -346,9 +346,16 @@ class ModelQuantizer:
                 costs.activation_mean_squares(plan, result),
                 solved.adjustments,
             )
-            for entry in report.position_costs:
-                if entry["cost_db"] >= costs.COST_WARN_DB:
-                    logger.warning("%s: NPU rules: %s", source, costs.cost_message(entry))
+            costly = [e for e in report.position_costs if e["cost_db"] >= costs.COST_WARN_DB]
+            if costly:  # one line: the rules are the NPU's, the user can only read the cost
+                logger.warning(
+                    "%s: NPU rules cost %d tensor(s) >= %.0f dB of their own SQNR "
+                    "(report.position_costs); worst: %s",
+                    source,
+                    len(costly),
+                    costs.COST_WARN_DB,
+                    costs.cost_message(costly[0]),
+                )
             # the weight error curves read the (memory-mapped) float weights: let them go
             del errors
 

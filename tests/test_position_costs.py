@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -73,10 +75,13 @@ def _quantize(model: onnx.ModelProto, x: np.ndarray) -> ModelQuantizer:
     return quantizer
 
 
-def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost():
+def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost(caplog):
     model = _box_and_prob_model()
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
-    quantizer = _quantize(model, x)
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+        quantizer = _quantize(model, x)
+    warned = [r.getMessage() for r in caplog.records if "NPU rules cost" in r.getMessage()]
+    assert len(warned) == 1 and "worst: tensor 'prob'" in warned[0]
     report = quantizer.report
     costs = {e["tensor"]: e for e in report.position_costs}
     assert "prob" in costs and "box" not in costs
@@ -96,13 +101,15 @@ def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost()
     assert report.to_dict()["position_costs"][0]["tensor"] == "prob"
 
 
-def test_no_cost_where_the_rules_move_nothing():
+def test_no_cost_where_the_rules_move_nothing(caplog):
     """Both Concat inputs Sigmoid scores: one calibrated position fits both, nothing is moved."""
     model = _box_and_prob_model()
     model.graph.node.insert(1, onnx.helper.make_node("Sigmoid", ["box"], ["box_p"], name="s0"))
     model.graph.node[-1].input[0] = "box_p"
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
-    report = _quantize(model, x).report
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+        report = _quantize(model, x).report
+    assert not [r for r in caplog.records if "NPU rules cost" in r.getMessage()]
     assert report.positions["box_p"] == report.positions["prob"]
     assert [e for e in report.position_costs if e["tensor"] in ("box_p", "prob", "y")] == []
     assert "rule cost" not in report.summary()
