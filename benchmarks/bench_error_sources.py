@@ -214,7 +214,7 @@ def rank_tensors(entry, f_out: dict, quantized: onnx.ModelProto, top: int) -> li
     ]
     for gain, name, scale in gains[:top]:
         lines.append(
-            f"    {gain:+6.2f} dB  {name:<44} p={-np.log2(scale):3.0f}  "
+            f"    {gain:+6.2f} dB  {name:<44} p={int(-np.log2(scale)):3d}  "
             f"own SQNR {own[name]:6.2f} dB"
         )
     return lines
