@@ -24,6 +24,12 @@ argmax agreement):
 ``--off NAME`` turns a boolean extra option (or ``include_*`` field) of the option set off
 (repeatable), to see what a technique changes in the split.
 
+``--rank N``: one variant per quantized activation with only that tensor's Q/DQ pair removed,
+ranked by the output SQNR gained (the N largest printed), each with the tensor's own
+quantization SQNR at its position (over the same images, given the quantized tensors before
+it). It tells a loss concentrated in a few tensors (a clip, a forced shared position) from one
+spread over the whole network (no tensor gains much).
+
 The variants change Q/DQ pairs only; nothing is re-calibrated. Results are printed and appended
 to ``benchmarks/results/<--name>.txt`` (default ``error_sources``; rewritten atomically).
 """
@@ -150,6 +156,70 @@ def measure(entry: bench_fidelity.Entry, f_out: dict, model: onnx.ModelProto) ->
     return row
 
 
+def activation_pairs(model: onnx.ModelProto) -> list[tuple[str, float]]:
+    """(float tensor, scale) of every activation QuantizeLinear with a constant scale."""
+    from onnx import numpy_helper
+
+    constants = {i.name: i for i in model.graph.initializer}
+    pairs = []
+    for node in model.graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[0] in constants:
+            continue
+        scale = constants.get(node.input[1])
+        if scale is not None and node.input[0] not in dict(pairs):
+            pairs.append((node.input[0], float(numpy_helper.to_array(scale).reshape(()))))
+    return pairs
+
+
+def own_sqnr(model: onnx.ModelProto, x: np.ndarray, pairs: list[tuple[str, float]]) -> dict:
+    """Each tensor's own quantization SQNR (dB): ``clip(rint(t / s), -128, 127) * s`` against
+    ``t`` as the quantized model computes it, summed over the images ``x``."""
+    import onnxruntime as ort
+
+    probe = _copy(model)
+    outputs = {o.name for o in probe.graph.output}
+    for name, _ in pairs:
+        if name not in outputs:
+            probe.graph.output.append(onnx.helper.make_value_info(name, onnx.TypeProto()))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    names = [name for name, _ in pairs]
+    power = dict.fromkeys(names, 0.0)
+    noise = dict.fromkeys(names, 0.0)
+    for i in range(len(x)):
+        results = session.run(names, {input_name: x[i : i + 1]})
+        for (name, scale), t in zip(pairs, results, strict=True):
+            t = t.astype(np.float64)
+            q = np.clip(np.rint(t / scale), -128, 127) * scale
+            power[name] += float(np.sum(t * t))
+            noise[name] += float(np.sum((t - q) ** 2))
+    return {n: 10 * np.log10(power[n] / noise[n]) if noise[n] > 0 else float("inf") for n in names}
+
+
+def rank_tensors(entry, f_out: dict, quantized: onnx.ModelProto, top: int) -> list[str]:
+    """Lines: the ``top`` activations whose Q/DQ removal raises output SQNR most."""
+    base = measure(entry, f_out, quantized)
+    pairs = activation_pairs(quantized)
+    x = entry.test[: len(next(iter(f_out.values())))]
+    own = own_sqnr(quantized, x, pairs)
+    gains = []
+    for name, scale in pairs:
+        row = measure(entry, f_out, float_activations(quantized, lambda t, n=name: t == n))
+        gains.append((row["sqnr_db"] - base["sqnr_db"], name, scale))
+    gains.sort(key=lambda g: (-g[0], g[1]))
+    positive = sum(g[0] for g in gains if g[0] > 0)
+    lines = [
+        f"  rank: {len(pairs)} activations; output SQNR gained by removing one tensor's Q/DQ "
+        f"(sum of the positive gains {positive:.2f} dB):"
+    ]
+    for gain, name, scale in gains[:top]:
+        lines.append(
+            f"    {gain:+6.2f} dB  {name:<44} p={int(-np.log2(scale)):3d}  "
+            f"own SQNR {own[name]:6.2f} dB"
+        )
+    return lines
+
+
 def _line(label: str, row: dict) -> str:
     det = row.get("detection")
     extra = (
@@ -173,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--off", action="append", default=[], help="option to turn off")
     parser.add_argument("--name", default="error_sources", help="results/<name>.txt")
+    parser.add_argument(
+        "--rank", type=int, default=0, help="also rank single tensors: print the N best"
+    )
     args = parser.parse_args(argv)
     entry = bench_fidelity.load_entry(args.model)
 
@@ -211,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, model in variants:
         lines.append(_line(label, measure(entry, f_out, model)))
         print(lines[-1], flush=True)
+    if args.rank:
+        for line in rank_tensors(entry, f_out, quantized, args.rank):
+            lines.append(line)
+            print(line, flush=True)
     common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = common.RESULTS_DIR / f"{args.name}.txt"
     old = path.read_text() if path.exists() else ""

@@ -455,10 +455,38 @@ class _Run(sequencer.Stages):
             report.range_clips = pof2_params.range_clips(plan, ranges, positions, solved.positions)
             for clip in report.range_clips:
                 logger.warning("%s: %s", source, clip["message"])
+            self._position_costs(plan, result, positions, errors, solved)
             # the weight error curves read the (memory-mapped) float weights: let them go
             del errors
         self.positions = solved.positions
         return solved.positions
+
+    def _position_costs(
+        self, plan: Any, result: Any, positions: dict, errors: dict, solved: Any
+    ) -> None:
+        """What each NPU-forced move costs the tensor it moves (its own SQNR from the calibration
+        histogram); one warning line for the costly ones: the rules are the NPU's, the user can
+        only read the cost."""
+        from quark_onnx.npu import costs
+
+        report = self.report
+        report.position_costs = costs.forced_position_costs(
+            positions,
+            solved.positions,
+            errors,
+            costs.activation_mean_squares(plan, result),
+            solved.adjustments,
+        )
+        costly = [e for e in report.position_costs if e["cost_db"] >= costs.COST_WARN_DB]
+        if costly:
+            logger.warning(
+                "%s: NPU rules cost %d tensor(s) >= %.0f dB of their own SQNR "
+                "(report.position_costs); worst: %s",
+                self.source,
+                len(costly),
+                costs.COST_WARN_DB,
+                costs.cost_message(costly[0]),
+            )
 
     def insert(self, model: Any, plan: Any, parameters: Any) -> dict[str, Any]:
         from quark_onnx.passes.insert_qdq import InsertQDQ

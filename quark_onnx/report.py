@@ -27,6 +27,9 @@ class QuantizationReport:
     unfixable: list[str] = field(default_factory=list)
     #: Activations an NPU rule clips to less than half their calibrated range (XINT8).
     range_clips: list[dict[str, Any]] = field(default_factory=list)
+    #: Activations an NPU rule moved off their calibrated position, with the loss of their own
+    #: SQNR (:func:`quark_onnx.npu.costs.forced_position_costs`), largest first (XINT8).
+    position_costs: list[dict[str, Any]] = field(default_factory=list)
     layer_errors: list[dict[str, Any]] = field(default_factory=list)
     bias_correction: dict[str, Any] = field(default_factory=dict)
     adaround: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +109,7 @@ class QuantizationReport:
                 f"unfixable: {len(self.unfixable)}"
             )
             lines += [f"  range clipped: {c['message']}" for c in self.range_clips]
+            lines += _position_cost_lines(self.position_costs)
             lines.append(f"Vitis AI ready: {self.ready}")
             # each finding once, errors first
             findings = sorted(
@@ -148,6 +152,17 @@ class QuantizationReport:
                 f"{layer['drop_db']:+.1f} dB"
             )
         return lines
+
+
+def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[str]:
+    """The forced position moves costing at least one bit (6 dB) of a tensor's own SQNR."""
+    from quark_onnx.npu.costs import COST_WARN_DB, cost_message
+
+    costly = [e for e in entries if e["cost_db"] >= COST_WARN_DB]
+    lines = [f"  rule cost: {cost_message(e)}" for e in costly[:shown]]
+    if len(costly) > shown:
+        lines.append(f"  rule cost: {len(costly) - shown} more tensor(s) lose >= 6 dB (report)")
+    return lines
 
 
 def _jsonable(value: Any) -> Any:

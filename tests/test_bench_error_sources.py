@@ -67,3 +67,21 @@ def test_variants_remove_exactly_what_they_say():
     partial = es.float_activations(quantized, lambda name: name == "r1")
     kept = [n.input[0] for n in partial.graph.node if n.op_type == "QuantizeLinear"]
     assert "r1" not in kept and "x" in kept
+
+
+def test_own_sqnr_of_the_input_is_numpy_fake_quantization():
+    """The graph input reaches its QuantizeLinear unchanged: its own SQNR is the numpy model's
+    ``clip(rint(x / s), -128, 127) * s`` over the same images; every activation is listed once."""
+    model = _float_model()
+    x = np.random.default_rng(1).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    quantized = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
+    quantized = quantized.quantize_model(model, None, {"x": x})
+    pairs = es.activation_pairs(quantized)
+    names = [name for name, _ in pairs]
+    assert len(names) == len(set(names)) == 3 and {"x", "r1"} <= set(names)  # and the output
+    own = es.own_sqnr(quantized, x, pairs)
+    scale = dict(pairs)["x"]
+    xd = x.astype(np.float64)
+    q = np.clip(np.rint(xd / scale), -128, 127) * scale
+    expected = 10 * np.log10(np.sum(xd**2) / np.sum((xd - q) ** 2))
+    assert abs(own["x"] - expected) < 1e-9
