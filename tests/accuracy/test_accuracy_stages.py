@@ -392,6 +392,26 @@ def test_error_analysis_of_a_large_graph_measures_a_subset_with_exact_drops():
         assert e["drop_db"] == pytest.approx(full[e["tensor"]]["drop_db"], abs=1e-3)
 
 
+def test_error_analysis_in_pieces_equals_the_whole_session_analysis(monkeypatch):
+    """Graphs longer than one session run in pieces, samples in groups: the same sums, so the
+    same entries to the last bit."""
+    from quark_onnx import runtime
+    from quark_onnx.accuracy import error_analysis
+
+    rng = np.random.default_rng(13)
+    proto = _conv_chain(rng, n=5)
+    calib = _samples(rng, 7)
+    prepared, model, plan, _, _ = _quantize(proto, calib)
+    whole = layer_errors(prepared, model, calib, plan)
+    before = runtime.COUNTS.sessions
+    monkeypatch.setattr(runtime, "SEGMENT_NODES", 4)
+    monkeypatch.setattr(error_analysis, "SEGMENT_SAMPLES", 3)
+    pieces = layer_errors(prepared, model, calib, plan)
+    # 3 groups of samples, each model in more than one piece
+    assert runtime.COUNTS.sessions - before > 3 * 2 * 2
+    assert pieces == whole
+
+
 def test_error_analysis_without_damage_has_high_sqnr_everywhere():
     rng = np.random.default_rng(9)
     proto = _conv_chain(rng, n=2)
