@@ -285,6 +285,37 @@ def test_bias_correction_skips_conv_without_bias():
     assert summary["skipped"][0]["node"] == "conv0"
 
 
+def test_bias_correction_without_layers_builds_no_replay(monkeypatch):
+    """A model without Conv/Gemm layers (an Add chain) has nothing to correct: no copy of the
+    quantized model, no session."""
+    from quark_onnx import runtime
+    from quark_onnx.accuracy import bias_correction
+
+    rng = np.random.default_rng(14)
+    c = onnx.numpy_helper.from_array(rng.normal(0, 0.1, (1, 4, 8, 8)).astype(np.float32), "c")
+    proto = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "c"], ["y"], name="add0")],
+            "adds",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+            [c],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    calib = _samples(rng, 4)
+    prepared, model, plan, positions, options = _quantize(proto, calib)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("a replay was built")
+
+    monkeypatch.setattr(bias_correction, "Replay", no_replay)
+    sessions = runtime.COUNTS.sessions
+    summary = correct_bias(prepared, model, calib, plan, positions, options)
+    assert runtime.COUNTS.sessions == sessions
+    assert summary["layers"] == 0 and summary["per_layer"] == [] and summary["segment_runs"] == 0
+
+
 # --- AdaRound ----------------------------------------------------------------------------------
 
 
