@@ -159,3 +159,45 @@ def test_a_missing_feed_is_named() -> None:
     feeds = [{"x": _feeds(1)[0]["x"]}]
     with pytest.raises(ValueError, match="'y'"):
         runtime.run_outputs(proto, feeds, max_nodes=3)
+
+
+def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monkeypatch) -> None:
+    """The quantizer's runs of the whole model (pass costs, fidelity guard, error analysis) in
+    pieces of 5 nodes: the written bytes and every reported number are those of single sessions."""
+    import sys
+    from pathlib import Path
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_scaling import build_chain
+
+    build_chain("conv", 12, tmp_path / "chain.onnx")
+
+    def quantize(out: str) -> tuple[bytes, dict]:
+        qc = get_default_config("XINT8")
+        qc.optimize_model = False
+        qc.extra_options.update(
+            UseRandomData=True, RandomDataSamples=3, LayerErrorAnalysis=True, FidelityMinSQNR=90.0
+        )
+        quantizer = ModelQuantizer(Config(global_quant_config=qc))
+        quantizer.quantize_model(tmp_path / "chain.onnx", tmp_path / out, progress=False)
+        report = quantizer.report
+        return (tmp_path / out).read_bytes(), {
+            "fidelity": report.fidelity,
+            "layer_errors": report.layer_errors,
+            "passes": [{k: v for k, v in p.items() if k != "seconds"} for p in report.passes],
+        }
+
+    whole = quantize("whole.onnx")
+    before = runtime.COUNTS.sessions
+    quantize("probe.onnx")
+    sessions_whole = runtime.COUNTS.sessions - before
+    monkeypatch.setattr(runtime, "SEGMENT_NODES", 5)
+    before = runtime.COUNTS.sessions
+    pieces = quantize("pieces.onnx")
+    assert runtime.COUNTS.sessions - before > sessions_whole  # it did run in pieces
+    assert pieces[0] == whole[0]
+    assert whole[1]["fidelity"]["faithful"] is False  # the guard ran its per-layer analysis
+    assert whole[1]["fidelity"]["worst_layers"]
+    assert pieces[1] == whole[1]
