@@ -288,6 +288,15 @@ class _Graph:
         proto = onnx.ModelProto(ir_version=ir_version, graph=graph)
         proto.opset_import.extend(opsets)
         proto.functions.extend(functions)
+        if isinstance(model, ir.Model):
+            # memory-mapped weights read in, as create_session does for a whole IR model
+            from quark_onnx.model_files.external import _external_tensors, _read_external_data
+            from quark_onnx.model_files.load import external_data_dir
+
+            external = _external_tensors(proto)
+            if external:
+                folder = external_data_dir(model)
+                _read_external_data(external, folder if folder is not None else Path.cwd())
         # a piece, not a full-model serialisation (not counted)
         return proto.SerializeToString()
 
@@ -345,10 +354,6 @@ def run_segments(
     wanted = list(dict.fromkeys(outputs))
     if max_nodes is None:
         max_nodes = SEGMENT_NODES
-    if external_data_dir is None and isinstance(model, ir.Model):
-        from quark_onnx.model_files.load import external_data_dir as _external_dir
-
-        external_data_dir = _external_dir(model)
     if whole is None:
         whole = node_count(model) <= max_nodes
     if whole:

@@ -35,13 +35,13 @@ def _branchy(n: int = 12) -> onnx.ModelProto:
         [helper.make_node("Add", ["m", outer], ["t"])],
         "then",
         [],
-        [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 4, 5, 5])],
     )
     else_g = helper.make_graph(
         [helper.make_node("Sub", ["m", outer], ["e"])],
         "else",
         [],
-        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 4, 5, 5])],
     )
     nodes.append(helper.make_node("ReduceSum", ["m"], ["s"], keepdims=0))
     nodes.append(helper.make_node("Greater", ["s", "zero"], ["g"]))
@@ -55,8 +55,8 @@ def _branchy(n: int = 12) -> onnx.ModelProto:
             helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 5, 5]),
         ],
         [
-            helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
-            helper.make_tensor_value_info("r4", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, 5, 5]),
+            helper.make_tensor_value_info("r4", TensorProto.FLOAT, [1, 4, 5, 5]),
         ],
         inits,
     )
@@ -201,3 +201,26 @@ def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monk
     assert whole[1]["fidelity"]["faithful"] is False  # the guard ran its per-layer analysis
     assert whole[1]["fidelity"]["worst_layers"]
     assert pieces[1] == whole[1]
+
+
+def test_pieces_of_a_model_with_external_weights(tmp_path, monkeypatch) -> None:
+    """Weights left in the model's data file (memory-mapped by load_ir) are read into each piece."""
+    from quark_onnx import model_io
+    from quark_onnx.model_files import external
+
+    monkeypatch.setattr(external, "SMALL_TENSOR_BYTES", 0)  # every weight stays in the file
+
+    proto = _branchy()
+    feeds = _feeds(2)
+    names = _every_tensor(proto)
+    whole = runtime.run_outputs(proto, feeds, names, max_nodes=10**6)
+    path = tmp_path / "m.onnx"
+    # (onnx.save turns the proto's own tensors into references)
+    onnx.save(proto, path, save_as_external_data=True, location="m.data", size_threshold=0)
+    model = model_io.load_ir(path)
+    assert model_io.external_data_dir(model) is not None
+    for max_nodes in (3, 10**6):
+        got = runtime.run_outputs(model, feeds, names, max_nodes=max_nodes)
+        for w, p in zip(whole, got, strict=True):
+            for name in names:
+                np.testing.assert_array_equal(p[name], w[name], err_msg=name)
