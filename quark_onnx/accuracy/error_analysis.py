@@ -80,7 +80,8 @@ def layer_errors(
 
     Each entry: ``tensor``, ``node`` (the plan's node whose output position it is, None for a
     graph input), ``op_type``, ``sqnr_db``, ``drop_db`` (SQNR lost at that node), ``rel_rmse``
-    (``sqrt(noise / signal)``). Memory: one sample's tensors at a time.
+    (``sqrt(noise / signal)``). Memory: one sample's tensors at a time, or, for a graph longer
+    than one session, one piece's tensors of a group of samples (:func:`_paired_values`).
     """
     if not samples:
         return []
