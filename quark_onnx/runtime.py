@@ -12,6 +12,11 @@ lean way (:func:`create_session`):
 * with ``external_data_dir`` the weights stay in the model's data files (onnxruntime maps them
   read-only) and pre-packing, which would copy every Gemm/MatMul weight, is off.
 
+A graph longer than :data:`SEGMENT_NODES` is run by :func:`run_segments` (:func:`run_outputs`
+collects its values) piece by piece, one piece's session at a time, so the memory of a run is
+bounded by the piece, not by the graph (the fidelity guard of a 200,000-node quantized graph: one
+session over it would take ~1.3 GB).
+
 :func:`session_options` is the one place ``SessionOptions`` are made; its keywords name what the
 callers differ in (optimisation level, arena, spinning, memory pattern, Q/DQ simulation).
 
