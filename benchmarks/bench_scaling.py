@@ -15,8 +15,14 @@ Models (built here with ``onnx.helper``, weights from a fixed seed):
 * ``add N``: ``x[1,16]`` through N ``Add`` nodes, each adding a constant ``[16]`` vector: the
   model is small on disk (~1.7 MB at 50k) and peak memory measures per-node bookkeeping.
 
+``--no-cle`` quantizes without CrossLayerEqualization: the XINT8 preset runs it until the
+channel scales converge (at most ``CLESteps`` sweeps over every pair of Convs), which on these
+chains takes most of the time; without it the rest of the quantizer is timed.
+
 Each size runs in a fresh interpreter (``python -c``) so that its peak resident memory
-(``ru_maxrss``) is its own; the quantizer's per-stage timings come from its report. XINT8 preset,
+(``ru_maxrss``) is its own; the quantizer's per-stage timings come from its report. Besides wall
+time, the child's CPU time (``time.process_time``, all its threads) is reported: on a shared
+machine it moves far less with the load than wall time does. XINT8 preset,
 2 random calibration samples, ``optimize_model=False`` (onnxsim would fold the chain).
 
 Targets: time/node at 20k Convs at most 1.5x that at 1k; peak RSS of 50k Adds at most 400 MB.
@@ -93,7 +99,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, "benchmarks")
     from bench_scaling import build_chain
 
-    kind, n = sys.argv[1], int(sys.argv[2])
+    kind, n, cle = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cle"
     folder = Path(tempfile.mkdtemp())
     path = folder / "chain.onnx"
     build_chain(kind, n, path)
@@ -102,14 +108,16 @@ _CHILD = textwrap.dedent(
     from quark_onnx import Config, ModelQuantizer, get_default_config
     qc = get_default_config("XINT8")
     qc.optimize_model = False
+    qc.include_cle = qc.include_cle and cle
     qc.extra_options.update(UseRandomData=True, RandomDataSamples=2)
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     quantizer.quantize_model(path, folder / "q.onnx", progress=False)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({
-        "kind": kind, "nodes": n, "seconds": seconds, "us_per_node": seconds / n * 1e6,
+        "kind": kind, "nodes": n, "cle": qc.include_cle, "seconds": seconds,
+        "us_per_node": seconds / n * 1e6, "cpu_seconds": cpu, "cpu_us_per_node": cpu / n * 1e6,
         "peak_rss_mb": round(peak, 1), "rss_after_build_mb": round(built, 1),
         "model_mb": round(path.stat().st_size / 2**20, 2),
         "stages": quantizer.report.timings,
@@ -119,14 +127,18 @@ _CHILD = textwrap.dedent(
 )
 
 
-def run(kind: str, n: int, profile: str | None = None) -> dict:
+def run(kind: str, n: int, profile: str | None = None, cle: bool = True) -> dict:
     """Quantize one chain in a fresh interpreter; its measurements as a dict."""
     if profile:
         cmd = [sys.executable, "-m", "pyinstrument", "-o", profile, "-r", "text", "-c", _CHILD]
     else:
         cmd = [sys.executable, "-c", _CHILD]
     proc = subprocess.run(
-        [*cmd, kind, str(n)], capture_output=True, text=True, cwd=ROOT, check=False
+        [*cmd, kind, str(n), "cle" if cle else "no-cle"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
     )
     if proc.returncode != 0:
         raise SystemExit(f"{kind} {n}: failed\n{proc.stderr[-3000:]}")
@@ -139,6 +151,9 @@ def main() -> int:
     parser.add_argument("--add", type=int, nargs="*", default=[50000])
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument(
+        "--no-cle", action="store_true", help="XINT8 without CrossLayerEqualization (module doc)"
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", type=Path, help="write a pyinstrument text profile per size"
     )
     args = parser.parse_args()
@@ -146,21 +161,26 @@ def main() -> int:
     for kind, sizes in (("conv", args.conv), ("add", [n for n in args.add if n])):
         for n in sizes:
             profile = str(args.profile / f"{kind}{n}.txt") if args.profile else None
-            row = run(kind, n, profile)
+            row = run(kind, n, profile, cle=not args.no_cle)
             rows.append(row)
             stages = ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(row["stages"].items(), key=lambda kv: -kv[1])[:4]
             )
             print(
                 f"{kind:4} {n:6d} nodes: {row['seconds']:7.1f} s  {row['us_per_node']:7.0f} us/node"
-                f"  peak {row['peak_rss_mb']:6.0f} MB  ({stages})",
+                f"  cpu {row['cpu_us_per_node']:7.0f} us/node  peak {row['peak_rss_mb']:6.0f} MB"
+                f"  ({stages})",
                 flush=True,
             )
     conv = {r["nodes"]: r for r in rows if r["kind"] == "conv"}
     if conv:
         small, large = min(conv), max(conv)
         ratio = conv[large]["us_per_node"] / conv[small]["us_per_node"]
-        print(f"time/node at {large} vs {small} Convs: {ratio:.2f}x (target <= 1.5x)")
+        cpu = conv[large]["cpu_us_per_node"] / conv[small]["cpu_us_per_node"]
+        print(
+            f"time/node at {large} vs {small} Convs: {ratio:.2f}x, CPU time/node {cpu:.2f}x "
+            "(target <= 1.5x)"
+        )
     for r in rows:
         if r["kind"] == "add":
             print(f"peak RSS of {r['nodes']} Adds: {r['peak_rss_mb']:.0f} MB (target <= 400 MB)")

@@ -6,12 +6,20 @@ Run from the repository root::
     python benchmarks/bench_stage_memory.py --model path/to/model.onnx --calib path/to/calib.npy
 
     python benchmarks/bench_stage_memory.py --chain add:10000
+    python benchmarks/bench_stage_memory.py --floor add:10000
 
 ``--model`` is a shared model name (digits_cnn, squeezenet1.1, mobilenetv2) or a path; the shared
 names read the calibration arrays that ``bench_peers.py`` caches under ``benchmarks/.work/data``
 (run it once first), a path needs ``--calib`` (a ``.npy`` of samples along axis 0).
 ``--chain KIND:N`` quantizes ``bench_scaling.py``'s chain of N Conv or Add nodes instead, as that
 script does (2 random samples, ``optimize_model=False``): which stage holds what as graphs grow.
+
+``--floor KIND:N`` measures what holding that chain costs, each part alone in a fresh
+interpreter (resident set after a full collection and a heap trim, over the interpreter with
+quark_onnx, onnx_ir and onnxruntime imported): the float and the XINT8 model as protobuf and as
+onnx_ir graph, the XINT8 graph with its scale/zero-point initializers shared (one per distinct
+value: what sharing them would save), and one onnxruntime session over the whole XINT8 graph and
+over one piece of ``runtime.SEGMENT_NODES`` nodes.
 
 A thread reads the resident set (``quark_onnx.memory.resident_mb``) every 3 ms and keeps the
 maximum per label; the label is the quantizer stage running (``ModelQuantizer``'s stages: load,
@@ -78,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mobilenetv2")
     parser.add_argument("--calib", help="a .npy of calibration samples (axis 0)")
     parser.add_argument("--chain", metavar="KIND:N", help="a chain of N conv or add nodes")
+    parser.add_argument("--floor", metavar="KIND:N", help="per-part memory of a chain (doc)")
     parser.add_argument("--preset", default="XINT8")
     parser.add_argument("--trim", action="store_true", help="trim the heap after every stage")
     args = parser.parse_args(argv)
@@ -87,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 
+    if args.floor:
+        return _floor(args.floor)
     if args.chain:
         return _chain(args, sampler)
     if args.model in SHARED_MODELS:
@@ -148,6 +159,104 @@ def _chain(args: argparse.Namespace, sampler: StageSampler) -> int:
         quantizer.quantize_model(path, Path(tmp) / "out.onnx", progress=False)
     _print(sampler, quantizer, f"{kind} chain of {count}, {args.preset}, 2 random samples")
     return 0
+
+
+_FLOOR_CHILD = """
+import gc, sys
+import numpy as np, onnx, onnx_ir as ir, onnxruntime
+from quark_onnx import runtime
+from quark_onnx.memory import release_freed_memory, resident_mb
+
+def held():
+    gc.collect()
+    release_freed_memory()
+    return resident_mb()
+
+part, path = sys.argv[1], sys.argv[2]
+base = held()
+proto = onnx.load(path)
+if part.endswith("shared"):
+    # one initializer per distinct scalar (dtype, bytes): the scales and zero points
+    first, rename, keep = {}, {}, []
+    for t in proto.graph.initializer:
+        if not t.dims and t.name.endswith(("_scale", "_zero_point")):
+            key = (t.data_type, t.raw_data or t.SerializeToString())
+            if key in first:
+                rename[t.name] = first[key]
+                continue
+            first[key] = t.name
+        keep.append(t)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+    for node in proto.graph.node:
+        for i, x in enumerate(node.input):
+            if x in rename:
+                node.input[i] = rename[x]
+if part.startswith("proto"):
+    obj = proto
+elif part.startswith("ir"):
+    obj = ir.serde.deserialize_model(proto)  # keeps the parsed tensors it wraps alive
+elif part == "session":
+    obj = runtime.create_session(proto)
+elif part == "piece":
+    graph = runtime._Graph(proto)
+    (start, end), *_ = graph.cuts(runtime.SEGMENT_NODES)
+    names = [o for w in graph.writes[start:end] for o in w]
+    data = graph.segment_bytes(start, end, ["x"], names[-1:], {"x": np.zeros((1, 16), np.float32)})
+    del graph
+    obj = runtime.create_session(data)
+    del data
+del proto
+print(base, held() - base)
+"""
+
+
+def _floor(spec: str) -> int:
+    """Print the memory of each part of holding chain ``spec`` (module doc), in fresh processes."""
+    import subprocess
+
+    from bench_scaling import build_chain
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    kind, _, count = spec.partition(":")
+    n = int(count)
+    with tempfile.TemporaryDirectory() as tmp:
+        float_path, quant_path = Path(tmp) / "chain.onnx", Path(tmp) / "q.onnx"
+        build_chain(kind, n, float_path)
+        qc = get_default_config("XINT8")
+        qc.optimize_model = False
+        qc.extra_options.update(UseRandomData=True, RandomDataSamples=2, FidelityCheck=False)
+        ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+            float_path, quant_path, progress=False
+        )
+        print(f"{kind} chain of {n} (XINT8: {_nodes(quant_path)} nodes): MB held, KB per {kind}")
+        for label, part, path in [
+            ("float protobuf", "proto", float_path),
+            ("float onnx_ir", "ir", float_path),
+            ("XINT8 protobuf", "proto", quant_path),
+            ("XINT8 onnx_ir", "ir", quant_path),
+            ("XINT8 onnx_ir, scales shared", "ir shared", quant_path),
+            ("XINT8 session, whole graph", "session", quant_path),
+            ("XINT8 session, one piece", "piece", quant_path),
+        ]:
+            out = subprocess.run(
+                [sys.executable, "-c", _FLOOR_CHILD, part, str(path)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            base, mb = map(float, out.stdout.strip().splitlines()[-1].split())
+            if label.startswith("float protobuf"):
+                print(f"  {'interpreter and imports':32s} {base:7.0f} MB")
+            print(f"  {label:32s} {mb:7.0f} MB {mb * 1024 / n:7.1f} KB")
+    return 0
+
+
+def _nodes(path: Path) -> int:
+    import onnx
+
+    return len(onnx.load(str(path)).graph.node)
 
 
 def _print(sampler: StageSampler, quantizer: Any, title: str) -> None:

@@ -294,6 +294,12 @@ def run_model(
     """
     from quark_onnx import runtime
 
+    if saturation is None:
+        # in pieces of at most runtime.SEGMENT_NODES nodes: the memory of a long graph's
+        # session is bounded by the piece (the same values as one session)
+        batch = [feeds] if isinstance(feeds, dict) else feeds
+        runs = runtime.run_outputs(model, batch, purpose="run_model")
+        return runs[0] if isinstance(feeds, dict) else runs
     session = runtime.create_session(model, purpose="run_model", edit=_saturator(saturation))
     names = [o.name for o in session.get_outputs()]
     if isinstance(feeds, dict):

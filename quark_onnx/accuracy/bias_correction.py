@@ -279,6 +279,11 @@ def correct_bias(
     layers, skipped = find_layers(model, tensor_names(prepared))
     windows = _bias_windows(layers, plan, positions, options)
     moved: dict[str, int] = {}
+    if not layers:  # no replay: each would copy or run the whole model for nothing
+        summary.update(moved_bias_positions=moved, per_layer=[], skipped=skipped)
+        summary.update(samples=len(samples), segment_runs=0)
+        summary["seconds"] = round(time.perf_counter() - start, 3)
+        return summary
     # closing the replays hands their arena regions and heap pages back before the next stage
     with (
         Replay(

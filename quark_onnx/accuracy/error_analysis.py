@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,23 +68,6 @@ def quantized_views(model: ir.Model) -> dict[str, str]:
     return views
 
 
-def _session(model: onnx.ModelProto | ir.Model, outputs: Sequence[str]) -> Any:
-    """A session of ``model`` with ``outputs`` added, without a copy of the model: a proto gets
-    them only while it is serialized; an IR model is serialized by the session's builder."""
-    from quark_onnx import runtime
-
-    if isinstance(model, ir.Model):
-        return runtime.create_session(
-            model, purpose="error_analysis", edit=lambda p: runtime.add_outputs(p, outputs)
-        )
-    added = runtime.add_outputs(model, outputs)
-    try:
-        data = runtime.serialize(model)
-    finally:
-        del model.graph.output[len(model.graph.output) - added :]
-    return runtime.create_session(data, purpose="error_analysis")
-
-
 def layer_errors(
     prepared: onnx.ModelProto,
     model: ir.Model,
@@ -97,7 +80,8 @@ def layer_errors(
 
     Each entry: ``tensor``, ``node`` (the plan's node whose output position it is, None for a
     graph input), ``op_type``, ``sqnr_db``, ``drop_db`` (SQNR lost at that node), ``rel_rmse``
-    (``sqrt(noise / signal)``). Memory: one sample's tensors at a time.
+    (``sqrt(noise / signal)``). Memory: one sample's tensors at a time, or, for a graph longer
+    than one session, one piece's tensors of a group of samples (:func:`_paired_values`).
     """
     if not samples:
         return []
@@ -115,16 +99,10 @@ def layer_errors(
     known = set(tensors)
     if len(tensors) > max_tensors:
         tensors = _evenly_spaced(tensors, producers, max_tensors)
-    f_sess = _session(prepared, tensors)
-    q_sess = _session(model, [views[t] for t in tensors])
     signal = np.zeros(len(tensors))
     noise = np.zeros(len(tensors))
-    for feed in samples:
-        f_out = f_sess.run(tensors, {k: v for k, v in feed.items() if _is_input(f_sess, k)})
-        q_out = q_sess.run(
-            [views[t] for t in tensors], {k: v for k, v in feed.items() if _is_input(q_sess, k)}
-        )
-        for i, (f, q) in enumerate(zip(f_out, q_out, strict=True)):
+    for i, f_values, q_values in _paired_values(prepared, model, samples, tensors, views):
+        for f, q in zip(f_values, q_values, strict=True):
             f64 = np.asarray(f, dtype=np.float64)
             signal[i] += float(np.sum(f64 * f64))
             noise[i] += float(np.sum((np.asarray(q, dtype=np.float64) - f64) ** 2))
@@ -148,6 +126,58 @@ def layer_errors(
         )
     entries.sort(key=lambda e: e["sqnr_db"])
     return entries
+
+
+#: Samples run together through the pieces of a graph too long for one session: the values of
+#: a piece are held for every sample of the group (:func:`quark_onnx.runtime.run_segments`).
+SEGMENT_SAMPLES = 4
+
+
+def _paired_values(
+    prepared: onnx.ModelProto,
+    model: ir.Model,
+    samples: Sequence[dict[str, np.ndarray]],
+    tensors: list[str],
+    views: dict[str, str],
+) -> Iterator[tuple[int, list[np.ndarray], list[np.ndarray]]]:
+    """``(index in tensors, float values, quantized values)`` of each tensor on some samples.
+
+    Both models run through :func:`quark_onnx.runtime.run_segments` in the same way: one
+    session each, sample by sample, or, when either graph is too long for one session, piece by
+    piece on groups of :data:`SEGMENT_SAMPLES` samples, the quantized model advanced as far as
+    the float one has gone. A value waits only until its counterpart is computed: what is held
+    is one sample's tensors, or about a piece's tensors per model for a group.
+    """
+    from quark_onnx import runtime
+
+    whole = max(runtime.node_count(prepared), runtime.node_count(model)) <= runtime.SEGMENT_NODES
+    groups = (
+        [samples]
+        if whole
+        else [samples[i : i + SEGMENT_SAMPLES] for i in range(0, len(samples), SEGMENT_SAMPLES)]
+    )
+    index = {t: i for i, t in enumerate(tensors)}
+    of_view = {views[t]: t for t in tensors}
+    for group in groups:
+        float_runs = runtime.run_segments(
+            prepared, group, tensors, whole=whole, purpose="error_analysis"
+        )
+        quant_runs = runtime.run_segments(
+            model, group, list(of_view), whole=whole, purpose="error_analysis"
+        )
+        waiting_f: dict[tuple[str, int], list[np.ndarray]] = {}
+        waiting_q: dict[tuple[str, int], list[np.ndarray]] = {}
+        for first, got in float_runs:
+            waiting_f.update(((t, first), values) for t, values in got.items())
+            while any(key not in waiting_q for key in waiting_f):
+                more = next(quant_runs, None)
+                if more is None:
+                    break
+                waiting_q.update(((of_view[v], more[0]), values) for v, values in more[1].items())
+            for key in [key for key in waiting_f if key in waiting_q]:
+                yield index[key[0]], waiting_f.pop(key), waiting_q.pop(key)
+        for _ in quant_runs:  # let the last session go
+            pass
 
 
 def _evenly_spaced(
@@ -176,10 +206,6 @@ def _evenly_spaced(
     )
     order = {t: i for i, t in enumerate(tensors)}
     return sorted(chosen, key=order.__getitem__)
-
-
-def _is_input(session: Any, name: str) -> bool:
-    return name in {i.name for i in session.get_inputs()}
 
 
 def worst_layers(errors: Sequence[dict[str, Any]], k: int) -> list[str]:

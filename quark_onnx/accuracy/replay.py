@@ -164,6 +164,13 @@ class Replay:
                 self.constant.update(o for o in node.output if o)
         for o in proto.graph.output:
             self.last_use[o.name] = end
+        # per boundary, how many initializer-only tensors cross it (:meth:`_clean`)
+        crossings = [0] * (end + 2)
+        for t in self.constant:
+            if self.last_use.get(t, -1) > self.producer[t]:
+                crossings[self.producer[t] + 1] += 1
+                crossings[self.last_use[t] + 1] -= 1
+        self._constant_crossings = list(itertools.accumulate(crossings))
         self.num_samples = len(samples)
         self.graph_inputs: set[str] = set()
         self.env: dict[str, list[np.ndarray]] = {}
@@ -183,6 +190,7 @@ class Replay:
             self.keep_until[c.codes] = max(self.keep_until.get(c.codes, -1), last)
         self.patches: dict[str, np.ndarray] = {}
         self._live_at: dict[int, list[str]] = {}
+        self._sweep: tuple[int, dict[str, None]] = (0, {t: None for t in self.graph_inputs})
         self.segments: list[_Segment] = []  # from the checkpoint to the cursor
         self.checkpoint = 0
         self.cursor = 0
@@ -371,14 +379,23 @@ class Replay:
         return c.dequantize(state[c.codes])
 
     def _live(self, boundary: int) -> list[str]:
+        """The tensors computed before ``boundary`` (or fed) and read at or after it.
+
+        Boundaries are asked for in increasing order (the replay moves forward): the live set
+        is carried from the last boundary asked for (what was produced since joins, what was
+        last read before leaves), so a whole walk costs O(nodes), not O(nodes x tensors)."""
         live = self._live_at.get(boundary)
-        if live is None:
-            live = self._live_at[boundary] = [
-                t
-                for t, last in self.last_use.items()
-                if last >= boundary
-                and (t in self.graph_inputs or self.producer.get(t, boundary) < boundary)
-            ]
+        if live is not None:
+            return live
+        last_b, last_set = self._sweep
+        if boundary < last_b:  # backwards (not done by the replay): start again
+            last_b, last_set = 0, {t: None for t in self.graph_inputs}
+        current = dict(last_set)
+        for node in self.nodes[last_b:boundary]:
+            current.update((o, None) for o in node.output if o)
+        current = {t: None for t in current if self.last_use.get(t, -1) >= boundary}
+        self._sweep = (boundary, current)
+        live = self._live_at[boundary] = list(current)
         return live
 
     def _store(self, boundary: int, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -439,9 +456,7 @@ class Replay:
     def _clean(self, boundary: int) -> bool:
         """No initializer-only tensor (a dequantized weight) crosses ``boundary``: it would
         reach the next segment as an input, not a constant, and change its kernels."""
-        return not any(
-            self.producer[t] < boundary <= self.last_use.get(t, -1) for t in self.constant
-        )
+        return not self._constant_crossings[boundary]
 
     def _segment(self, start: int, end: int, wanted: set[str]) -> _Segment:
         produced: set[str] = set()

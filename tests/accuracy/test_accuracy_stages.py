@@ -285,6 +285,37 @@ def test_bias_correction_skips_conv_without_bias():
     assert summary["skipped"][0]["node"] == "conv0"
 
 
+def test_bias_correction_without_layers_builds_no_replay(monkeypatch):
+    """A model without Conv/Gemm layers (an Add chain) has nothing to correct: no copy of the
+    quantized model, no session."""
+    from quark_onnx import runtime
+    from quark_onnx.accuracy import bias_correction
+
+    rng = np.random.default_rng(14)
+    c = onnx.numpy_helper.from_array(rng.normal(0, 0.1, (1, 4, 8, 8)).astype(np.float32), "c")
+    proto = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "c"], ["y"], name="add0")],
+            "adds",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+            [c],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    calib = _samples(rng, 4)
+    prepared, model, plan, positions, options = _quantize(proto, calib)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("a replay was built")
+
+    monkeypatch.setattr(bias_correction, "Replay", no_replay)
+    sessions = runtime.COUNTS.sessions
+    summary = correct_bias(prepared, model, calib, plan, positions, options)
+    assert runtime.COUNTS.sessions == sessions
+    assert summary["layers"] == 0 and summary["per_layer"] == [] and summary["segment_runs"] == 0
+
+
 # --- AdaRound ----------------------------------------------------------------------------------
 
 
@@ -390,6 +421,26 @@ def test_error_analysis_of_a_large_graph_measures_a_subset_with_exact_drops():
         assert e["sqnr_db"] == pytest.approx(full[e["tensor"]]["sqnr_db"], abs=1e-3)
     for e in ranked:
         assert e["drop_db"] == pytest.approx(full[e["tensor"]]["drop_db"], abs=1e-3)
+
+
+def test_error_analysis_in_pieces_equals_the_whole_session_analysis(monkeypatch):
+    """Graphs longer than one session run in pieces, samples in groups: the same sums, so the
+    same entries to the last bit."""
+    from quark_onnx import runtime
+    from quark_onnx.accuracy import error_analysis
+
+    rng = np.random.default_rng(13)
+    proto = _conv_chain(rng, n=5)
+    calib = _samples(rng, 7)
+    prepared, model, plan, _, _ = _quantize(proto, calib)
+    whole = layer_errors(prepared, model, calib, plan)
+    before = runtime.COUNTS.sessions
+    monkeypatch.setattr(runtime, "SEGMENT_NODES", 4)
+    monkeypatch.setattr(error_analysis, "SEGMENT_SAMPLES", 3)
+    pieces = layer_errors(prepared, model, calib, plan)
+    # 3 groups of samples, each model in more than one piece
+    assert runtime.COUNTS.sessions - before > 3 * 2 * 2
+    assert pieces == whole
 
 
 def test_error_analysis_without_damage_has_high_sqnr_everywhere():
