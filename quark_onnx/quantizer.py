@@ -573,6 +573,8 @@ class _Run(sequencer.Stages):
 
     def release(self) -> None:
         self.prepared = None
+        # initializers of the working graph: each keeps the whole graph reachable
+        self.quantized = {}
         gc.collect()
 
     def check(self, model: onnx.ModelProto) -> None:

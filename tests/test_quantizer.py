@@ -267,3 +267,32 @@ def test_random_calibration_reads_every_sample_asked_for(tmp_path, monkeypatch):
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     quantizer.quantize_model(model, tmp_path / "q.onnx")
     assert quantizer.report.calibration["samples"] == 12
+
+
+def test_no_working_graph_is_alive_when_the_check_reads_the_written_model(tmp_path, monkeypatch):
+    """The working onnx_ir graph is the largest thing held per node (tens of KB per node):
+    nothing the quantizer keeps may reach it once the written model exists, or the check and
+    the save hold two forms of a long model at once."""
+    import gc
+
+    import onnx_ir as ir
+
+    import quark_onnx.check
+
+    alive: list[int] = []
+    real_check = quark_onnx.check.check
+
+    def counting_check(model):
+        gc.collect()
+        alive.append(sum(isinstance(o, ir.Graph) for o in gc.get_objects()))
+        return real_check(model)
+
+    monkeypatch.setattr(quark_onnx.check, "check", counting_check)
+    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
+    quantizer.quantize_model(
+        shared_path("models", "digits_cnn.onnx"),
+        tmp_path / "q.onnx",
+        calibration_data_path=shared_path("models", "digits_calib.npz"),
+        progress=False,
+    )
+    assert alive == [0]
