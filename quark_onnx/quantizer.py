@@ -573,8 +573,7 @@ class _Run(sequencer.Stages):
 
     def release(self) -> None:
         self.prepared = None
-        # initializers of the working graph: each keeps the whole graph reachable
-        self.quantized = {}
+        self.quantized = {}  # its initializers keep the whole working graph reachable
         gc.collect()
 
     def check(self, model: onnx.ModelProto) -> None:
