@@ -3,7 +3,7 @@
 Run from the repository root after ``bench_fidelity.py`` (it writes the stress variants and the
 person/OCR calibration arrays under ``benchmarks/.work/fidelity/``)::
 
-    python benchmarks/bench_guard.py
+    python benchmarks/bench_guard.py > benchmarks/results/guard.jsonl
 
 For every shared model and stress variant, the XINT8 preset quantizes it on its calibration data
 (as ``bench_fidelity.py`` loads it) and the guard's verdict is printed as one JSON line: faithful
@@ -15,6 +15,7 @@ Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -74,7 +75,8 @@ def verdict(path: Path, x: np.ndarray, repairs_off: bool) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     logging.disable(logging.WARNING)
     data: dict[str, np.ndarray] = {}
     for name, (source, path) in cases().items():
