@@ -52,3 +52,25 @@ def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.nda
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     return session.run(None, feeds)
+
+
+def box_and_score_model(gate: str, **gate_attrs) -> onnx.ModelProto:
+    """Concat(box offsets in about +-4, ``gate(logit)`` scores in [0, 1]) -> the graph output:
+    two differently ranged tensors that the NPU's Concat rule puts at one position."""
+    rng = np.random.default_rng(3)
+    conv = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1]}
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "wb"], ["box"], name="box", group=1, **conv),
+        onnx.helper.make_node("Conv", ["x", "ws"], ["logit"], name="score", group=1, **conv),
+        onnx.helper.make_node(gate, ["logit"], ["prob"], name="gate", **gate_attrs),
+        onnx.helper.make_node("Concat", ["box", "prob"], ["y"], name="cat", axis=1),
+    ]
+    return make_model(
+        nodes,
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 4, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 4, 4])],
+        {
+            "wb": rng.normal(0, 1.0, (2, 4, 1, 1)).astype(np.float32),
+            "ws": rng.normal(0, 1.0, (1, 4, 1, 1)).astype(np.float32),
+        },
+    )

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import onnx
 import onnxruntime as ort
-from conftest import make_model
+from conftest import box_and_score_model
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.npu.costs import forced_position_costs
@@ -46,27 +46,6 @@ def test_cost_is_the_own_sqnr_difference_of_the_two_positions():
     assert 11.0 < e["cost_db"] < 13.0
 
 
-def _box_and_prob_model() -> onnx.ModelProto:
-    """Concat(box offsets in about +-4, Sigmoid scores in (0, 1)): one position for both."""
-    rng = np.random.default_rng(3)
-    conv = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1]}
-    nodes = [
-        onnx.helper.make_node("Conv", ["x", "wb"], ["box"], name="box", group=1, **conv),
-        onnx.helper.make_node("Conv", ["x", "ws"], ["logit"], name="score", group=1, **conv),
-        onnx.helper.make_node("Sigmoid", ["logit"], ["prob"], name="sig"),
-        onnx.helper.make_node("Concat", ["box", "prob"], ["y"], name="cat", axis=1),
-    ]
-    return make_model(
-        nodes,
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 4, 4])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 4, 4])],
-        {
-            "wb": rng.normal(0, 1.0, (2, 4, 1, 1)).astype(np.float32),
-            "ws": rng.normal(0, 1.0, (1, 4, 1, 1)).astype(np.float32),
-        },
-    )
-
-
 def _quantize(model: onnx.ModelProto, x: np.ndarray) -> ModelQuantizer:
     config = get_default_config("XINT8")
     config.extra_options["ConvertSigmoidToHardSigmoid"] = False
@@ -76,7 +55,7 @@ def _quantize(model: onnx.ModelProto, x: np.ndarray) -> ModelQuantizer:
 
 
 def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost(caplog):
-    model = _box_and_prob_model()
+    model = box_and_score_model("Sigmoid")
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
     with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
         quantizer = _quantize(model, x)
@@ -103,7 +82,7 @@ def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost(c
 
 def test_no_cost_where_the_rules_move_nothing(caplog):
     """Both Concat inputs Sigmoid scores: one calibrated position fits both, nothing is moved."""
-    model = _box_and_prob_model()
+    model = box_and_score_model("Sigmoid")
     model.graph.node.insert(1, onnx.helper.make_node("Sigmoid", ["box"], ["box_p"], name="s0"))
     model.graph.node[-1].input[0] = "box_p"
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import make_model, shared_path
+from conftest import box_and_score_model, make_model, shared_path
 
 from quark_onnx import (
     ArrayDataReader,
@@ -182,35 +182,14 @@ print("torch" in sys.modules, len(q.report.timings) > 0)
     assert out.stdout.split() == ["False", "False", "True"]
 
 
-def _box_and_score_model() -> onnx.ModelProto:
-    """Concat(box offsets in about +-4, HardSigmoid scores in [0, 1]) -> the graph output.
-
-    One position for the Concat, and the NPU's HardSigmoid output floor (position >= 7, range
-    +-0.99), force the box offsets far below their range."""
-    rng = np.random.default_rng(3)
-    conv = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1], "dilations": [1, 1]}
-    nodes = [
-        onnx.helper.make_node("Conv", ["x", "wb"], ["box"], name="box", group=1, **conv),
-        onnx.helper.make_node("Conv", ["x", "ws"], ["logit"], name="score", group=1, **conv),
-        onnx.helper.make_node("HardSigmoid", ["logit"], ["prob"], name="hs", alpha=1 / 6),
-        onnx.helper.make_node("Concat", ["box", "prob"], ["y"], name="cat", axis=1),
-    ]
-    return make_model(
-        nodes,
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 4, 4])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 4, 4])],
-        {
-            "wb": rng.normal(0, 1.0, (2, 4, 1, 1)).astype(np.float32),
-            "ws": rng.normal(0, 1.0, (1, 4, 1, 1)).astype(np.float32),
-        },
-    )
-
-
 def test_outputs_clipped_by_npu_rules_are_reported(tmp_path):
     rng = np.random.default_rng(4)
     x = rng.normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
+    # one position for the Concat and the NPU's HardSigmoid output floor (position >= 7, range
+    # +-0.99) force the box offsets far below their range
+    model = box_and_score_model("HardSigmoid", alpha=1 / 6)
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
-    quantizer.quantize_model(_box_and_score_model(), None, ArrayDataReader([{"x": s} for s in x]))
+    quantizer.quantize_model(model, None, ArrayDataReader([{"x": s} for s in x]))
     clipped = {c["tensor"]: c for c in quantizer.report.range_clips}
     assert "y" in clipped and clipped["y"]["position"] >= 7
     assert clipped["y"]["max_abs"] > 2 * clipped["y"]["range_kept"]
@@ -220,7 +199,7 @@ def test_outputs_clipped_by_npu_rules_are_reported(tmp_path):
 def test_graph_output_range_is_kept_when_no_rule_forces_a_clip():
     """Without the HardSigmoid floor the output's group starts no higher than its NonOverflow
     position + 1, however the error curves weigh the members."""
-    model = _box_and_score_model()
+    model = box_and_score_model("HardSigmoid", alpha=1 / 6)
     model.graph.node[2].op_type = "Sigmoid"
     del model.graph.node[2].attribute[:]
     rng = np.random.default_rng(4)
