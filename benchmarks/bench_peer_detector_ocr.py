@@ -104,8 +104,10 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text, end="")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "peer_detector_ocr.txt").write_text(text)
-    (RESULTS / "peer_detector_ocr.json").write_text(json.dumps(rows, indent=2, default=str))
+    bench_fidelity._atomic_text(RESULTS / "peer_detector_ocr.txt", text)
+    bench_fidelity._atomic_text(
+        RESULTS / "peer_detector_ocr.json", json.dumps(rows, indent=2, default=str)
+    )
     return 0
 
 
