@@ -141,11 +141,12 @@ from quark_onnx.errors import ConfigError
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
 
+# a range cap written by ConvertClipToRelu is valid only for the unscaled channels, so CLE does
+# not equalize through such a value
+from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+
 logger = logging.getLogger(__name__)
 
-#: Value metadata written by ConvertClipToRelu: a cap on the tensor's quantization range, valid
-#: only for the unscaled channels, so CLE does not equalize through such a value.
-RANGE_MAX_KEY = "quark_onnx.range_max"
 
 #: Upper bound on the number of steps when ``steps = -1`` (until converged).
 MAX_ADAPTIVE_STEPS = 2000

@@ -51,6 +51,7 @@ from quark_onnx.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.masks import find_saturating
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
+from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 from quark_onnx.plan_patterns import erf_gelu, is_constant
 from quark_onnx.plan_types import (  # the plan's data, re-exported: imported from here
     ACTIVATION_EQUALITY_OPS,
@@ -83,8 +84,6 @@ __all__ = [
     "replace_options",
 ]
 
-#: Value metadata key holding a decimal upper bound of the tensor's range.
-RANGE_MAX_KEY = "quark_onnx.range_max"
 
 _FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
