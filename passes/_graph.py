@@ -93,3 +93,38 @@ def remove_unread_dequantize(graph: ir.Graph) -> None:
     for name in [n for n, v in graph.initializers.items() if not v.uses()]:
         if not graph.initializers[name].is_graph_input():
             graph.initializers.pop(name)
+
+
+def store_constant_input(
+    graph: ir.Graph,
+    node: ir.Node,
+    index: int,
+    array: np.ndarray,
+    names: NameGenerator,
+    suffix: str,
+) -> str:
+    """Put ``array`` on input ``index`` of ``node``; returns the name of the stored tensor.
+
+    An initializer read only by this input is rewritten in place; one shared with other readers
+    (or a graph input/output, or a Constant node's output) is left as it is for them and a fresh
+    initializer ``<name>_<suffix>`` is made for ``node``; the old one is dropped once unread.
+    """
+    value = node.inputs[index]
+    exclusive = (
+        value.is_initializer()
+        and not value.is_graph_input()
+        and not value.is_graph_output()
+        and len(value.uses()) == 1
+    )
+    if exclusive:
+        value.const_value = ir.tensor(array, name=value.name)
+        return value.name
+    new = add_initializer(graph, names(f"{value.name or node.name}_{suffix}"), array)
+    node.replace_input_with(index, new)
+    if not value.uses() and not value.is_graph_output():
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant":
+            producer.graph.remove(producer, safe=True)
+        elif value.is_initializer() and not value.is_graph_input():
+            graph.initializers.pop(value.name)
+    return new.name

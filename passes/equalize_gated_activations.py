@@ -61,13 +61,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
-from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.cross_layer_equalization import (
+from quark_onnx.passes._channels import (
     channel_statistics,
     input_channel_ranges,
     output_channel_ranges,
 )
+from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.passes.base import QuarkPass
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

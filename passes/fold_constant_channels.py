@@ -102,12 +102,9 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.errors import ConfigError
-from quark_onnx.passes._graph import NameGenerator, constant_array
+from quark_onnx.passes._channels import channel_statistics
+from quark_onnx.passes._graph import NameGenerator, constant_array, store_constant_input
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.cross_layer_equalization import (
-    channel_statistics,
-    store_constant_input,
-)
 
 logger = logging.getLogger(__name__)
 

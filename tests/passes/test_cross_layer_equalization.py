@@ -13,13 +13,13 @@ from quark_onnx import pof2
 from quark_onnx.enums import PowerOfTwoMethod
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes import CrossLayerEqualization
-from quark_onnx.passes.cross_layer_equalization import (
-    RANGE_MAX_KEY,
+from quark_onnx.passes._channels import (
     channel_range_spread,
     channel_statistics,
     input_channel_ranges,
     output_channel_ranges,
 )
+from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 
 RTOL = 1e-4  # max |new - old| / max |old| over the model's outputs
 
@@ -612,7 +612,7 @@ def test_gate_applies_a_scaling_that_lowers_pof2_weight_noise():
     w2 = rng.normal(0, 1, (4, 4, 1, 1)).astype(np.float32)
     w2[:, 0] *= 1 / 64
     model = _gate_pair(w1, w2)
-    from passes.cross_layer_equalization import pof2_noise_ratio
+    from quark_onnx.passes._cle_noise import pof2_noise_ratio
 
     out, cle, modified = _apply(model, gate=True)
     assert modified and not cle.report.rejected
@@ -640,7 +640,7 @@ def test_gate_refuses_a_scaling_that_raises_pof2_weight_noise():
 def test_gate_refuses_a_scaling_that_trades_one_layers_precision_for_the_others():
     """Conv 2 holds exact int8 codes (no rounding noise); conv 1's channels are 64x apart, so
     equalizing lowers the pair's summed noise but puts conv 2 off its grid: refused."""
-    from passes.cross_layer_equalization import pof2_noise_ratio
+    from quark_onnx.passes._cle_noise import pof2_noise_ratio
 
     rng = _rng(0)
     w1 = rng.normal(0, 1, (8, 8, 1, 1)).astype(np.float32)
@@ -657,7 +657,7 @@ def test_gate_refuses_a_scaling_that_trades_one_layers_precision_for_the_others(
     _, cle, modified = _apply(model, gate="per_layer")
     assert not modified and cle.report.rejected == ["c1 -> c2"]
     # the default gate judges the pair's total noise at conv 2's output instead
-    from passes.cross_layer_equalization import propagated_noise
+    from quark_onnx.passes._cle_noise import propagated_noise
 
     before = sum(propagated_noise(w1, [(w2, 1, np.arange(8))]))
     lowers = any(
@@ -765,7 +765,7 @@ def test_propagated_noise_counts_channels_the_grid_rounds_away():
     """Channel 0 of conv 1 is 1000x narrower than the rest and conv 2 reads it 1000x harder:
     the per-tensor grid zeroes it. Its energy share is ~1e-7, so ||E||^2 / ||W||^2 hardly
     sees it; weighted by what conv 2 makes of it, it dominates."""
-    from passes.cross_layer_equalization import pof2_noise_ratio, propagated_noise
+    from quark_onnx.passes._cle_noise import pof2_noise_ratio, propagated_noise
 
     rng = _rng(14)
     w1 = rng.normal(0, 1, (8, 8, 1, 1))
@@ -865,7 +865,8 @@ def test_activation_noise_is_the_power_of_two_step_over_the_signal():
     power of two holding 100 / 127 (1.0), the noise D^2/12 * sum rho_c reads_c over the signal
     sum E[y_c^2] reads_c; dividing channel 1 by 10 (and its reads by 1/100) makes the step
     2^-3 and leaves the signal alone."""
-    from passes.cross_layer_equalization import ChannelStats, activation_noise
+    from quark_onnx.passes._channels import ChannelStats
+    from quark_onnx.passes._cle_noise import activation_noise
 
     stats = ChannelStats(np.array([1.0, 100.0]), np.array([0.25, 400.0]), np.array([0.5, 1.0]))
     reads = np.array([4.0, 1.0])
@@ -927,7 +928,7 @@ def test_component_gate_leaves_a_pair_alone_when_equalizing_predicts_more_noise(
 
 def test_components_are_pairs_that_share_layers():
     """A -> B -> C (two pairs sharing B) is one component; a separate D -> E pair another."""
-    from passes.cross_layer_equalization import _components
+    from quark_onnx.passes._cle_solver import _components
 
     a, b, c, d, e = (object() for _ in range(5))
 
