@@ -90,6 +90,10 @@ change).
 Not handled: Gemm or MatMul producers, ConvTranspose, consumers reading the channel through any
 other op (Add, Mul, Sigmoid, Resize, ...), If/Loop bodies. Weight initializers shared with another
 node, and Constant-node weights, are copied before being rewritten.
+
+Code. This module is the pass: the per-channel decision (zero, negligible, clamped, quiet), the
+folding and the write-back. The per-op rules that carry a constant channel to its readers are in
+:mod:`._fold_rules`; the layers' working copies and the fold arithmetic in :mod:`._fold_layers`.
 """
 
 from __future__ import annotations
@@ -103,13 +107,12 @@ import onnx_ir as ir
 
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes._channels import channel_statistics
-from quark_onnx.passes._graph import NameGenerator, constant_array, store_constant_input
+from quark_onnx.passes._fold_layers import _STANDARD, _conv_arrays, _label, _Layer
+from quark_onnx.passes._fold_rules import _Leaf, _Path, _step
+from quark_onnx.passes._graph import NameGenerator, store_constant_input
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
-
-_FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-_STANDARD = ("", "ai.onnx")
 
 #: Default of :attr:`FoldConstantChannels.tolerance` (see the module docstring).
 DEFAULT_TOLERANCE = 1e-4
@@ -164,209 +167,6 @@ class FoldReport:
     kept: list[str] = dataclasses.field(default_factory=list)
 
 
-def _label(node: ir.Node) -> str:
-    return node.name or f"{node.op_type}:{node.outputs[0].name}"
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    """Constant float or int data of ``value`` (not a graph input), else None."""
-    if value is None or value.is_graph_input():
-        return None
-    return constant_array(value)
-
-
-class _Layer:
-    """Float64 working copy of one Conv's or Gemm's weight and bias, written back at the end.
-
-    ``weight`` is ``C_out x C_in/g x ...`` for a Conv and ``N x K`` (``B'``, transposed when
-    ``transB = 0``) for a Gemm; ``bias_delta`` collects what folding adds to the bias.
-    """
-
-    def __init__(self, node: ir.Node, weight: np.ndarray, bias: np.ndarray | None) -> None:
-        self.node = node
-        self.gemm = node.op_type == "Gemm"
-        self.dtype = weight.dtype
-        self.trans_b = bool(node.attributes.get_int("transB", 0)) if self.gemm else True
-        w = weight.astype(np.float64)
-        self.weight = w if self.trans_b else w.T.copy()
-        self.bias = None if bias is None else bias.astype(np.float64)
-        self.group = 1 if self.gemm else node.attributes.get_int("group", 1)
-        self.alpha = node.attributes.get_float("alpha", 1.0) if self.gemm else 1.0
-        self.beta = node.attributes.get_float("beta", 1.0) if self.gemm else 1.0
-        self.bias_delta = np.zeros(self.weight.shape[0])
-        self.weight_changed = False
-
-    def readers(self, channel: int) -> tuple[slice, int]:
-        """Output channels reading input ``channel``, and its column in the weight."""
-        cpg = self.weight.shape[1]
-        per_group = self.weight.shape[0] // self.group
-        g = channel // cpg
-        return slice(g * per_group, (g + 1) * per_group), channel % cpg
-
-    def read_gains(self, channels: np.ndarray) -> np.ndarray:
-        """``G[k, o] = ||W[o, i_k, ...]||_1`` for input channels ``i_k = channels[k]`` and every
-        output channel ``o`` (0 where ``o`` does not read ``i_k``, grouped convs)."""
-        cpg = self.weight.shape[1]
-        per_group = self.weight.shape[0] // self.group
-        l1 = np.abs(self.weight.reshape(self.weight.shape[0], cpg, -1)).sum(axis=2)  # [O, cpg]
-        if self.group == 1:
-            return l1[:, channels].T * abs(self.alpha)
-        gains = np.zeros((channels.size, self.weight.shape[0]))
-        for k, i in enumerate(channels):
-            rows = slice((i // cpg) * per_group, (i // cpg + 1) * per_group)
-            gains[k, rows] = l1[rows, i % cpg]
-        return gains
-
-    def effective_bias(self) -> np.ndarray:
-        """A Conv's bias including what folding added (zeros when it has none)."""
-        return (0.0 if self.bias is None else self.bias) + self.bias_delta
-
-    def column_is_zero(self, channel: int) -> bool:
-        rows, col = self.readers(channel)
-        return not np.any(self.weight[rows, col])
-
-    def fold(self, channel: int, k: float) -> None:
-        """Move the constant input ``k`` on ``channel`` into the bias; zero its weights."""
-        rows, col = self.readers(channel)
-        if k != 0.0:
-            contrib = self.weight[rows, col].reshape(self.weight[rows, col].shape[0], -1)
-            self.bias_delta[rows] += k * self.alpha * contrib.sum(axis=1)
-        self.weight[rows, col] = 0.0
-        self.weight_changed = True
-
-    @property
-    def padded(self) -> bool:
-        """The Conv reads zero padding somewhere (a constant input is not constant there)."""
-        if self.gemm:
-            return False
-        auto_pad = self.node.attributes.get_string("auto_pad", "NOTSET")
-        if auto_pad == "VALID":
-            return False
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            strides = self.node.attributes.get_ints("strides", None)
-            return any(d != 1 for d in self.weight.shape[2:]) or any(
-                s != 1 for s in (strides or ())
-            )
-        return any(p != 0 for p in self.node.attributes.get_ints("pads", ()) or ())
-
-
-def _conv_arrays(node: ir.Node) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """Constant float weight and bias of a Conv/Gemm node, or None."""
-    if node.domain not in _STANDARD or len(node.inputs) < 2:
-        return None
-    weight = _const(node.inputs[1])
-    # a layer with non-finite weights is left alone: no constant is exact through it
-    if weight is None or weight.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(weight)):
-        return None
-    if node.op_type == "Conv" and weight.ndim < 3:
-        return None
-    if node.op_type == "Gemm" and (weight.ndim != 2 or node.attributes.get_int("transA", 0)):
-        return None
-    bias = None
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        bias = _const(node.inputs[2])
-        if bias is None or bias.dtype not in _FLOAT_DTYPES or not np.all(np.isfinite(bias)):
-            return None
-        if node.op_type == "Conv" and bias.shape != (weight.shape[0],):
-            return None
-    return weight, bias
-
-
-@dataclasses.dataclass
-class _Path:
-    """Where the producer's channels are on a value: per producer channel (vectors of length C).
-
-    ``idx``: channel index in the value; ``const``: the value there if the producer's weights
-    were zero (NaN where it would not be constant); ``lo``/``hi``: an interval holding the
-    channel's values for the inputs considered (a point where the ops clamp it flat);
-    ``lam``: Lipschitz factor accumulated so far; ``dws``: depthwise convs passed, each with the
-    channel index at its input and its output constant.
-    """
-
-    idx: np.ndarray
-    const: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    lam: np.ndarray
-    dws: tuple[tuple[ir.Node, np.ndarray, np.ndarray], ...] = ()
-    spatial_one: bool = False  # H = W = 1 is known (after a global pool)
-
-
-@dataclasses.dataclass
-class _Leaf:
-    node: ir.Node | None  # the consumer Conv/Gemm, None when blocked
-    path: _Path
-    reason: str = ""  # why blocked (node is None)
-
-
-def _per_channel(array: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
-    """A scalar or per-channel (``[C]``, ``[C,1,1]``, ``[1,C,1,1]``) parameter picked at ``idx``."""
-    if array is None:
-        return None
-    a = np.asarray(array, dtype=np.float64)
-    if a.size == 1:
-        return np.full(idx.shape, float(a.reshape(())))
-    squeezed = a.reshape(-1)
-    # a per-channel parameter on axis 1 of N x C x ... broadcasts as [C, 1, 1] or [1, C, 1, 1]
-    dims = [d for d in a.shape if d != 1]
-    if len(dims) != 1:
-        return None
-    if np.max(idx, initial=-1) >= squeezed.size:
-        return None
-    return squeezed[idx]
-
-
-def _map(path: _Path, f, lam: np.ndarray | float = 1.0) -> _Path:
-    """``path`` through the per-channel continuous piecewise-linear ``f`` (kinks at most at 0 and
-    at monotone clamps): the interval's image is spanned by ``f(lo)``, ``f(hi)`` and, when the
-    interval straddles 0, ``f(0)``."""
-    with np.errstate(invalid="ignore"):
-        a, b = f(path.lo), f(path.hi)
-        lo, hi = np.minimum(a, b), np.maximum(a, b)
-        straddle = (path.lo < 0) & (path.hi > 0)
-        zero = f(np.zeros_like(path.lo))
-        lo = np.where(straddle, np.minimum(lo, zero), lo)
-        hi = np.where(straddle, np.maximum(hi, zero), hi)
-        const = f(path.const)
-    return dataclasses.replace(path, const=const, lo=lo, hi=hi, lam=path.lam * lam)
-
-
-def _zero_padded(path: _Path) -> _Path:
-    """``path`` through an op that also reads zero padding: only a 0 constant stays constant."""
-    return dataclasses.replace(
-        path,
-        const=np.where(path.const == 0, 0.0, np.nan),
-        lo=np.minimum(path.lo, 0.0),
-        hi=np.maximum(path.hi, 0.0),
-    )
-
-
-def _clip_bounds(node: ir.Node) -> tuple[float, float] | None:
-    lo, hi = -math.inf, math.inf
-    if "min" in node.attributes or "max" in node.attributes:
-        return node.attributes.get_float("min", lo), node.attributes.get_float("max", hi)
-    for i, default in ((1, lo), (2, hi)):
-        if len(node.inputs) > i and node.inputs[i] is not None:
-            arr = _const(node.inputs[i])
-            if arr is None or arr.size != 1:
-                return None
-            bound = float(arr.reshape(()))
-        else:
-            bound = default
-        if i == 1:
-            lo = bound
-        else:
-            hi = bound
-    return lo, hi
-
-
-def _value_channels(value: ir.Value) -> int | None:
-    shape = value.shape
-    if shape is None or len(shape) < 2 or not isinstance(shape[1], int):
-        return None
-    return shape[1]
-
-
 class FoldConstantChannels(QuarkPass):
     """Fold constant and negligible Conv output channels into the Conv/Gemm layers reading them.
 
@@ -418,7 +218,7 @@ class FoldConstantChannels(QuarkPass):
             leaves.append(_Leaf(None, path, f"{value.name!r} is a graph output"))
         for use in value.uses():
             node, index = use.node, use.idx
-            nxt = self._step(node, index, path)
+            nxt = _step(node, index, path, self._layer)
             if isinstance(nxt, str):
                 leaves.append(_Leaf(None, path, nxt))
             elif nxt is None:
@@ -428,137 +228,6 @@ class FoldConstantChannels(QuarkPass):
                     leaves.append(_Leaf(None, path, "path too long"))
                     continue
                 self._explore(node.outputs[0], nxt, leaves, depth + 1)
-
-    def _step(self, node: ir.Node, index: int, path: _Path) -> _Path | str | None:
-        """The path after ``node`` (which reads the value at ``index``); None if ``node`` is a
-        consumer layer to fold into; a reason string if the path is blocked there."""
-        op = node.op_type
-        where = f"{op} {_label(node)!r}"
-        if node.domain not in _STANDARD:
-            return f"{where} is not a per-channel op"
-        if any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
-            return f"{where} has a second output in use"
-        if op == "Concat":
-            if node.attributes.get_int("axis", 0) not in (1,):
-                return f"{where} does not concatenate channels (axis 1)"
-            offset = 0
-            for i in range(index):
-                ch = _value_channels(node.inputs[i]) if node.inputs[i] is not None else None
-                if ch is None:
-                    return f"{where}: channel count of input {i} unknown"
-                offset += ch
-            return dataclasses.replace(path, idx=path.idx + offset, spatial_one=path.spatial_one)
-        if index != 0:
-            return f"{where} reads the channel as input {index}"
-        if op in ("Conv", "Gemm"):
-            layer = self._layer(node)
-            if layer is None:
-                return f"{where} has no constant float weights"
-            if op == "Conv" and self._is_depthwise(layer):
-                return self._through_depthwise(layer, path)
-            return None
-        if op == "Identity" or op == "Dropout":
-            return path
-        if op == "Relu":
-            return _map(path, lambda v: np.maximum(v, 0.0))
-        if op == "Clip":
-            bounds = _clip_bounds(node)
-            if bounds is None:
-                return f"{where} has non-constant bounds"
-            return _map(path, lambda v: np.clip(v, *bounds))
-        if op == "LeakyRelu":
-            alpha = node.attributes.get_float("alpha", 0.01)
-            return _map(path, lambda v: np.where(v >= 0, v, alpha * v), max(1.0, abs(alpha)))
-        if op == "PRelu":
-            slope = _per_channel(_const(node.inputs[1]), path.idx)
-            if slope is None:
-                return f"{where} slope is not a constant scalar or per-channel vector"
-            return _map(
-                path, lambda v: np.where(v >= 0, v, slope * v), np.maximum(1.0, np.abs(slope))
-            )
-        if op == "BatchNormalization":
-            if node.attributes.get_int("training_mode", 0):
-                return f"{where} is in training mode"
-            params = [_per_channel(_const(v), path.idx) for v in node.inputs[1:5]]
-            if any(p is None for p in params):
-                return f"{where} parameters are not constant per-channel vectors"
-            gamma, beta, mean, var = params
-            m = gamma / np.sqrt(var + node.attributes.get_float("epsilon", 1e-5))
-            return _map(path, lambda v: m * (v - mean) + beta, np.abs(m))
-        if op in ("MaxPool", "GlobalMaxPool", "GlobalAveragePool"):
-            return dataclasses.replace(path, spatial_one=op.startswith("Global"))
-        if op == "AveragePool":
-            counts_pad = node.attributes.get_int("count_include_pad", 0)
-            pads = node.attributes.get_ints("pads", ()) or ()
-            auto = node.attributes.get_string("auto_pad", "NOTSET")
-            if counts_pad and (any(pads) or auto.startswith("SAME")):
-                return _zero_padded(path)
-            return path
-        if op == "Pad":
-            mode = node.attributes.get_string("mode", "constant")
-            if mode == "constant":
-                value = _const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
-                if value is not None and np.any(value != 0):
-                    return f"{where} pads with a non-zero value"
-                return _zero_padded(path)
-            return path
-        if op in ("Flatten", "Reshape"):
-            return self._through_flatten(node, path, where)
-        return f"{where} is not a per-channel op the constant can pass"
-
-    @staticmethod
-    def _is_depthwise(layer: _Layer) -> bool:
-        c_out = layer.weight.shape[0]
-        return layer.group == c_out and layer.weight.shape[1] == 1 and c_out > 1
-
-    def _through_depthwise(self, layer: _Layer, path: _Path) -> _Path:
-        rows = layer.weight.reshape(layer.weight.shape[0], -1)[path.idx]
-        bias = layer.effective_bias()[path.idx]
-        if layer.padded:  # the border windows read zeros too
-            path = _zero_padded(path)
-        l1 = np.abs(rows).sum(axis=1)
-        with np.errstate(invalid="ignore"):
-            const = path.const * rows.sum(axis=1) + bias
-            center = (path.lo + path.hi) / 2 * rows.sum(axis=1) + bias
-            radius = np.where(path.hi > path.lo, (path.hi - path.lo) / 2 * l1, 0.0)
-            lo, hi = center - radius, center + radius
-        unbounded = ~(np.isfinite(lo) & np.isfinite(hi))
-        return _Path(
-            idx=path.idx,
-            const=const,
-            lo=np.where(unbounded, -np.inf, lo),
-            hi=np.where(unbounded, np.inf, hi),
-            lam=path.lam * l1,
-            dws=(*path.dws, (layer.node, path.idx, const)),
-        )
-
-    @staticmethod
-    def _through_flatten(node: ir.Node, path: _Path, where: str) -> _Path | str:
-        shape = node.inputs[0].shape
-        spatial_one = path.spatial_one or (
-            shape is not None
-            and len(shape) >= 2
-            and all(isinstance(d, int) and d == 1 for d in list(shape)[2:])
-        )
-        if not spatial_one:
-            return f"{where} flattens spatial positions (only N x C x 1 x 1 is followed)"
-        if node.op_type == "Flatten":
-            if node.attributes.get_int("axis", 1) != 1:
-                return f"{where} does not flatten at axis 1"
-            return path
-        # Reshape N x C x 1 x 1 -> N x C: target [N | 0 | 1, -1 | 0 | C] or [-1, C]
-        target = _const(node.inputs[1]) if len(node.inputs) > 1 else None
-        channels = _value_channels(node.inputs[0])
-        batch = shape[0] if shape is not None and len(shape) else None
-        if target is not None and target.ndim == 1 and target.size == 2:
-            first, second = (int(t) for t in target)
-            if second in (0, channels) and first in (-1, 0, batch):
-                return path
-            if second == -1 and first in (0, batch) and first != -1:
-                return path
-        return f"{where} does not reshape N x C x 1 x 1 into N x C"
-
-    # ------------------------------------------------------------------------------- folding
 
     def _process(self, producer: ir.Node) -> bool:
         layer = self._layer(producer)

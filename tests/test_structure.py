@@ -150,7 +150,6 @@ LONG_MODULES = {
     "quark_onnx/calibration/collector.py": "calibration runs: its session building moves to the "
     "one onnxruntime runtime module",
     "passes/insert_qdq.py": "one pass per file: Q/DQ insertion with its weight and bias writers",
-    "passes/fold_constant_channels.py": "one pass per file: folding with its per-op rules",
 }
 
 #: Functions allowed above MAX_FUNCTION_LINES ("path::name"), and why.
