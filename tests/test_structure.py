@@ -149,7 +149,6 @@ MAX_FUNCTION_LINES = 120
 LONG_MODULES = {
     "quark_onnx/calibration/collector.py": "calibration runs: its session building moves to the "
     "one onnxruntime runtime module",
-    "passes/insert_qdq.py": "one pass per file: Q/DQ insertion with its weight and bias writers",
 }
 
 #: Functions allowed above MAX_FUNCTION_LINES ("path::name"), and why.
