@@ -1,0 +1,128 @@
+"""How much can per-tensor int8 keep of a model at all? XINT8 against float-scale int8.
+
+Run from the repository root (project environment)::
+
+    python benchmarks/bench_int8_bound.py --models ppocr,person
+    python benchmarks/bench_int8_bound.py --models squeezenet --images 500
+
+Each model is quantized twice, with ``bench_fidelity``'s data and metrics:
+
+* ``xint8``: the XINT8 preset as shipped (power-of-two scales, the NPU's shift and
+  shared-position rules, bias correction);
+* ``float_int8``: the same preset with ``enable_npu_cnn = False`` and ``calibrate_method = MSE``:
+  signed symmetric int8, per-tensor weights and activations as the NPU has them, but any float
+  scale chosen by the output MSE of each tensor and no NPU rule (no power of two, no shared
+  positions, no shift limits). Bias correction is off (it needs power-of-two scales).
+
+Each result is then split as ``bench_error_sources`` does: ``weights only`` (every activation
+Q/DQ pair removed) and ``activations only`` (every weight and bias replaced by the prepared
+float model's). ``float_int8``'s ``activations only`` row answers: with float weights and an
+unconstrained per-tensor scale for every activation, what does int8 per-tensor activation
+quantization alone leave of the model's output? A fidelity target above that row is out of reach
+of any choice of positions under the NPU's int8 per-tensor activations.
+
+Results go to ``benchmarks/results/<--name>.txt`` (default ``int8_bound``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_accuracy
+import bench_error_sources
+import bench_fidelity
+import common
+
+
+def float_int8(qc) -> None:
+    """Per-tensor symmetric int8 with free float scales: the NPU's format without its rules."""
+    from quark_onnx.enums import CalibrationMethod
+
+    qc.enable_npu_cnn = False
+    qc.calibrate_method = CalibrationMethod.MSE
+    qc.include_bias_correction = False
+
+
+OPTION_SETS = {"xint8": None, "float_int8": float_int8}
+
+
+def measure(name: str, images: int | None, work: Path) -> list[str]:
+    entry = bench_fidelity.load_entry(name)
+    if images:
+        labels = None if entry.labels is None else entry.labels[:images]
+        entry = dataclasses.replace(entry, test=entry.test[:images], labels=labels)
+    original = Path(bench_accuracy.MODELS.get(entry.base, entry.float_path))
+    f_out = bench_fidelity.run_all(original, entry.test)
+    top1 = None
+    if entry.labels is not None:
+        first = next(iter(f_out.values())).reshape(len(entry.test), -1)
+        top1 = float(np.mean(first.argmax(axis=1) == entry.labels))
+    input_name = onnx.load(str(entry.float_path), load_external_data=False).graph.input[0].name
+    lines = []
+    for label, tweak in OPTION_SETS.items():
+        path = work / f"{name}_{label}.onnx"
+        bench_fidelity.quantize(entry, bench_fidelity.make_config("preset", tweak), path)
+        quantized = onnx.load(str(path))
+        prepared = bench_error_sources.prepared_float(
+            entry, bench_fidelity.make_config("preset", tweak), input_name
+        )
+        splits = {
+            "quantized": quantized,
+            "weights only": bench_error_sources.float_activations(quantized),
+            "activations only": bench_error_sources.float_constants(quantized, prepared),
+        }
+        for split, model in splits.items():
+            split_path = work / f"{name}_{label}_{split.replace(' ', '_')}.onnx"
+            onnx.save(model, str(split_path))
+            row = bench_fidelity.evaluate(entry, f_out, split_path, top1)
+            det = (row.get("detection") or {}).get("match_rate")
+            line = (
+                f"{name:12s} {label:11s} {split:17s} SQNR {row['min_sqnr_db']:6.2f} dB"
+                f"  agree {_fmt(row.get('agreement'), '.3f')}"
+                f"  drop {_fmt(row.get('drop_points'), '.2f')}  det {_fmt(det, '.3f')}"
+            )
+            print(line, flush=True)
+            lines.append(line)
+    return lines
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-".rjust(6) if value is None else format(value, spec).rjust(6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="ppocr,person,squeezenet")
+    parser.add_argument("--images", type=int, default=None, help="first N test images only")
+    parser.add_argument("--name", default="int8_bound")
+    args = parser.parse_args(argv)
+    info = common.machine_info()
+    head = (
+        f"bench_int8_bound.py {' '.join(sys.argv[1:])}: "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {info.get('cpu', '')}, "
+        f"{info.get('cores', '')} cores, quark_onnx {bench_fidelity._git_commit()}\n"
+        "SQNR of the first output against the ORIGINAL float model on the test images; agree = "
+        "argmax agreement; drop = top-1 points; det = share of float detections matched\n"
+    )
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="int8_bound_") as tmp:
+        for name in args.models.split(","):
+            lines += measure(name, args.images, Path(tmp))
+    out = common.RESULTS_DIR / f"{args.name}.txt"
+    bench_fidelity._atomic_text(out, head + "\n".join(lines) + "\n")
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
