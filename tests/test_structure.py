@@ -147,8 +147,6 @@ MAX_FUNCTION_LINES = 120
 
 #: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
 LONG_MODULES = {
-    "quark_onnx/calibration/collector.py": "calibration runs: its session building moves to the "
-    "one onnxruntime runtime module",
     "passes/insert_qdq.py": "one pass per file: Q/DQ insertion with its weight and bias writers",
     "passes/cross_layer_equalization.py": "one pass per file: CLE with its float-exact scaling "
     "through every supported op",
