@@ -72,9 +72,7 @@ def test_release_above_a_limit_trims_only_past_it(monkeypatch) -> None:
     assert calls == [1, 1]
 
 
-def test_pipeline_drops_plan_and_copies_before_finalize_and_graph_before_check() -> (
-    None
-):
+def test_pipeline_drops_plan_and_copies_before_finalize_and_graph_before_check() -> None:
     import gc
     import weakref
 
