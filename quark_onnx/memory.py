@@ -9,12 +9,18 @@ those pages, so every later stage's peak starts lower (``benchmarks/results/meas
 
 On other C libraries (musl, macOS, Windows) there is no ``malloc_trim`` and this does nothing.
 
+Freed pages are returned only when nothing on them survives. Results made while a large graph
+was being built (small objects and arrays per tensor, allocated between the graph's own) keep
+pages of that graph after it is gone; :func:`compact` copies such results once the graph is
+freed, into the holes it left, and the originals' pages go.
+
 :func:`peak_rss_mb` reads the process's high-water mark, which the quantizer records after every
 stage (``QuantizationReport.peak_rss_mb``): the stage after which it jumps is the one that set it.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import functools
@@ -22,8 +28,11 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -94,3 +103,9 @@ def peak_rss_mb() -> float | None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes
     return round(peak / (1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0), 1)
+
+
+def compact(value: T) -> T:
+    """A deep copy of ``value``, made now: call it after the objects ``value`` was made among are
+    freed and drop the original (module doc). Strings and numbers are shared, not copied."""
+    return copy.deepcopy(value)

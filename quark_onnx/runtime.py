@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,10 +153,13 @@ def create_session(
     if options is None:
         options = session_options()
     if external_data_dir is not None:
-        options.add_session_config_entry(
-            "session.model_external_initializers_file_folder_path", str(external_data_dir)
+        _set_entries(
+            options,
+            {
+                "session.model_external_initializers_file_folder_path": str(external_data_dir),
+                "session.disable_prepacking": "1",
+            },
         )
-        options.add_session_config_entry("session.disable_prepacking", "1")
     if isinstance(model, onnx.ModelProto):
         model = serialize(model)
     elif isinstance(model, Path):
@@ -170,6 +173,18 @@ def create_session(
     if isinstance(model, bytes) and getattr(session, "_model_bytes", None) is model:
         session._model_bytes = None
     return session
+
+
+def _set_entries(options: Any, entries: Mapping[str, str]) -> None:
+    """Add config entries to ``options`` unless already set to that value (the pieces of
+    :func:`run_segments` share one ``options``; onnxruntime warns on every re-set key)."""
+    for key, value in entries.items():
+        try:
+            present = options.get_session_config_entry(key)
+        except Exception:  # not set yet: onnxruntime raises rather than returning a default
+            present = None
+        if present != value:
+            options.add_session_config_entry(key, value)
 
 
 #: Most nodes one session of :func:`run_segments` holds (a session costs ~6.5 KB per node, so
@@ -234,24 +249,42 @@ class _Graph:
                 crossings[self.last_use[name] + 1] -= 1
         self.crossed = list(itertools.accumulate(crossings))
 
-    def cuts(self, max_nodes: int) -> list[tuple[int, int]]:
+    def cuts(self, max_nodes: int, cross: Collection[str] | None = None) -> list[tuple[int, int]]:
         """``[start, end)`` pieces of at most ``max_nodes`` nodes where possible, cut only where
         no value computed from constants alone (a dequantized weight) crosses: such a value
-        would reach the next piece as an input instead of a constant."""
+        would reach the next piece as an input instead of a constant.
+
+        ``cross``: also cut only where every computed value that crosses is one of these names.
+        When they are the outputs a whole-graph session would return, no optimisation of that
+        session can reach across a cut either (onnxruntime never fuses away a graph output), so
+        an optimised piece computes what the optimised whole graph does."""
+        crossed = self.crossed if cross is None else self._crossed_except(set(cross))
         n = len(self.nodes)
         pieces, start = [], 0
         while start < n:
             end = min(start + max_nodes, n)
             b = end
-            while start < b < n and self.crossed[b]:
+            while start < b < n and crossed[b]:
                 b -= 1
             if b == start:
                 b = end
-                while b < n and self.crossed[b]:
+                while b < n and crossed[b]:
                     b += 1
             pieces.append((start, b))
             start = b
         return pieces
+
+    def _crossed_except(self, free: set[str]) -> list[int]:
+        """:attr:`crossed` plus, at each boundary, the computed values not in ``free`` that
+        cross it."""
+        crossings = [0] * (len(self.nodes) + 2)
+        for name, p in self.producer.items():
+            last = self.last_use.get(name, -1)
+            if name not in free and last > p:
+                crossings[p + 1] += 1
+                crossings[last + 1] -= 1
+        extra = itertools.accumulate(crossings)
+        return [c + e for c, e in zip(self.crossed, extra, strict=True)]
 
     def segment_bytes(
         self, start: int, end: int, inputs: Sequence[str], outputs: Sequence[str], types: Mapping
@@ -341,6 +374,7 @@ def run_segments(
     options: Any = None,
     external_data_dir: str | os.PathLike | None = None,
     purpose: str = "",
+    cross: Collection[str] | None = None,
 ) -> Iterator[tuple[int, dict[str, list[np.ndarray]]]]:
     """Run ``model`` on every feed; yields ``(first, values)`` as values are computed:
     ``values[name][j]`` is ``name`` on feed ``first + j`` (every name once per feed).
@@ -354,7 +388,9 @@ def run_segments(
     node reads (and the feeds' graph inputs) are kept. Memory is then bounded by the piece, not
     the graph, and the values are those of one session: each node runs the same kernel on the
     same inputs (the tests compare both, bit for bit, with the default options: no graph
-    optimisation).
+    optimisation; with an optimising ``options``, ``cross`` = the names the whole-graph session
+    returns keeps each cut where that session's optimisations cannot reach across,
+    :meth:`_Graph.cuts`).
     """
     wanted = list(dict.fromkeys(outputs))
     if max_nodes is None:
@@ -374,7 +410,7 @@ def run_segments(
         yield 0, first
     asked = set(wanted)
     states = [{k: v for k, v in f.items() if k in inputs} for f in feeds]
-    for start, end in graph.cuts(max_nodes):
+    for start, end in graph.cuts(max_nodes, cross):
         produced: dict[str, None] = {}
         reads: dict[str, None] = {}
         for r, w in zip(graph.reads[start:end], graph.writes[start:end], strict=True):

@@ -18,13 +18,17 @@ in what some stages do:
 
 One ``ir.Model`` goes from ``load`` to ``finalize``; :func:`run` holds the only reference the
 pipeline keeps to it and drops it once the final ``ModelProto`` exists, so that the check and the
-save do not hold two forms of the model at once (:meth:`Stages.release` drops what a stage kept).
+save do not hold two forms of the model at once (:meth:`Stages.release` drops what a stage kept,
+before finalize).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import TYPE_CHECKING, Any
+
+from quark_onnx import memory
 
 if TYPE_CHECKING:
     import onnx
@@ -86,7 +90,7 @@ class Stages:
         raise NotImplementedError
 
     def release(self) -> None:
-        """Drop what earlier stages kept (float copies), before the check reads the result."""
+        """Drop what earlier stages kept (float copies), before finalize writes the result."""
 
     def check(self, model: onnx.ModelProto) -> None:
         """The readiness check of the written model."""
@@ -105,11 +109,19 @@ def run(stages: Stages) -> Outcome:
     del parameters
     params = stages.accuracy(model, plan, params)
     stages.measure(model, plan)
+    # nothing after the measurements reads the plan or the float copies: gone before finalize
+    # writes the protobuf beside the working graph
+    del plan
+    stages.release()
     quantized = stages.finalize(model)
     # the graph objects of the working model are the largest thing held per node: dropped
-    # before the check builds its own view of the quantized model
+    # before the check builds its own view of the quantized model (its node/value cycles need
+    # a collection)
     del model
-    stages.release()
+    gc.collect()
+    # made beside the graph's objects, the parameters would keep heap pages the graph freed
+    # through the check (measured: benchmarks/results/stage_memory_add_chain.txt)
+    params = memory.compact(params)
     stages.check(quantized)
     stages.save(quantized)
     return Outcome(quantized, params)

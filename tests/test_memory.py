@@ -70,3 +70,59 @@ def test_release_above_a_limit_trims_only_past_it(monkeypatch) -> None:
     assert memory.release_freed_memory_above(now - 1.0) is True
     assert memory.release_freed_memory_above(None) is True
     assert calls == [1, 1]
+
+
+def test_pipeline_drops_plan_and_copies_before_finalize_and_graph_before_check() -> None:
+    import gc
+    import weakref
+
+    from quark_onnx import sequencer
+
+    class Node:  # a graph with a reference cycle, as onnx_ir's nodes and values make
+        def __init__(self) -> None:
+            self.me = self
+
+    made = {"w": np.ones(3)}
+    seen: dict = {}
+    events: list[str] = []
+    gc.disable()  # only an explicit collection frees the graph
+    try:
+
+        class Stages(sequencer.Stages):
+            def load(self):
+                graph = Node()
+                seen["graph"] = weakref.ref(graph)
+                return graph
+
+            def plan(self, model):
+                plan = Node()
+                seen["plan"] = weakref.ref(plan)
+                return plan
+
+            def parameters(self, model, plan):
+                return {}
+
+            def insert(self, model, plan, parameters):
+                return made
+
+            def release(self):
+                events.append("release")
+
+            def finalize(self, model):
+                gc.collect()
+                events.append("finalize")
+                seen["plan alive at finalize"] = seen["plan"]() is not None
+                return "proto"
+
+            def check(self, model):
+                seen["graph alive at check"] = seen["graph"]() is not None
+
+        outcome = sequencer.run(Stages())
+    finally:
+        gc.enable()
+    assert events == ["release", "finalize"]
+    assert seen["plan alive at finalize"] is False
+    assert seen["graph alive at check"] is False
+    # the parameters are copies, equal to what the stages made
+    assert outcome.params is not made and outcome.params["w"] is not made["w"]
+    np.testing.assert_array_equal(outcome.params["w"], made["w"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 from quark_onnx.pof2 import fake_quant as quantize_pof2
 from quark_onnx.pof2 import minmse_position, nonoverflow_position
 
-from .collector import calibrate, session_options
+from .collector import calibrate
 from .observers import HistogramObserver, MinMaxObserver
 from .readers import (
     ArrayDataReader,
@@ -25,6 +25,7 @@ from .readers import (
     reader_for,
 )
 from .result import CalibrationResult, model_hash
+from .session import session_options
 
 __all__ = [
     "ArrayDataReader",

@@ -1,19 +1,15 @@
 """Run the model on calibration data and feed the observers: :func:`calibrate`.
 
-One onnxruntime session is built, in memory, over a copy of the model (the user's model and its
-folder are never touched; only a model above the 2 GB protobuf limit is written, to a temporary
-directory removed afterwards). What the copy exposes depends on the statistics the method needs:
+What is read and from where (session outputs, feeds, initializers, or derived from other
+tensors) is planned by :mod:`quark_onnx.calibration.tensors`; the session over a copy of the model
+(one session, or the graph piece by piece above :data:`quark_onnx.runtime.SEGMENT_NODES` nodes)
+is :mod:`quark_onnx.calibration.session`; the feeds are validated and grouped into runs by
+:mod:`quark_onnx.calibration.feeds`. This module streams the runs into the observers.
 
-The tensors to read become extra graph outputs and are folded into numpy observers: running
-min/max for MinMax/NonOverflow, the bucket histogram for MinMSE/Percentile/Entropy/MSE. (In-graph
-``ReduceMin``/``ReduceMax`` outputs are not used: slower on CPU -- the reductions run after a
-layout reorder of every tensor -- and ``ReduceMax`` may skip NaN.)
-
-Tensors whose statistics follow exactly from other calibrated tensors are not read at all:
-``Relu(x)`` from ``x`` (positive part, the rest counted as zeros), ``Concat`` from its inputs
-(merged observers), and ``Identity``/``Reshape``/``Flatten``/``Squeeze``/``Unsqueeze``/
-``Transpose``/inference ``Dropout`` outputs from their input. Graph inputs are observed from the
-feeds, initializers once from their values.
+The tensors read are folded into numpy observers: running min/max for MinMax/NonOverflow, the
+bucket histogram for MinMSE/Percentile/Entropy/MSE. (In-graph ``ReduceMin``/``ReduceMax`` outputs
+are not used: slower on CPU -- the reductions run after a layout reorder of every tensor -- and
+``ReduceMax`` may skip NaN.)
 
 Batches are streamed: each feed is validated, run and folded into constant-size observers, then
 dropped. When every input's axis 0 is the same named dynamic dimension and every tensor read
@@ -28,62 +24,46 @@ each observer is folded by one thread in batch order, so the statistics are exac
 thread), but that is off by default: on 2 cores, with onnxruntime's two intra-op threads running
 the next batch, a second folding thread only adds contention -- the scatter ``np.add.at`` holds
 the GIL. The histogram's scatter is most of an observer's cost per value. (Measurements:
-``benchmarks/results/measurements.md``.)
+``benchmarks/results/measurements.md``.) A graph run piece by piece runs groups of
+:data:`~quark_onnx.calibration.session.SEGMENT_RUNS` runs through each piece and folds each
+piece's values in run order: every observer sees the same values in the same order as with one
+session, so the statistics are the same bit for bit.
 
-Memory: shape inference (for the types of the tensors read) runs on a copy that carries the
-weights' names, types and dims but not their bytes (:func:`_inference_copy`); the calibration copy
-is serialized and dropped before onnxruntime parses it, and the session does not keep the bytes;
-the heap's freed pages go back to the OS after the plan and after the session is built. During the
-runs what is held is onnxruntime's arena (one run's tensors, its outputs included: no memory
-pattern, see :func:`session_options`), the part of the next run that overlaps the fold, and the
-observers (MinMSE: a staging array per tensor, and the buckets). Binding the outputs to
-preallocated numpy buffers (onnxruntime IOBinding) is not used: it held more per run.
+Memory: the heap's freed pages go back to the OS after the plan and after the session is built.
+During the runs what is held is onnxruntime's arena (one run's tensors, its outputs included: no
+memory pattern, see :func:`~quark_onnx.calibration.session.session_options`), the part of the next
+run that overlaps the fold, and the observers (MinMSE: a staging array per tensor, and the
+buckets). Binding the outputs to preallocated numpy buffers (onnxruntime IOBinding) is not used:
+it held more per run.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import copy
 import logging
-import math
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
 from quark_onnx.errors import CalibrationError
 from quark_onnx.memory import release_freed_memory
-from quark_onnx.model_io import copy_fields, fits_in_protobuf, save_model
-from quark_onnx.npu.ops import spec
-from quark_onnx.options import ExtraOptions, closest_name
+from quark_onnx.options import ExtraOptions
 from quark_onnx.progress import Progress
 
+from .feeds import batches
 from .observers import HistogramObserver, MinMaxObserver, Observer
-from .readers import CalibrationDataReader, input_specs, reader_for, validate_feed
+from .readers import CalibrationDataReader, input_specs, reader_for
 from .result import CalibrationResult, model_hash
+from .session import SEGMENT_RUNS, CalibrationSession
+from .tensors import can_combine, derive_observers, plan_reads
 
 logger = logging.getLogger(__name__)
-
-_FLOAT_TYPES = {
-    onnx.TensorProto.FLOAT,
-    onnx.TensorProto.FLOAT16,
-    onnx.TensorProto.DOUBLE,
-    onnx.TensorProto.BFLOAT16,
-}
-
-
-def _same_values(op_type: str) -> bool:
-    """The op's output values are input values (its row in the NPU op table says so)."""
-    row = spec(op_type)
-    return row is not None and row.same_values
-
 
 _HISTOGRAM_METHODS = {
     PowerOfTwoMethod.MinMSE,
@@ -93,37 +73,6 @@ _HISTOGRAM_METHODS = {
 }
 #: Samples concatenated into one run when the model has a dynamic batch axis.
 DEFAULT_MAX_BATCH = 8
-
-
-#: Above this many nodes the calibration session uses onnxruntime's basic optimizations only:
-#: its extended and layout optimizers cost more than linear time in the node count, which the
-#: faster kernels of a graph that large never pay back over a calibration run.
-EXTENDED_OPTIMIZATION_MAX_NODES = 4000
-
-
-def session_options(nodes: int = 0) -> ort.SessionOptions:
-    """Session options of the calibration session (and of any timing comparison against it).
-
-    Full graph optimisation (basic only above :data:`EXTENDED_OPTIMIZATION_MAX_NODES` ``nodes``):
-    onnxruntime never fuses away a graph output, so the tensors read are those of the float model
-    (up to the float rounding of its optimised kernels).
-
-    The intra-op threads do not spin between kernels: the observers run in Python beside the
-    session (next batch in onnxruntime, previous batch in numpy), and spinning threads would take
-    the cores numpy needs.
-
-    No memory pattern: with one, onnxruntime plans every later run into a single block of its
-    own, which its arena cannot carve from the chunks the first (unplanned) run left free, so the
-    arena holds both. Without, each run allocates tensor by tensor from those chunks, in less
-    memory and the same time (``benchmarks/results/measurements.md``).
-    """
-    from quark_onnx import runtime
-
-    return runtime.session_options(
-        optimize="all" if nodes <= EXTENDED_OPTIMIZATION_MAX_NODES else "basic",
-        spinning=False,
-        mem_pattern=False,
-    )
 
 
 def calibrate(
@@ -168,96 +117,12 @@ def calibrate(
         collector.close()
 
 
-def _keep_only_what_feeds(graph: onnx.GraphProto, wanted: set[str]) -> None:
-    """Drop the nodes and outputs of the calibration copy that no calibrated tensor depends on.
-
-    onnxruntime then neither runs them nor needs to know them: a custom op after the quantized part
-    (or one it cannot run at all) no longer stops calibration, and nothing is computed for
-    nothing. Graphs with subgraph attributes (If/Loop/Scan) are left whole: their bodies read
-    outer values that the node's inputs do not list.
-    """
-    if any(
-        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-        for node in graph.node
-        for a in node.attribute
-    ):
-        return
-    needed = set(wanted)
-    keep = []
-    for node in reversed(graph.node):  # ONNX nodes are in topological order
-        if any(out in needed for out in node.output):
-            keep.append(node)
-            needed.update(i for i in node.input if i)
-    if not keep:  # only graph inputs are wanted: onnxruntime refuses a graph without nodes
-        return
-    keep.reverse()
-    outputs = [o for o in graph.output if o.name in wanted]
-    del graph.node[:]
-    graph.node.extend(keep)
-    del graph.output[:]
-    graph.output.extend(outputs)
-
-
-@contextlib.contextmanager
-def _load_errors() -> Iterator[None]:
-    """onnxruntime's refusal of the calibration copy as a :class:`CalibrationError`."""
-    try:
-        yield
-    except CalibrationError:
-        raise
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CalibrationError(
-            f"onnxruntime cannot load the calibration copy of the model: {first}"
-        ) from exc
-
-
-#: Initializers up to this many elements keep their values in the shape-inference copy: the
-#: inputs whose values shape inference reads (Reshape/Expand/ConstantOfShape shapes, Slice/Pad/
-#: Tile/Resize/Range/TopK/Split/reduction parameters) have at most a few per axis.
-_INFERENCE_KEEPS_VALUES = 4096
-
-
-def _inference_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` for shape inference: every field copied but the values of large initializers.
-
-    A large initializer keeps its name, type and dims (all that shape inference takes from a tensor
-    it does not read), so the inferred types and shapes are those of the whole model.
-    """
-    light = onnx.ModelProto()
-    copy_fields(model, light, {"graph"})
-    copy_fields(model.graph, light.graph, {"initializer"})
-    for t in model.graph.initializer:
-        if math.prod(t.dims) <= _INFERENCE_KEEPS_VALUES:
-            light.graph.initializer.add().CopyFrom(t)
-        else:
-            light.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
-    return light
-
-
-def validated_feeds(
-    reader: CalibrationDataReader, specs: Sequence[Any], limit: int
-) -> Iterator[tuple[dict[str, np.ndarray], int]]:
-    """The reader's feeds, validated against the model inputs, up to ``limit`` samples (0: all):
-    ``(feed, rows)``. A feed that crosses the limit is cut when the batch axis is dynamic."""
-    samples = 0
-    index = 0
-    while not limit or samples < limit:
-        raw = reader.get_next()
-        if raw is None:
-            return
-        feed, rows = validate_feed(raw, specs, index, samples)
-        if limit and samples + rows > limit and specs and specs[0].batch_dynamic:
-            keep = limit - samples
-            feed = {k: v[:keep] for k, v in feed.items()}
-            rows = keep
-        samples += rows
-        index += 1
-        yield feed, rows
-
-
 class Collector:
-    """The session, the observers and the streaming loop of one calibration."""
+    """The plan, the session, the observers and the streaming loop of one calibration.
+
+    ``segment_nodes``: above this many nodes the copy runs piece by piece (default
+    :data:`quark_onnx.runtime.SEGMENT_NODES`).
+    """
 
     def __init__(
         self,
@@ -271,9 +136,9 @@ class Collector:
         pipeline: bool = True,
         parallel: bool = False,
         external_data_dir: str | Path | None = None,
+        segment_nodes: int | None = None,
     ) -> None:
         self.model = model
-        self.external_data_dir = external_data_dir
         self.method = coerce_calibrate_method(method)
         if self.method is CalibrationMethod.Distribution:
             raise CalibrationError(
@@ -293,69 +158,15 @@ class Collector:
         )
         self.names = list(dict.fromkeys(tensor_names))
         self.specs = input_specs(model)
-        self._tmpdir: tempfile.TemporaryDirectory | None = None
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
         # measured on the runs and folds so far: when to start the next run (see _observe)
         self._run_seconds = 0.0
         self._fold_seconds_per_value: float | None = None
-        self._plan()
-        release_freed_memory()  # the shape-inference copies
-        self._build_session()
-
-    # --- planning ------------------------------------------------------------------------------
-
-    def _new_observer(self) -> Observer:
-        return HistogramObserver() if self.histogram else MinMaxObserver(self.moving_average)
-
-    def _plan(self) -> None:
-        graph = self.model.graph
-        producers = {out: node for node in graph.node for out in node.output if out}
-        inits = {t.name: t for t in graph.initializer}
-        input_names = {s.name for s in self.specs}
-        known = set(producers) | set(inits) | input_names
-        missing = [n for n in self.names if n not in known]
-        if missing:
-            close = closest_name(missing[0], known)
-            hint = f" (did you mean {close!r}?)" if close else ""
-            raise CalibrationError(
-                f"tensor {missing[0]!r}{hint} is not a graph input, initializer or node output of "
-                f"the model's main graph"
-                + (f"; {len(missing)} such names" if len(missing) > 1 else "")
-            )
-        self.types = self._value_types()
-        for name in self.names:
-            elem = self.types.get(name)
-            if elem is not None and elem not in _FLOAT_TYPES:
-                raise CalibrationError(
-                    f"tensor {name!r} has type {onnx.TensorProto.DataType.Name(elem)}; only float "
-                    "tensors can be calibrated"
-                )
-        wanted = set(self.names)
-        self.derived: list[tuple[str, str, list[str]]] = []  # (name, rule, sources)
-        derived_names: set[str] = set()
-        self.constants: dict[str, np.ndarray] = {}
-        self.fed: list[str] = []
-        self.sources: list[str] = []
-        for node in graph.node:  # topological order
-            for out in node.output:
-                if out not in wanted:
-                    continue
-                rule = self._derivation(node, out, wanted)
-                if rule is not None:
-                    self.derived.append(
-                        (out, rule, list(node.input[:1] if rule != "merge" else node.input))
-                    )
-                    derived_names.add(out)
-        for name in self.names:
-            if name in derived_names:
-                continue
-            if name in input_names:
-                self.fed.append(name)
-            elif name in inits:
-                self.constants[name] = onnx.numpy_helper.to_array(inits[name])
-            else:
-                self.sources.append(name)
-        self.combine = self._can_combine()
+        plan = plan_reads(model, self.names, self.specs, self.moving_average is not None)
+        self.types, self._shapes = plan.types, plan.shapes
+        self.sources, self.fed = plan.sources, plan.fed
+        self.constants, self.derived = plan.constants, plan.derived
+        self.combine = can_combine(plan, self.specs, self.moving_average is not None)
         logger.debug(
             "calibration plan: %d read from the session, %d from feeds, %d constants, %d derived; "
             "batching feeds: %s",
@@ -365,199 +176,28 @@ class Collector:
             len(self.derived),
             self.combine,
         )
+        release_freed_memory()  # the shape-inference copies
+        self.runner = CalibrationSession(
+            model,
+            self.sources,
+            self.types,
+            providers=self.providers,
+            external_data_dir=external_data_dir,
+            segment_nodes=segment_nodes,
+        )
+        self.session = self.runner.session
+        self.fetch = self.runner.fetch
 
-    def _derivation(self, node: onnx.NodeProto, out: str, wanted: set[str]) -> str | None:
-        """How ``out`` follows from other calibrated tensors, or None."""
-        if out != node.output[0] or not node.input:
-            return None
-        src = node.input[0]
-        if self.moving_average is not None:
-            # batch-wise averages do not commute with Relu or Concat; identical data still is
-            return "same" if _same_values(node.op_type) and src in wanted else None
-        if node.domain not in ("", "ai.onnx"):
-            return None
-        if node.op_type == "Relu" and src in wanted:
-            return "relu"
-        if _same_values(node.op_type) and src in wanted:
-            return "same"
-        if node.op_type == "Dropout" and len(node.input) < 3 and src in wanted:
-            return "same"
-        if (
-            node.op_type == "Concat"
-            and all(i in wanted for i in node.input if i)
-            and all(node.input)
-        ):
-            return "merge"
-        return None
-
-    def _value_types(self) -> dict[str, int]:
-        """Element type of every value (graph inputs, outputs, inferred intermediates).
-
-        Shape inference runs on :func:`_inference_copy` (the weights' types and shapes, not their
-        bytes): inferring on the model itself copies every weight four times (Python to C++ and
-        back), ~45 MB transient on MobileNetV2, which the heap then keeps.
-        """
-        types: dict[str, int] = {}
-        model = self.model
-        try:
-            if fits_in_protobuf(model):
-                model = onnx.shape_inference.infer_shapes(_inference_copy(model))
-        except Exception as exc:  # inference is a help, not a requirement
-            logger.debug("shape inference failed (%s); types unknown", exc)
-        self._shapes: dict[str, onnx.TypeProto] = {}
-        graph = model.graph
-        for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                types[vi.name] = vi.type.tensor_type.elem_type
-                self._shapes[vi.name] = vi.type
-        for t in graph.initializer:
-            types[t.name] = t.data_type
-        return types
-
-    def _can_combine(self) -> bool:
-        """Feeds may be concatenated when axis 0 is one named dynamic batch dimension."""
-        if self.moving_average is not None or not self.specs:
-            return False
-        symbols = {s.dims[0] if s.dims else None for s in self.specs}
-        if len(symbols) != 1:
-            return False
-        symbol = symbols.pop()
-        if not isinstance(symbol, str):
-            return False
-        for name in self.sources:
-            t = self._shapes.get(name)
-            if t is None or not t.tensor_type.HasField("shape"):
-                return False
-            dims = t.tensor_type.shape.dim
-            if not dims or dims[0].dim_param != symbol:
-                return False
-        return True
-
-    # --- session -------------------------------------------------------------------------------
-
-    def _build_session(self) -> None:
-        """The session over the calibration copy; its heap is handed back to the OS after.
-
-        The copy is serialized and dropped before onnxruntime parses the bytes, and the bytes are
-        dropped once the session holds the weights (``InferenceSession`` keeps them otherwise,
-        only to rebuild itself on ``set_providers``, which calibration never calls): what stays
-        is the model and the session's own weights.
-        """
-        copy_ = self._calibration_copy()
-        if not fits_in_protobuf(copy_):
-            self.session = self._session_from_file(copy_)
-            return
-        data = copy_.SerializeToString()
-        del copy_
-        self.session = self._session_from_bytes(data)
-        del data
-        release_freed_memory()
-
-    def _calibration_copy(self) -> onnx.ModelProto:
-        """A copy of the model whose outputs are the tensors read, pruned to what they need."""
-        graph_copy = onnx.ModelProto()
-        graph_copy.CopyFrom(self.model)
-        existing_outputs = {o.name for o in graph_copy.graph.output}
-        self.fetch: list[str] = []
-        g = graph_copy.graph
-        for src in self.sources:
-            if src not in existing_outputs:
-                elem = self.types.get(src, onnx.TensorProto.FLOAT)
-                g.output.append(onnx.helper.make_tensor_value_info(src, elem, None))
-            self.fetch.append(src)
-        _keep_only_what_feeds(g, set(self.fetch))
-        return graph_copy
-
-    def _session_from_bytes(self, data: bytes) -> ort.InferenceSession:
-        from quark_onnx import runtime
-
-        # weights stay in the model's data files (onnxruntime maps them read-only)
-        with _load_errors():
-            return runtime.create_session(
-                data,
-                session_options(len(self.model.graph.node)),
-                external_data_dir=self.external_data_dir,
-                providers=self.providers,
-                purpose="calibration",
-            )
-
-    def _session_from_file(self, proto: onnx.ModelProto) -> ort.InferenceSession:
-        # Above 2 GB the model cannot be passed as bytes: stream it to a private temporary
-        # folder with its weights as external data (never beside the user's model).
-        with _load_errors():
-            if self._tmpdir is None:
-                self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
-            path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
-            save_model(proto, path, external_data=True)
-            from quark_onnx import runtime
-
-            return runtime.create_session(
-                path,
-                session_options(len(proto.graph.node)),
-                providers=self.providers,
-                purpose="calibration",
-            )
+    def _new_observer(self) -> Observer:
+        return HistogramObserver() if self.histogram else MinMaxObserver(self.moving_average)
 
     def close(self) -> None:
-        if self._tmpdir is not None:
-            self._tmpdir.cleanup()
-            self._tmpdir = None
-
-    # --- streaming -----------------------------------------------------------------------------
-
-    def _batches(
-        self, reader: CalibrationDataReader, limit: int
-    ) -> Iterator[tuple[dict, int, int]]:
-        """Validated feeds, grouped into runs: (feed, rows, index of the first feed)."""
-        pending: list[dict[str, np.ndarray]] = []
-        pending_rows = 0
-        pending_first = 0
-        self.input_nonfinite: dict[str, int] = {}
-
-        def flush() -> tuple[dict, int, int]:
-            feed = (
-                pending[0]
-                if len(pending) == 1
-                else {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
-            )
-            return feed, pending_rows, pending_first
-
-        for index, (feed, rows) in enumerate(validated_feeds(reader, self.specs, limit)):
-            self._count_input_nonfinite(feed)
-            if not self.combine:
-                yield feed, rows, index
-            else:
-                if pending and (
-                    pending_rows + rows > self.max_batch
-                    or any(feed[k].shape[1:] != pending[0][k].shape[1:] for k in feed)
-                ):
-                    yield flush()
-                    pending, pending_rows = [], 0
-                if not pending:
-                    pending_first = index
-                pending.append(feed)
-                pending_rows += rows
-        if pending:
-            yield flush()
-
-    def _count_input_nonfinite(self, feed: dict[str, np.ndarray]) -> None:
-        for name, value in feed.items():
-            if np.issubdtype(value.dtype, np.floating) and value.size:
-                bad = value.size - int(np.count_nonzero(np.isfinite(value)))
-                if bad:
-                    self.input_nonfinite[name] = self.input_nonfinite.get(name, 0) + bad
+        self.runner.close()
 
     def _run(self, feed: dict[str, np.ndarray], first: int) -> list[np.ndarray]:
-        try:
-            tic = time.perf_counter()
-            outputs = self.session.run(self.fetch, feed) if self.fetch else []
-            self._run_seconds = time.perf_counter() - tic
-            return outputs
-        except Exception as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            raise CalibrationError(
-                f"onnxruntime failed on calibration feed #{first}: {first_line}"
-            ) from exc
+        outputs = self.runner.run(feed, first)
+        self._run_seconds = self.runner.run_seconds
+        return outputs
 
     def _observe(
         self,
@@ -656,6 +296,48 @@ class Collector:
             logger=logger,
         )
         start = time.perf_counter()
+        self.input_nonfinite: dict[str, int] = {}
+        runs = batches(
+            reader,
+            self.specs,
+            limit,
+            combine=self.combine,
+            max_batch=self.max_batch,
+            nonfinite=self.input_nonfinite,
+        )
+        with display:
+            if self.runner.segmented:
+                samples = self._stream_pieces(runs, display)
+            else:
+                samples = self._stream(runs, display)
+        if samples == 0:
+            raise CalibrationError(
+                "the calibration data reader yielded no samples (get_next() returned None at "
+                "once); give at least one feed, or set UseRandomData=True"
+            )
+        for obs in self.observers.values():
+            if isinstance(obs, HistogramObserver):
+                obs.flush()  # bin what is buffered, release the staging arrays
+        derive_observers(self.observers, self.derived)
+        if final:
+            report_nonfinite(self.names, self.observers, self.input_nonfinite, samples)
+        result = CalibrationResult(
+            model_hash(self.model),
+            self.method.name,
+            samples,
+            {name: self.observers[name] for name in self.names},
+        )
+        logger.info(
+            "calibrated %d tensors on %d samples with %s in %.2f s",
+            len(self.names),
+            samples,
+            self.method.name,
+            time.perf_counter() - start,
+        )
+        return result
+
+    def _stream(self, runs: Iterable[tuple[dict, int, int]], display: Progress) -> int:
+        """One session: each run folded while the next one runs (module doc); the samples."""
         samples = 0
         with contextlib.ExitStack() as stack:
             pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=1))
@@ -664,9 +346,8 @@ class Collector:
                     concurrent.futures.ThreadPoolExecutor(max_workers=1)
                 )
                 stack.callback(setattr, self, "_helper", None)
-            stack.enter_context(display)
             previous = None
-            for feed, rows, first in self._batches(reader, limit):
+            for feed, rows, first in runs:
                 samples += rows
                 if not self.pipeline:
                     self._observe(feed, first, self._run(feed, first))
@@ -690,50 +371,29 @@ class Collector:
                 pfeed, prows, pfirst, pfuture = previous
                 self._observe(pfeed, pfirst, pfuture.result())
                 display.update(prows)
-        if samples == 0:
-            raise CalibrationError(
-                "the calibration data reader yielded no samples (get_next() returned None at "
-                "once); give at least one feed, or set UseRandomData=True"
-            )
-        for obs in self.observers.values():
-            if isinstance(obs, HistogramObserver):
-                obs.flush()  # bin what is buffered, release the staging arrays
-        self._derive()
-        if final:
-            report_nonfinite(self.names, self.observers, self.input_nonfinite, samples)
-        result = CalibrationResult(
-            model_hash(self.model),
-            self.method.name,
-            samples,
-            {name: self.observers[name] for name in self.names},
-        )
-        logger.info(
-            "calibrated %d tensors on %d samples with %s in %.2f s",
-            len(self.names),
-            samples,
-            self.method.name,
-            time.perf_counter() - start,
-        )
-        return result
+        return samples
 
-    def _derive(self) -> None:
-        derive_observers(self.observers, self.derived)
-
-
-def derive_observers(
-    observers: dict[str, Observer], derived: Sequence[tuple[str, str, list[str]]]
-) -> None:
-    """Add the observers of the derived tensors (``(name, rule, sources)``, in graph order)."""
-    for name, rule, srcs in derived:
-        if rule == "same":
-            observers[name] = copy.deepcopy(observers[srcs[0]])
-        elif rule == "relu":
-            observers[name] = observers[srcs[0]].relu()
-        else:
-            merged = observers[srcs[0]]
-            for s in srcs[1:]:
-                merged = merged.merge(observers[s])
-            observers[name] = merged
+    def _stream_pieces(self, runs: Iterable[tuple[dict, int, int]], display: Progress) -> int:
+        """The graph piece by piece: groups of :data:`SEGMENT_RUNS` runs, each piece's values
+        folded in run order as the piece ends (module doc); the samples."""
+        samples = 0
+        group: list[tuple[dict, int, int]] = []
+        for run in [*runs, None]:
+            if run is not None:
+                group.append(run)
+                samples += run[1]
+            if group and (run is None or len(group) == SEGMENT_RUNS):
+                feeds = [feed for feed, _, _ in group]
+                for feed in feeds:
+                    for name in self.fed:
+                        self.observers[name].update(feed[name])
+                for values in self.runner.run_pieces(feeds, group[0][2]):
+                    for name in list(values):
+                        for value in values.pop(name):
+                            self.observers[name].update(value)
+                display.update(sum(rows for _, rows, _ in group))
+                group = []
+        return samples
 
 
 def report_nonfinite(

@@ -50,16 +50,12 @@ from quark_onnx.errors import CalibrationError, ConfigError
 from quark_onnx.model_io import fits_in_protobuf
 from quark_onnx.options import ExtraOptions
 
-from .collector import (
-    DEFAULT_MAX_BATCH,
-    Collector,
-    derive_observers,
-    report_nonfinite,
-    validated_feeds,
-)
+from .collector import DEFAULT_MAX_BATCH, Collector, report_nonfinite
+from .feeds import validated_feeds
 from .observers import Observer
 from .readers import ArrayDataReader, input_specs, reader_for
 from .result import CalibrationResult, model_hash
+from .tensors import derive_observers
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,10 @@ from conftest import make_model
 from onnx import TensorProto, helper
 
 from quark_onnx.calibration import ArrayDataReader
-from quark_onnx.calibration import collector as collector_module
-from quark_onnx.calibration.collector import Collector, _inference_copy, session_options
+from quark_onnx.calibration import tensors as tensors_module
+from quark_onnx.calibration.collector import Collector
+from quark_onnx.calibration.session import session_options
+from quark_onnx.calibration.tensors import inference_copy
 from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod
 from quark_onnx.options import ExtraOptions
 
@@ -53,7 +55,7 @@ def _inferred(model: onnx.ModelProto) -> dict[str, bytes]:
 def test_inference_copy_infers_what_the_whole_model_infers():
     model = _shape_model()
     before = model.SerializeToString()
-    light = _inference_copy(model)
+    light = inference_copy(model)
     assert model.SerializeToString() == before  # the model is not touched
     stripped = {t.name: t for t in light.graph.initializer}
     assert not stripped["W"].raw_data and not stripped["W"].float_data  # the weight's bytes stay
@@ -78,8 +80,8 @@ def test_inference_copy_keeps_the_values_shape_inference_reads(monkeypatch):
     """Stripping every initializer (the bound at 0) loses the shapes read from values: the
     bound is what keeps them."""
     model = _shape_model()
-    monkeypatch.setattr(collector_module, "_INFERENCE_KEEPS_VALUES", 0)
-    light = _inferred(_inference_copy(model))
+    monkeypatch.setattr(tensors_module, "INFERENCE_KEEPS_VALUES", 0)
+    light = _inferred(inference_copy(model))
     assert light != _inferred(model)
 
 

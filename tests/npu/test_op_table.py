@@ -12,7 +12,6 @@ fact that changes nothing would be a list nobody reads.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import numpy as np
 import onnx
@@ -21,7 +20,7 @@ import pytest
 from graphs import build
 from onnx import TensorProto, helper
 
-from quark_onnx.calibration.collector import Collector
+from quark_onnx.calibration import tensors
 from quark_onnx.check import check
 from quark_onnx.config import QuantizationConfig
 from quark_onnx.enums import QuantType
@@ -169,11 +168,10 @@ def rule_view(proto: onnx.ModelProto) -> tuple:
 
 def collector_view() -> tuple:
     """The collector's value derivation for a node of each row's op reading a calibrated tensor."""
-    fake = types.SimpleNamespace(moving_average=None)
     out = []
     for op in [*sorted(npu_ops.OPS), "NotAnOp"]:
         node = helper.make_node(op, ["a"], ["b"])
-        out.append(Collector._derivation(fake, node, "b", {"a"}))
+        out.append(tensors._derivation(node, "b", {"a"}, False))
     return tuple(out)
 
 

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from fuzz_models import quantizer, residual
 
 from quark_onnx import model_files
-from quark_onnx.calibration import collector
+from quark_onnx.calibration import session as calibration_session
 from quark_onnx.model_io import written_files
 
 
@@ -53,9 +53,11 @@ def test_external_data_model_quantizes_to_external_data(tmp_path, monkeypatch):
     monkeypatch.setattr(model_files.save, "EXTERNAL_THRESHOLD", 64)  # int8 weights are small
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the collector's copy goes
     made: list[str] = []
-    real_save = collector.save_model
+    real_save = calibration_session.save_model
     monkeypatch.setattr(
-        collector, "save_model", lambda m, p, **kw: (made.append(str(p)), real_save(m, p, **kw))
+        calibration_session,
+        "save_model",
+        lambda m, p, **kw: (made.append(str(p)), real_save(m, p, **kw)),
     )
 
     out = outdir / "m.quant.onnx"
