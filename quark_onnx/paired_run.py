@@ -10,9 +10,10 @@ same kernel on the same input values), so the values are those of two separate r
 (``tests/test_paired_run.py`` compares them).
 
 The combined graph is not built (:func:`run_before_after` returns None, and the caller runs the
-two models separately) when the models cannot be paired simply: different inputs, opsets or
-local functions, a node holding a subgraph (whose outer-scope reads carry no names to follow), or
-a graph longer than ``runtime.SEGMENT_NODES`` (run in pieces to bound a session's memory).
+two models separately) when the models cannot be paired simply: different inputs, opsets,
+local functions or sparse initializers, a node holding a subgraph (whose outer-scope reads carry
+no names to follow), or a graph longer than ``runtime.SEGMENT_NODES`` (run in pieces to bound a
+session's memory).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def combine(before: onnx.ModelProto, after: onnx.ModelProto) -> tuple[onnx.Model
         != [(o.domain, o.version) for o in after.opset_import]
         or before.functions
         or after.functions
+        or bg.sparse_initializer
+        or ag.sparse_initializer
         or [i.SerializeToString() for i in bg.input] != [i.SerializeToString() for i in ag.input]
         or _has_subgraph(bg)
         or _has_subgraph(ag)

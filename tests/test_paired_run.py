@@ -143,3 +143,35 @@ def test_run_passes_reports_the_same_costs_as_separate_runs():
         )
         assert record.max_abs_diff[name] == diff
     assert record.max_abs_diff["r"] == 0.0 and record.max_abs_diff["y"] > 0.0
+
+
+def test_samples_that_do_not_run_warn_once_and_leave_the_passes_unmeasured(caplog):
+    """The pair fails on samples onnxruntime rejects: the separate run before the pass names
+    what failed, once; neither this pass nor a later one is measured."""
+    from quark_onnx.passes.convert_sigmoid_to_hard_sigmoid import ConvertSigmoidToHardSigmoid
+    from quark_onnx.passes.replace_clip6_relu import ReplaceClip6Relu
+
+    proto = make_model(
+        [
+            h.make_node("MatMul", ["x", "eye"], ["l"]),  # the Clip is a layer's activation
+            h.make_node("Clip", ["l", "lo", "hi"], ["c"]),
+            h.make_node("Sigmoid", ["c"], ["y"]),
+        ],
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 4])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 4])],
+        {
+            "eye": np.eye(4, dtype=np.float32),
+            "lo": np.array(0.0, dtype=np.float32),
+            "hi": np.array(6.0, dtype=np.float32),
+        },
+    )
+    model = ir.serde.deserialize_model(proto)
+    wrong = [{"x": np.zeros((1, 5), np.float32)}]  # onnxruntime rejects the shape
+    with caplog.at_level("WARNING", logger="quark_onnx.pipeline"):
+        report = run_passes(
+            model, [ReplaceClip6Relu(), ConvertSigmoidToHardSigmoid()], sample_feeds=wrong
+        )
+    assert [r.modified for r in report.passes] == [True, True]
+    assert all(r.max_abs_diff == {} and r.fidelity == [] for r in report.passes)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "before ReplaceClip6Relu" in warnings[0]
