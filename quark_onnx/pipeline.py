@@ -471,6 +471,7 @@ def run_passes(
                 MEASURE_MAX_BYTES / (1 << 30),
             )
             sample_feeds = None
+    unchanged: ir.Model | None = None  # the model before the passes that did not change it
     for pass_ in passes:
         name = type(pass_).__name__
         measure = bool(getattr(pass_, "changes_numerics", False)) and sample_feeds is not None
@@ -479,7 +480,8 @@ def run_passes(
         deferred = measure and outputs is None
         revertible = measure and revert_costly and not getattr(pass_, "simulates_hardware", False)
         snapshot = model.clone() if revertible else None
-        unchanged = snapshot or (model.clone() if deferred else None)
+        if deferred and unchanged is None:  # kept while passes leave the model as it is
+            unchanged = snapshot or model.clone()
         start = time.perf_counter()
         try:
             result = pass_(model)
@@ -501,6 +503,7 @@ def run_passes(
                     sample_feeds = None  # the samples do not run: one warning, not one per pass
             elif measure:
                 after = _try_run(model, sample_feeds, f"after {name}", saturation)
+            unchanged = None
             if measure:
                 if after is not None:
                     diffs = _max_abs_diff(outputs, after)
