@@ -113,6 +113,10 @@ def combine(before: onnx.ModelProto, after: onnx.ModelProto) -> tuple[onnx.Model
     return before, outputs
 
 
+class _Unpaired(Exception):
+    """The models cannot be combined (raised through the session's build, caught here)."""
+
+
 def run_before_after(
     before: ir.Model,
     after: ir.Model,
@@ -130,24 +134,32 @@ def run_before_after(
 
     if len(before.graph) + len(after.graph) > runtime.SEGMENT_NODES:
         return None
-    protos = [serialize_ir(before), serialize_ir(after)]
-    if edit is not None:
-        for proto in protos:
+    names: dict[str, list[str]] = {}
+
+    def build(proto: onnx.ModelProto) -> None:
+        # ``proto`` is the session's private copy of ``before``: it becomes the combined model
+        other = serialize_ir(after)
+        if edit is not None:
             edit(proto)
-    before_names = [o.name for o in protos[0].graph.output]
-    after_names = [o.name for o in protos[1].graph.output]
+            edit(other)
+        names["before"] = [o.name for o in proto.graph.output]
+        names["after"] = [o.name for o in other.graph.output]
+        try:
+            names["combined"] = combine(proto, other)[1]
+        except ValueError as exc:
+            raise _Unpaired from exc
+
     try:
-        combined, combined_names = combine(*protos)
-    except ValueError:
+        session = runtime.create_session(before, purpose="run_model", edit=build)
+    except _Unpaired:
         return None
-    session = runtime.create_session(combined, purpose="run_model")
-    del combined, protos
-    names = list(dict.fromkeys([*before_names, *combined_names]))
+    before_names, after_names = names["before"], names["after"]
+    fetch = list(dict.fromkeys([*before_names, *names["combined"]]))
     runs_before, runs_after = [], []
     for feed in feeds:
-        values = dict(zip(names, session.run(names, feed), strict=True))
+        values = dict(zip(fetch, session.run(fetch, feed), strict=True))
         runs_before.append({name: values[name] for name in before_names})
         runs_after.append(
-            {name: values[key] for name, key in zip(after_names, combined_names, strict=True)}
+            {name: values[key] for name, key in zip(after_names, names["combined"], strict=True)}
         )
     return runs_before, runs_after

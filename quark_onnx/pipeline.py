@@ -43,6 +43,8 @@ its Relu at the value ``saturation(cap)`` gives (the power-of-two int8 range tha
 for XINT8), so a ReLU6 made Relu is charged for what passes 6, not for the unbounded Relu. Each
 run needs a full in-memory copy of the model: above :data:`MEASURE_MAX_BYTES` of tensors (1 GiB)
 the differences are not measured (one log line says so) and the records carry no measurement.
+When the outputs before a measured pass are not known yet, the runs before and after it share
+one session (:mod:`quark_onnx.paired_run`): the part of the graph the pass left is computed once.
 """
 
 from __future__ import annotations
