@@ -66,7 +66,9 @@ def _quant_error(weight: np.ndarray) -> np.ndarray:
 
 
 def propagated_noise(
-    first: np.ndarray, readers: Sequence[tuple[np.ndarray, int, np.ndarray]]
+    first: np.ndarray,
+    readers: Sequence[tuple[np.ndarray, int, np.ndarray]],
+    errors: dict[int, np.ndarray] | None = None,
 ) -> list[float]:
     """Each layer's power-of-two rounding noise as the readers' outputs see it, relative.
 
@@ -83,15 +85,24 @@ def propagated_noise(
     ``||E||^2 / ||W||^2`` would ignore it). Rescaling a channel (``W1[i] / s``, ``W_k[:, i] *
     s``) leaves every weight ``||W1[i]||^2 g_i^2`` unchanged: only what the grid does to the
     rescaled weights moves these numbers. Returns ``[N1, N2_1, ...]`` (one per distinct reader
-    weight, in order of first appearance).
+    weight, in order of first appearance). ``errors``: rounding errors already computed, by
+    ``id`` of the weight array (filled here; for callers that judge several pairs sharing
+    layers whose weights do not change meanwhile).
     """
+
+    def error(weight: np.ndarray) -> np.ndarray:
+        if errors is None:
+            return _quant_error(weight)
+        if id(weight) not in errors:
+            errors[id(weight)] = _quant_error(weight)
+        return errors[id(weight)]
 
     def columns(weight: np.ndarray, group: int, idx: np.ndarray) -> np.ndarray:
         # squared norm of every input-channel column (grouped layout), picked at idx
         view = _grouped_view(np.square(weight), group)
         return view.sum(axis=(1, 3)).reshape(-1)[idx]
 
-    e1 = _quant_error(first)
+    e1 = error(first)
     row_w = np.square(first.astype(np.float64)).reshape(first.shape[0], -1).sum(axis=1)
     row_e = np.square(e1).reshape(first.shape[0], -1).sum(axis=1)
     reads = np.zeros(first.shape[0])
@@ -104,7 +115,7 @@ def propagated_noise(
             per_reader[id(weight)] = (np.zeros_like(row_w), np.zeros_like(row_w))
         total_w, total_e = per_reader[id(weight)]
         total_w += col_w
-        total_e += columns(_quant_error(weight), group, idx)
+        total_e += columns(error(weight), group, idx)
 
     def ratio(err: np.ndarray, sig: np.ndarray, weights: np.ndarray) -> float:
         den = float(np.sum(sig * weights))

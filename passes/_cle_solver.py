@@ -8,6 +8,7 @@ the scales and applies them to the working copies (the pass writes them back).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -61,24 +62,42 @@ class _Layer:
         self.changed = False
         self.out_scale = self.in_scale = self.peak = None
 
-    def _current_peaks(self) -> np.ndarray:
-        """``max_k |W[o, j, k]|`` at the pending scaling, viewed ``(g, C_out/g, cpg)``."""
-        c_out, cpg = self.weight.shape[:2]
+    def _start_pending(self) -> None:
+        """The kernel-free peaks and unit pending scales, on first use."""
         if self.peak is None:
+            c_out, cpg = self.weight.shape[:2]
             self.peak = np.abs(self.weight.reshape(c_out, cpg, -1)).max(axis=2)
             self.out_scale = np.ones(c_out)
             self.in_scale = np.ones(cpg * self.group)
+
+    def _current_peaks(self) -> np.ndarray:
+        """``max_k |W[o, j, k]|`` at the pending scaling, viewed ``(g, C_out/g, cpg)``."""
+        c_out, cpg = self.weight.shape[:2]
+        self._start_pending()
+        assert self.peak is not None
         assert self.out_scale is not None and self.in_scale is not None
         g = self.group
-        return (
-            self.peak.reshape(g, c_out // g, cpg)
-            * self.in_scale.reshape(g, 1, cpg)
-            / self.out_scale.reshape(g, c_out // g, 1)
-        )
+        peaks = self.peak.reshape(g, c_out // g, cpg) * self.in_scale.reshape(g, 1, cpg)
+        # in place: a second temporary of a large layer's size costs more than the division
+        peaks /= self.out_scale.reshape(g, c_out // g, 1)
+        return peaks
 
     def lazy_output_ranges(self) -> np.ndarray:
-        """:func:`output_channel_ranges` of the weight at the pending scaling."""
-        return self._current_peaks().max(axis=2).reshape(-1)
+        """:func:`output_channel_ranges` of the weight at the pending scaling.
+
+        ``max_j (peak[o, j] * in_j) / out_o``: dividing by the row's ``out_o`` after the max
+        is the same float (a correctly rounded division by a positive number is monotonic)
+        and costs one division per row instead of one per weight peak.
+        """
+        self._start_pending()
+        assert self.peak is not None and self.in_scale is not None
+        assert self.out_scale is not None
+        c_out, cpg = self.peak.shape
+        g = self.group
+        rows = (self.peak.reshape(g, c_out // g, cpg) * self.in_scale.reshape(g, 1, cpg)).max(
+            axis=2
+        )
+        return (rows / self.out_scale.reshape(g, c_out // g)).reshape(-1)
 
     def lazy_input_ranges(self) -> np.ndarray:
         """:func:`input_channel_ranges` of the weight at the pending scaling."""
@@ -198,6 +217,8 @@ def _place_negligible(
     depend on it. A channel with ``r1 r2 > m1 m2`` (a constant channel: a large bias read by
     wide weights, FoldConstantChannels' case) keeps ``s = 1``.
     """
+    if not negligible.any():
+        return negligible  # nothing to place (the medians are most of a sweep step's time)
     m1, m2 = float(np.median(r1[live])), float(np.median(r2[live]))
     placed = negligible & (r1 * r2 <= m1 * m2)
     scale[placed] = np.sqrt((r1[placed] / m1) / (r2[placed] / m2))
@@ -244,7 +265,10 @@ def _equalize(
     else:  # ungated sweeps: ranges of the pending scaling, applied once at the end
         r1w = first.lazy_output_ranges()
         bias = first.lazy_bias()
-        r2 = np.max([lay.lazy_input_ranges()[idx] for lay, idx in pair.readers], axis=0)
+        # the channel-wise max over the readers (exact in any order; no stacked copy)
+        r2 = functools.reduce(
+            np.maximum, [lay.lazy_input_ranges()[idx] for lay, idx in pair.readers]
+        )
     r1 = r1w
     if scale_append_bias and bias is not None:
         r1 = np.maximum(r1, np.abs(bias))
@@ -329,9 +353,10 @@ def _component_noise(component: Sequence[_Pair], stats: dict[str, ChannelStats])
     """
     total = 0.0
     tensors: dict[str, tuple[dict[int, tuple[_Pair, np.ndarray]], dict[int, _Layer]]] = {}
+    errors: dict[int, np.ndarray] = {}  # a layer is the first of one pair and a reader of another
     for pair in component:
         readers = [(layer.weight, layer.group, idx) for layer, idx in pair.readers]
-        total += sum(propagated_noise(pair.first.weight, readers))
+        total += sum(propagated_noise(pair.first.weight, readers, errors))
         for layer, idx in pair.readers:
             owners, layers = tensors.setdefault(layer.node.inputs[0].name, ({}, {}))
             owners.setdefault(id(pair), (pair, idx))

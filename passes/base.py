@@ -11,7 +11,10 @@ and are chained by :func:`quark_onnx.pipeline.prepare_passes`, which picks them 
 Passes that change numerics on purpose set ``changes_numerics = True``; the pipeline then measures
 what they did to the float outputs. Those that model the NPU's own arithmetic (the DPU versions of
 LeakyRelu, HardSigmoid and average pooling) also set ``simulates_hardware = True``: their cost is
-the hardware's, so it is reported but never a warning and never undone.
+the hardware's, so it is reported but never a warning and never undone. A numerics-changing
+pass replaces the tensors it changes instead of writing into them: the model before it is kept
+as a clone that shares the tensors, to be measured (in one session with the model after it,
+:mod:`quark_onnx.paired_run`) and, when the pass costs too much, restored.
 """
 
 from __future__ import annotations

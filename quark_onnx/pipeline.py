@@ -43,6 +43,8 @@ its Relu at the value ``saturation(cap)`` gives (the power-of-two int8 range tha
 for XINT8), so a ReLU6 made Relu is charged for what passes 6, not for the unbounded Relu. Each
 run needs a full in-memory copy of the model: above :data:`MEASURE_MAX_BYTES` of tensors (1 GiB)
 the differences are not measured (one log line says so) and the records carry no measurement.
+When the outputs before a measured pass are not known yet, the runs before and after it share
+one session (:mod:`quark_onnx.paired_run`): the part of the graph the pass left is computed once.
 """
 
 from __future__ import annotations
@@ -367,6 +369,29 @@ def _try_run(
         return None
 
 
+def _try_run_pair(
+    before: ir.Model,
+    after: ir.Model,
+    feeds: Sequence[Feeds],
+    name: str,
+    saturation: Callable[[float], float] | None,
+) -> tuple[list[dict[str, np.ndarray]] | None, list[dict[str, np.ndarray]] | None]:
+    """The outputs of the models ``before`` and ``after`` pass ``name`` (None: does not run),
+    in one session when they pair (:func:`quark_onnx.paired_run.run_before_after`)."""
+    from quark_onnx.paired_run import run_before_after
+
+    try:
+        pair = run_before_after(before, after, feeds, _saturator(saturation))
+    except Exception:  # onnxruntime's own types; the separate runs below warn what failed
+        pair = None
+    if pair is not None:
+        return pair
+    outputs = _try_run(before, feeds, f"before {name}", saturation)
+    if outputs is None:
+        return None, None
+    return outputs, _try_run(after, feeds, f"after {name}", saturation)
+
+
 def _max_abs_diff(
     before: Sequence[dict[str, np.ndarray]], after: Sequence[dict[str, np.ndarray]]
 ) -> dict[str, float]:
@@ -448,16 +473,17 @@ def run_passes(
                 MEASURE_MAX_BYTES / (1 << 30),
             )
             sample_feeds = None
+    unchanged: ir.Model | None = None  # the model before the passes that did not change it
     for pass_ in passes:
         name = type(pass_).__name__
         measure = bool(getattr(pass_, "changes_numerics", False)) and sample_feeds is not None
-        if measure and outputs is None:
-            outputs = _try_run(model, sample_feeds, f"before {name}", saturation)
-            measure = outputs is not None
-            if not measure:
-                sample_feeds = None  # the samples do not run: one warning, not one per pass
+        # outputs before the pass not known: run them after it, with the outputs after it, in one
+        # session that computes the graph the pass left unchanged once (quark_onnx.paired_run)
+        deferred = measure and outputs is None
         revertible = measure and revert_costly and not getattr(pass_, "simulates_hardware", False)
         snapshot = model.clone() if revertible else None
+        if deferred and unchanged is None:  # kept while passes leave the model as it is
+            unchanged = snapshot or model.clone()
         start = time.perf_counter()
         try:
             result = pass_(model)
@@ -473,8 +499,14 @@ def run_passes(
         warning = None
         reverted = False
         if result.modified:
-            if measure:
+            if measure and deferred:
+                outputs, after = _try_run_pair(unchanged, model, sample_feeds, name, saturation)
+                if outputs is None:
+                    sample_feeds = None  # the samples do not run: one warning, not one per pass
+            elif measure:
                 after = _try_run(model, sample_feeds, f"after {name}", saturation)
+            unchanged = None
+            if measure:
                 if after is not None:
                     diffs = _max_abs_diff(outputs, after)
                     fidelity = compare_runs(

@@ -985,3 +985,36 @@ def test_channel_statistics_over_several_feeds_equal_numpy_over_all_samples():
         np.testing.assert_allclose(stats[name].mean_square, np.square(flat).mean(axis=1), rtol=1e-9)
         np.testing.assert_allclose(stats[name].nonzero, np.mean(flat != 0, axis=1), rtol=1e-12)
     assert np.any(stats["h"].nonzero < 1.0)  # the Relu's zeros are counted
+
+
+def test_lazy_output_ranges_are_those_of_the_scaled_weight_peaks_bit_for_bit():
+    """The row maxima divide by the row's pending scale after the max: the same floats as
+    dividing every peak first (grouped and plain convs, scales far from 1)."""
+    from quark_onnx.passes._cle_solver import _Layer
+
+    rng = _rng(3)
+    for shape, group in [((12, 4, 3, 3), 3), ((8, 8, 1, 1), 1), ((6, 1, 3, 3), 6)]:
+        weight = rng.standard_normal(shape)
+        layer = _Layer(node=None, weight=weight, bias=None, group=group, original=weight)
+        layer.lazy_input_ranges()  # starts the pending scaling
+        layer.out_scale = np.exp(rng.normal(scale=3, size=shape[0]))
+        layer.in_scale = np.exp(rng.normal(scale=3, size=shape[1] * group))
+        peaks = layer._current_peaks()  # the per-peak division
+        np.testing.assert_array_equal(
+            layer.lazy_output_ranges(), peaks.max(axis=2).reshape(-1), strict=True
+        )
+
+
+def test_propagated_noise_with_shared_errors_is_unchanged():
+    """Rounding errors reused across pairs sharing a layer give the numbers computed afresh."""
+    from quark_onnx.passes._cle_noise import propagated_noise
+
+    rng = _rng(4)
+    w1, w2, w3 = (rng.standard_normal(s) for s in [(8, 3, 3, 3), (6, 8, 1, 1), (4, 6, 3, 3)])
+    errors: dict = {}
+    shared = propagated_noise(w1, [(w2, 1, np.arange(8))], errors)
+    shared += propagated_noise(w2, [(w3, 1, np.arange(6))], errors)
+    assert len(errors) == 3  # w2 rounded once for both pairs
+    fresh = propagated_noise(w1, [(w2, 1, np.arange(8))])
+    fresh += propagated_noise(w2, [(w3, 1, np.arange(6))])
+    assert shared == fresh
