@@ -43,13 +43,19 @@ not modelled (measured: modelling it lowered PaddleOCR, benchmarks/results/cle_n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from quark_onnx.passes.cross_layer_equalization import ChannelStats, _Layer, _Pair
+# The groups are CrossLayerEqualization's own pairs (first layer, readers with the channel each
+# reads, cumulative scale) and its per-tensor channel statistics; this module does not import
+# that one (it is imported by it), so they are typed loosely here.
+_Pair = Any
+_Layer = Any
+ChannelStats = Any
+#: ``propagated_noise(first_weight, [(reader_weight, group, idx), ...]) -> [N1, N2_1, ...]``
+WeightNoise = Callable[[np.ndarray, Sequence[tuple[np.ndarray, int, np.ndarray]]], list[float]]
 
 #: Budget factors tried on each side, relative to the current steps: ``2^(j/4)``, ``j = -4..4``.
 BUDGETS = tuple(2.0 ** (j / 4.0) for j in range(-4, 5))
@@ -65,11 +71,15 @@ MARGIN = 1e-9
 SWEEPS = 3
 
 
+def _grouped(weight: np.ndarray, group: int) -> np.ndarray:
+    """An ONNX Conv weight ``C_out x C_in/g x k...`` viewed ``(g, C_out/g, C_in/g, K)``: input
+    channel ``i`` is the slice ``[i // (C_in/g), :, i % (C_in/g), :]``."""
+    return weight.reshape(group, weight.shape[0] // group, weight.shape[1], -1)
+
+
 def _columns(weight: np.ndarray, group: int, reduce: Callable) -> np.ndarray:
     """``reduce`` of every input column of a (grouped) conv weight, length ``C_in``."""
-    from quark_onnx.passes.cross_layer_equalization import _grouped_view
-
-    return reduce(_grouped_view(weight, group), axis=(1, 3)).reshape(-1)
+    return reduce(_grouped(weight, group), axis=(1, 3)).reshape(-1)
 
 
 def _layer_terms(component: Sequence[_Pair]) -> dict[tuple[int, int], float]:
@@ -96,27 +106,9 @@ def _layer_terms(component: Sequence[_Pair]) -> dict[tuple[int, int], float]:
     return terms
 
 
-def refine_pair(
-    pair: _Pair,
-    component: Sequence[_Pair],
-    stats: dict[str, ChannelStats],
-    tensor_scales: Callable[[str], np.ndarray | None],
-    exact: Callable[[], float] | None = None,
-) -> bool:
-    """Rescale ``pair``'s channels to the lowest ``F`` (module doc) among the budgets tried;
-    returns whether it changed. Negligible channels (no signal on one side) stay where they
-    are."""
-    first = pair.first
-    w1 = first.weight
-    rows = np.square(w1).reshape(w1.shape[0], -1).sum(axis=1)
-    r1 = np.abs(w1).reshape(w1.shape[0], -1).max(axis=1)
-    n1 = w1[0].size
-    terms = _layer_terms(component)
-    other = {}  # each layer's coefficient in the component's other pairs
-    for (pid, lid), value in terms.items():
-        if pid != id(pair):
-            other[lid] = other.get(lid, 0.0) + value
-
+def _reader_terms(pair: _Pair, rows: np.ndarray) -> dict[int, dict]:
+    """Per distinct reader of ``pair``: its column energies and peaks at the pair's channels,
+    the peak of its other columns, and its weights per column."""
     readers: dict[int, dict] = {}
     for layer, idx in pair.readers:
         entry = readers.setdefault(
@@ -132,14 +124,18 @@ def refine_pair(
             rest[i] = False
         entry["rest"] = float(np.max(peaks[rest], initial=0.0))
         entry["m"] = layer.weight.shape[0] // layer.group * layer.weight[0, 0].size
-    reads = sum(e["col"] for e in readers.values())
-    p1 = float(np.sum(rows * reads))
-    if p1 <= 0:
-        return False
-    for e in readers.values():
-        e["p2"] = float(np.sum(e["col"] * rows))
+    return readers
 
-    # activations the readers read: this pair's channels in them and the others' fixed part
+
+def _activation_terms(
+    pair: _Pair,
+    component: Sequence[_Pair],
+    stats: Mapping[str, ChannelStats],
+    tensor_scales: Callable[[str], np.ndarray | None],
+    reads: np.ndarray,
+) -> list[dict]:
+    """Per activation the readers read: this pair's channels' peaks and noise weights in it,
+    and the other channels' fixed part."""
     acts = []
     for name in {layer.node.inputs[0].name for layer, _ in pair.readers}:
         stat = stats.get(name)
@@ -170,6 +166,39 @@ def refine_pair(
                 "fixed": float(np.sum(stat.nonzero[mask] * all_reads[mask])) / signal,
             }
         )
+    return acts
+
+
+def refine_pair(
+    pair: _Pair,
+    component: Sequence[_Pair],
+    stats: Mapping[str, ChannelStats],
+    tensor_scales: Callable[[str], np.ndarray | None],
+    exact: Callable[[], float] | None = None,
+) -> bool:
+    """Rescale ``pair``'s channels to the lowest ``F`` (module doc) among the budgets tried;
+    returns whether it changed. Negligible channels (no signal on one side) stay where they
+    are."""
+    first = pair.first
+    w1 = first.weight
+    rows = np.square(w1).reshape(w1.shape[0], -1).sum(axis=1)
+    r1 = np.abs(w1).reshape(w1.shape[0], -1).max(axis=1)
+    n1 = w1[0].size
+    terms = _layer_terms(component)
+    other = {}  # each layer's coefficient in the component's other pairs
+    for (pid, lid), value in terms.items():
+        if pid != id(pair):
+            other[lid] = other.get(lid, 0.0) + value
+
+    readers = _reader_terms(pair, rows)
+    reads = sum(e["col"] for e in readers.values())
+    p1 = float(np.sum(rows * reads))
+    if p1 <= 0:
+        return False
+    for e in readers.values():
+        e["p2"] = float(np.sum(e["col"] * rows))
+
+    acts = _activation_terms(pair, component, stats, tensor_scales, reads)
 
     def surrogate(s: np.ndarray) -> float:
         d1 = float(np.max(r1 / s))
@@ -221,42 +250,49 @@ def refine_pair(
     _apply(pair, best)
     if exact is None:
         return True
+    _grid_step(pair, exact)
+    return True
+
+
+def _grid_step(pair: _Pair, exact: Callable[[], float]) -> None:
+    """Move ``pair``'s whole scaling by the ``2^(k/8)``, ``|k| <= 8``, of lowest ``exact``
+    noise (nearest first: of tied factors the nearest is kept)."""
     # the weights' power-of-two grids make the noise a step function of where their steps
     # fall: move the pair's whole scaling by 2^(k/8) (one side's steps down, the other's up)
     noise_at, chosen, applied = exact(), 1.0, 1.0
     for k in (k * sign for k in range(1, 9) for sign in (1, -1)):
         factor = 2.0 ** (k / 8.0)
-        _apply(pair, np.full_like(best, factor / applied))
+        _apply(pair, np.full_like(pair.cumulative, factor / applied))
         applied = factor
         trial = exact()
         if trial < noise_at * (1.0 - MARGIN):
             noise_at, chosen = trial, factor
-    _apply(pair, np.full_like(best, chosen / applied))
-    return True
+    _apply(pair, np.full_like(pair.cumulative, chosen / applied))
 
 
 def _apply(pair: _Pair, scale: np.ndarray) -> None:
     """Divide ``pair``'s channels by ``scale`` in the first layer and multiply them in the
     readers (the float function is unchanged), and record the factor."""
-    from quark_onnx.passes.cross_layer_equalization import _rescaled
-
     first = pair.first
-    new_first, new_readers = _rescaled(first, pair.readers, scale)
-    first.weight = new_first
+    first.weight = first.weight / scale.reshape((-1,) + (1,) * (first.weight.ndim - 1))
     if first.bias is not None:
         first.bias = first.bias / scale
     first.changed = True
-    for layer in pair.reader_layers:
-        layer.weight = new_readers[id(layer)]
+    for layer, idx in pair.readers:
+        factors = np.ones(layer.weight.shape[1] * layer.group)
+        factors[idx] = scale
+        view = _grouped(layer.weight, layer.group) * factors.reshape(layer.group, 1, -1, 1)
+        layer.weight = view.reshape(layer.weight.shape)
         layer.changed = True
     pair.cumulative = pair.cumulative * scale
 
 
 def refine_component(
     component: Sequence[_Pair],
-    stats: dict[str, ChannelStats],
-    noise: Callable[[Sequence[_Pair], dict[str, ChannelStats]], float],
+    stats: Mapping[str, ChannelStats],
+    noise: Callable[[Sequence[_Pair], Mapping[str, ChannelStats]], float],
     before: float,
+    weight_noise: WeightNoise,
 ) -> float:
     """Move an equalized ``component`` (predicted ``noise`` ``before``) to the scales of lowest
     modelled noise (module doc) when its predicted noise falls; returns the noise it keeps."""
@@ -290,7 +326,7 @@ def refine_component(
             for p in component
             if p is pair or names & {layer.node.inputs[0].name for layer, _ in p.readers}
         ]
-        return lambda: expected_noise(sub, stats)
+        return lambda: expected_noise(sub, stats, weight_noise)
 
     for _ in range(SWEEPS):
         changed = [refine_pair(p, component, stats, tensor_scales, local(p)) for p in component]
@@ -307,16 +343,18 @@ def refine_component(
     return before
 
 
-def expected_noise(component: Sequence[_Pair], stats: dict[str, ChannelStats]) -> float:
-    """The component's predicted noise with the weights' exact power-of-two rounding and each
-    activation's rounding averaged over where its grid falls."""
-    from quark_onnx.passes.cross_layer_equalization import _grouped_view, propagated_noise
+def expected_noise(
+    component: Sequence[_Pair], stats: Mapping[str, ChannelStats], weight_noise: WeightNoise
+) -> float:
+    """The component's predicted noise with the weights' exact power-of-two rounding
+    (``weight_noise``, CLE's ``propagated_noise``) and each activation's rounding averaged over
+    where its grid falls."""
 
     total = 0.0
     tensors: dict[str, tuple[dict, dict]] = {}
     for pair in component:
         readers = [(layer.weight, layer.group, idx) for layer, idx in pair.readers]
-        total += sum(propagated_noise(pair.first.weight, readers))
+        total += sum(weight_noise(pair.first.weight, readers))
         for layer, idx in pair.readers:
             owners, layers = tensors.setdefault(layer.node.inputs[0].name, ({}, {}))
             owners.setdefault(id(pair), (pair, idx))
@@ -331,7 +369,7 @@ def expected_noise(component: Sequence[_Pair], stats: dict[str, ChannelStats]) -
         for pair, idx in owners.values():
             scale[idx] = pair.cumulative
         for layer in layers.values():
-            energy = _grouped_view(np.square(layer.weight), layer.group).sum(axis=(1, 3))
+            energy = _grouped(np.square(layer.weight), layer.group).sum(axis=(1, 3))
             if energy.size != width:
                 break
             reads += energy.reshape(-1)

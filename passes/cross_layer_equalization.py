@@ -1165,7 +1165,9 @@ class CrossLayerEqualization(QuarkPass):
             noise_after = self._component_noise(comp, stats)
             keep = noise_after * COMPONENT_MIN_GAIN < noise_before
             if keep:  # from the equalized point to the scales of lowest predicted noise
-                noise_after = refine_component(comp, stats, self._component_noise, noise_after)
+                noise_after = refine_component(
+                    comp, stats, self._component_noise, noise_after, propagated_noise
+                )
             labels = tuple(f"{_label(p.first.node)} -> {p.second}" for p in comp)
             report.components.append(ComponentChoice(labels, noise_before, noise_after, keep))
             logger.debug(

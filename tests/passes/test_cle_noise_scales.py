@@ -83,7 +83,7 @@ def test_refined_scales_keep_the_float_outputs_and_predict_less_noise(monkeypatc
     assert choice.kept
     assert _max_rel(model, out) <= 1e-5
 
-    monkeypatch.setattr(cle_module, "refine_component", lambda comp, stats, noise, b: b)
+    monkeypatch.setattr(cle_module, "refine_component", lambda comp, stats, noise, b, w: b)
     equalized, plain = _run(model)
     (plain_choice,) = plain.report.components
     assert plain_choice.kept
@@ -109,7 +109,7 @@ def test_no_refinement_where_the_gate_leaves_the_model_alone(monkeypatch):
     model keeps its weights bit for bit and the refinement is never asked."""
     calls = []
 
-    def spy(comp, stats, noise, before):
+    def spy(comp, stats, noise, before, weight_noise):
         calls.append(comp)
         return before
 
@@ -132,7 +132,7 @@ def test_expected_noise_is_exact_weight_noise_plus_grid_averaged_activation_nois
     pass_ = CrossLayerEqualization(steps=-1, gate="component")
     (pair,) = pass_._find_pairs(model.graph, CLEReport())
     stats = channel_statistics(model, _feeds(), ["h"])
-    got = expected_noise([pair], stats)
+    got = expected_noise([pair], stats, propagated_noise)
 
     w1, w2 = pair.first.weight, pair.reader_layers[0].weight
     weights = sum(propagated_noise(w1, [(w2, 1, np.arange(8))]))
