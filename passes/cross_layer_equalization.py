@@ -140,7 +140,6 @@ import onnx_ir as ir
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.cle_noise_scales import refine_component
 
 # a range cap written by ConvertClipToRelu is valid only for the unscaled channels, so CLE does
 # not equalize through such a value
@@ -1164,10 +1163,6 @@ class CrossLayerEqualization(QuarkPass):
         for comp, noise_before in zip(components, before, strict=True):
             noise_after = self._component_noise(comp, stats)
             keep = noise_after * COMPONENT_MIN_GAIN < noise_before
-            if keep:  # from the equalized point to the scales of lowest predicted noise
-                noise_after = refine_component(
-                    comp, stats, self._component_noise, noise_after, propagated_noise
-                )
             labels = tuple(f"{_label(p.first.node)} -> {p.second}" for p in comp)
             report.components.append(ComponentChoice(labels, noise_before, noise_after, keep))
             logger.debug(
