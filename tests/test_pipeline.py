@@ -173,6 +173,38 @@ def test_graph_cleanup_removes_dead_nodes():
     assert not GraphCleanup()(ir_model).modified
 
 
+def test_graph_cleanup_keeps_the_measured_outputs(monkeypatch):
+    """After GraphCleanup changed the graph, the next measured pass is measured against the
+    outputs from before it (bit-identical) instead of a new run: same records, one run fewer."""
+    import quark_onnx.pipeline as pipeline
+    from quark_onnx.passes import ConvertSigmoidToHardSigmoid, ReplaceClip6Relu
+
+    proto = _clip_sigmoid_model()
+    proto.graph.node.insert(0, h.make_node("Neg", ["x"], ["dead"]))
+    x = np.linspace(-10, 10, 64, dtype=np.float32).reshape(1, 64)
+    runs: list[str] = []
+    real = pipeline._try_run
+
+    def counted(model, feeds, when, saturation):
+        runs.append(when)
+        return real(model, feeds, when, saturation)
+
+    monkeypatch.setattr(pipeline, "_try_run", counted)
+    records = {}
+    for keeps in (True, False):
+        monkeypatch.setattr(GraphCleanup, "preserves_outputs", keeps)
+        runs.clear()
+        passes = [ReplaceClip6Relu(), GraphCleanup(), ConvertSigmoidToHardSigmoid()]
+        report = run_passes(ir.serde.deserialize_model(proto), passes, sample_feeds={"x": x})
+        assert report.record("GraphCleanup").modified
+        records[keeps] = (report.record("ConvertSigmoidToHardSigmoid"), list(runs))
+    (kept, kept_runs), (rerun, rerun_runs) = records[True], records[False]
+    assert kept.max_abs_diff == rerun.max_abs_diff and kept.max_abs_diff["y"] > 0
+    assert kept.fidelity == rerun.fidelity
+    assert "before ConvertSigmoidToHardSigmoid" in rerun_runs
+    assert kept_runs == [r for r in rerun_runs if r != "before ConvertSigmoidToHardSigmoid"]
+
+
 # -- real models -------------------------------------------------------------------------------
 
 
