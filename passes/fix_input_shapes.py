@@ -7,8 +7,11 @@ The NPU compiles static shapes only, and the Vitis AI flow expects batch 1. Two 
   keep the input's rank and agree with its fixed dimensions.
 * ``batch``: every input whose first dimension is symbolic or unknown gets that size (``0``: off).
 
-The symbolic dimensions of outputs and intermediate values are cleared and shapes inferred again
-(onnx shape inference), so the whole graph becomes static where the inputs determine it. Models
+The symbolic dimensions of outputs and intermediate values that carry an input's symbol take its
+size; where a value is still not static (or has no type), shapes are inferred again (onnx shape
+inference), so the whole graph becomes static where the inputs determine it. When every value is
+static already, inference has nothing to add and is not run (it serializes the whole graph).
+Either way the initializers end in the same order (:func:`_small_initializers_first`). Models
 whose inputs are already static are left unchanged (``modified=False``).
 """
 
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
+from onnx_ir.passes.common._c_api_utils import _BIG_TENSOR_SIZE_LIMIT
 
 from quark_onnx.errors import ConfigError, PassError
 from quark_onnx.passes.base import QuarkPass
@@ -56,6 +60,37 @@ def _all_values(graph: ir.Graph) -> list[ir.Value]:
     for node in graph:
         values.extend(node.outputs)
     return values
+
+
+def _inference_has_work(model: ir.Model) -> bool:
+    """Whether onnx shape inference could change a value of ``model``: some input or node output
+    of some graph has no type or a shape that is not static (inference keeps a static shape it
+    agrees with and leaves the model unchanged when it disagrees)."""
+    for graph in model.graphs():
+        for value in _all_values(graph):
+            if value.dtype is None or not _is_static(value.shape):
+                return True
+    return False
+
+
+def _small_initializers_first(graph: ir.Graph) -> None:
+    """The initializer order onnx_ir's shape inference leaves (its round trip lifts the tensors
+    above ``_BIG_TENSOR_SIZE_LIMIT`` bytes out of the graph and registers them again, after the
+    small ones; it also gives every initializer its tensor's shape and type). Applied when the
+    inference is not needed, so that the written model does not depend on whether it ran."""
+    large = []
+    for value in list(graph.initializers.values()):
+        tensor = value.const_value
+        if tensor is None:
+            continue
+        if value.shape is None:
+            value.shape = tensor.shape  # type: ignore[assignment]
+        if value.dtype is None:
+            value.dtype = tensor.dtype
+        if tensor.nbytes > _BIG_TENSOR_SIZE_LIMIT:
+            large.append(graph.initializers.pop(value.name))
+    for value in large:
+        graph.register_initializer(value)
 
 
 class FixInputShapes(QuarkPass):
@@ -121,10 +156,13 @@ class FixInputShapes(QuarkPass):
             ]
             if dims != list(value.shape):
                 value.shape = ir.Shape(dims)
-        try:
-            ShapeInferencePass()(model)
-        except Exception as exc:  # onnx shape inference raises its own error types
-            logger.warning("shape inference after fixing input shapes failed: %s", exc)
+        if _inference_has_work(model):
+            try:
+                ShapeInferencePass()(model)
+            except Exception as exc:  # onnx shape inference raises its own error types
+                logger.warning("shape inference after fixing input shapes failed: %s", exc)
+        else:
+            _small_initializers_first(graph)
         for out in graph.outputs:
             if out.shape is not None and not _is_static(out.shape):
                 logger.warning("output %r still has a non-static shape %s", out.name, out.shape)

@@ -34,7 +34,9 @@ GlobalAveragePool before large pools are split.
 inputs are given, runs the model before and after that pass in onnxruntime (CPU, graph
 optimizations off) on every sample and records per model output ``max |after - before|`` and the
 fidelity of the new outputs to the old ones (:func:`quark_onnx.fidelity.compare_runs`: SQNR,
-cosine, top-1 agreement for score vectors). An optional pass whose outputs fall below
+cosine, top-1 agreement for score vectors). The outputs before a pass are those of the last run
+while no pass changed the graph since, or only passes whose outputs are the same bits
+(``preserves_outputs``: GraphCleanup). An optional pass whose outputs fall below
 :data:`PASS_MIN_SQNR_DB` or :data:`PASS_MIN_AGREEMENT` is a warning that names the pass, what it
 cost and the option that turns it off (a pass that simulates the NPU's arithmetic is reported
 only). The runs see the model as the quantizer will compute it:
@@ -108,8 +110,12 @@ class GraphCleanup(QuarkPass):
     """Remove nodes and initializers nothing reads, then sort the nodes topologically.
 
     Wraps onnx_ir's ``RemoveUnusedNodesPass`` and ``TopologicalSortPass``; the model's inputs and
-    outputs are never removed.
+    outputs are never removed. The outputs stay the same bits (every node that remains computes
+    what it did, from the same inputs): :func:`run_passes` keeps the outputs it measured before.
     """
+
+    #: The model's outputs are bit-identical after the pass (no rerun to measure the next pass).
+    preserves_outputs = True
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         removed = RemoveUnusedNodesPass()(model).modified
@@ -524,7 +530,7 @@ def run_passes(
                     model.graph = snapshot.graph  # outputs stay those before the pass
                 else:
                     outputs = after
-            else:
+            elif not getattr(pass_, "preserves_outputs", False):
                 outputs = None
             logger.info(
                 "%s changed the graph in %.3f s%s",

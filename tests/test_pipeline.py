@@ -173,6 +173,45 @@ def test_graph_cleanup_removes_dead_nodes():
     assert not GraphCleanup()(ir_model).modified
 
 
+def test_graph_cleanup_keeps_the_measured_outputs(monkeypatch):
+    """After GraphCleanup changed the graph, the next measured pass is measured against the
+    outputs from before it (bit-identical) instead of a new run: same records, and only the model
+    after the pass runs (not the pair before and after)."""
+    import quark_onnx.pipeline as pipeline
+    from quark_onnx.passes import ConvertSigmoidToHardSigmoid, ReplaceClip6Relu
+
+    proto = _clip_sigmoid_model()
+    proto.graph.node.insert(0, h.make_node("Neg", ["x"], ["dead"]))
+    x = np.linspace(-10, 10, 64, dtype=np.float32).reshape(1, 64)
+    runs: list[str] = []
+    real, real_pair = pipeline._try_run, pipeline._try_run_pair
+
+    def counted(model, feeds, when, saturation):
+        runs.append(when)
+        return real(model, feeds, when, saturation)
+
+    def counted_pair(before, after, feeds, name, saturation):
+        runs.append(f"pair {name}")
+        return real_pair(before, after, feeds, name, saturation)
+
+    monkeypatch.setattr(pipeline, "_try_run", counted)
+    monkeypatch.setattr(pipeline, "_try_run_pair", counted_pair)
+    records = {}
+    for keeps in (True, False):
+        monkeypatch.setattr(GraphCleanup, "preserves_outputs", keeps)
+        runs.clear()
+        passes = [ReplaceClip6Relu(), GraphCleanup(), ConvertSigmoidToHardSigmoid()]
+        report = run_passes(ir.serde.deserialize_model(proto), passes, sample_feeds={"x": x})
+        assert report.record("GraphCleanup").modified
+        records[keeps] = (report.record("ConvertSigmoidToHardSigmoid"), list(runs))
+    (kept, kept_runs), (rerun, rerun_runs) = records[True], records[False]
+    assert kept.max_abs_diff == rerun.max_abs_diff and kept.max_abs_diff["y"] > 0
+    assert kept.fidelity == rerun.fidelity
+    pair, after = "pair ConvertSigmoidToHardSigmoid", "after ConvertSigmoidToHardSigmoid"
+    assert pair in rerun_runs and after not in rerun_runs
+    assert kept_runs == [after if r == pair else r for r in rerun_runs]
+
+
 # -- real models -------------------------------------------------------------------------------
 
 

@@ -66,7 +66,6 @@ from quark_onnx.accuracy.layerwise import (
     Replay,
     find_layers,
     held_out_split,
-    ir_model_to_proto,
     set_codes,
     tensor_names,
 )
@@ -459,7 +458,7 @@ def adaround(
     per_layer: list[dict[str, Any]] = []
     # closing the replays hands their arena regions and heap pages back before the next stage
     with (
-        Replay(ir_model_to_proto(model), used, "AdaRound (quantized model)") as quant,
+        Replay(model, used, "AdaRound (quantized model)") as quant,
         Replay(prepared, used, "AdaRound (float model)") as flt,
         Progress(len(layers), desc="AdaRound", unit="layers", logger=logger) as progress,
     ):

@@ -44,7 +44,7 @@ segments' sessions allocated straight from glibc, whose heap they fragmented
 sample. On MobileNetV2 the +91 MB are about: the float replay's checkpoint, up to 37 MB (past
 the budget, where the rerun allowance moves it to a 96x56x56 float32 state), the quantized one's
 up to 14 MB of int8 codes, one sample's tensors along both replays' segments (15-25 MB at
-112x112), and the live sessions and the quantized model's proto (~5 MB). The stage takes about
+112x112), and the live sessions. The stage takes about
 1.2-1.5x a single walk (reruns): 2.6-2.9 s on MobileNetV2 with or without the shared arena
 (medians of alternate runs). A larger :data:`REPLAY_BUDGET` trades memory back for time. Where
 no boundary fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the
@@ -73,7 +73,6 @@ from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
     find_layers,
-    ir_model_to_proto,
     set_codes,
     tensor_names,
 )
@@ -286,11 +285,9 @@ def correct_bias(
         return summary
     # closing the replays hands their arena regions and heap pages back before the next stage
     with (
+        # the quantized replay reads the working model itself (segments serialized as built)
         Replay(
-            ir_model_to_proto(model),
-            samples,
-            "bias correction (quantized model)",
-            memory_budget=REPLAY_BUDGET,
+            model, samples, "bias correction (quantized model)", memory_budget=REPLAY_BUDGET
         ) as quant,
         Replay(
             prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET

@@ -164,11 +164,6 @@ def tensor_names(proto: onnx.ModelProto) -> set[str]:
     return names
 
 
-def ir_model_to_proto(model: ir.Model) -> onnx.ModelProto:
-    """Serialize an onnx_ir model (the quantized model as it is now)."""
-    return ir.serde.serialize_model(model)
-
-
 def set_codes(value: ir.Value, codes: np.ndarray) -> None:
     """Replace the integer codes of a quantized weight/bias initializer in place."""
     old = value.const_value.numpy()

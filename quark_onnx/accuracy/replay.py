@@ -36,9 +36,17 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from quark_onnx import memory
 from quark_onnx.accuracy.layers import position_of_scale
+from quark_onnx.accuracy.replay_graph import (
+    ReplayGraph,
+    Tensor,
+    node_proto,
+    tensor_array,
+    tensor_proto,
+)
 from quark_onnx.accuracy.runtime import release_arena, session_options
 from quark_onnx.errors import QuantizationError
 
@@ -47,17 +55,6 @@ logger = logging.getLogger(__name__)
 #: Growth of the resident set (MiB) over a replay's start that is tolerated before freed heap
 #: pages are handed back (:func:`quark_onnx.memory.release_freed_memory_above`).
 TRIM_SLACK_MB = 32.0
-
-
-def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
-    g = proto.graph
-    types: dict[str, int] = {}
-    for vi in [*g.input, *g.output, *g.value_info]:
-        if vi.type.HasField("tensor_type"):
-            types[vi.name] = vi.type.tensor_type.elem_type
-    for t in g.initializer:
-        types[t.name] = t.data_type
-    return types
 
 
 @dataclass(frozen=True)
@@ -115,7 +112,10 @@ class Replay:
 
     Args:
         proto: the model (its top-level graph is replayed in node order, which ONNX requires to
-            be topological).
+            be topological). An ``ir.Model`` is read as it is when each segment is first built
+            (its nodes and the initializers they read are serialized then, a segment at a
+            time): the replay never holds a second, serialized copy of the whole model; change
+            its initializers through :meth:`set_initializer` as for a proto.
         samples: feeds, one dict per run (each run is independent; shapes as the model takes).
         label: used in error messages.
         memory_budget: bytes the checkpoint's live tensors may take over all samples (the
@@ -126,7 +126,7 @@ class Replay:
 
     def __init__(
         self,
-        proto: onnx.ModelProto,
+        proto: onnx.ModelProto | ir.Model,
         samples: Sequence[dict[str, np.ndarray]],
         label: str,
         memory_budget: int | None = None,
@@ -135,18 +135,17 @@ class Replay:
         if not samples:
             raise QuantizationError(f"{label}: no samples to replay the model on")
         self.label = label
-        self.proto = proto
         self.memory_budget = memory_budget
         self.rerun_allowance = rerun_allowance
         self._nodes_run = 0  # node executions per sample, reruns included
         # freed pages go back to the OS once the process holds this much more than at the start
         now = memory.resident_mb()
         self._trim_above = None if now is None else now + TRIM_SLACK_MB
-        self.nodes = list(proto.graph.node)
-        self.initializers: dict[str, onnx.TensorProto] = {
-            t.name: t for t in proto.graph.initializer
-        }
-        self.types = _elem_types(proto)
+        graph = ReplayGraph.of(proto)
+        self.nodes = graph.nodes
+        self.initializers: dict[str, Tensor] = graph.initializers
+        self.types = graph.types
+        self._opsets, self._ir_version = graph.opsets, graph.ir_version
         self.producer: dict[str, int] = {}
         self.last_use: dict[str, int] = {}
         end = len(self.nodes)
@@ -162,8 +161,8 @@ class Replay:
             if all(not x or x in constant for x in node.input):
                 constant.update(o for o in node.output if o)
                 self.constant.update(o for o in node.output if o)
-        for o in proto.graph.output:
-            self.last_use[o.name] = end
+        for o in graph.outputs:
+            self.last_use[o] = end
         # per boundary, how many initializer-only tensors cross it (:meth:`_clean`)
         crossings = [0] * (end + 2)
         for t in self.constant:
@@ -174,13 +173,13 @@ class Replay:
         self.num_samples = len(samples)
         self.graph_inputs: set[str] = set()
         self.env: dict[str, list[np.ndarray]] = {}
-        for v in proto.graph.input:
-            if v.name in self.initializers:
+        for name in graph.inputs:
+            if name in self.initializers:
                 continue
-            if any(v.name not in s for s in samples):
-                raise QuantizationError(f"{label}: a sample has no value for input {v.name!r}")
-            self.graph_inputs.add(v.name)
-            self.env[v.name] = [np.asarray(s[v.name]) for s in samples]
+            if any(name not in s for s in samples):
+                raise QuantizationError(f"{label}: a sample has no value for input {name!r}")
+            self.graph_inputs.add(name)
+            self.env[name] = [np.asarray(s[name]) for s in samples]
         self.coded = self._find_coded()
         # codes stay as long as the dequantized tensor they stand for is read
         self.keep_until = dict(self.last_use)
@@ -207,18 +206,18 @@ class Replay:
             zp = node.input[2] if len(node.input) > 2 else ""
             if x in self.initializers or x in self.constant or scale not in self.initializers:
                 continue
-            s = onnx.numpy_helper.to_array(self.initializers[scale])
+            s = tensor_array(self.initializers[scale])
             if s.dtype != np.float32 or s.size != 1 or position_of_scale(float(s)) is None:
                 continue
             z = np.zeros(1)
             if zp:
                 if zp not in self.initializers:
                     continue
-                z = onnx.numpy_helper.to_array(self.initializers[zp])
+                z = tensor_array(self.initializers[zp])
                 if z.size != 1 or z.dtype not in (np.int8, np.uint8, np.int16, np.uint16):
                     continue
                 # x and x_zero_point have one type: the codes' segment output is declared with it
-                self.types.setdefault(x, self.initializers[zp].data_type)
+                self.types.setdefault(x, self.types[zp])
             elif x not in self.types:
                 continue
             coded[node.output[0]] = _Codes(
@@ -500,7 +499,7 @@ class Replay:
         nodes = self.nodes[seg.start : seg.end]
         used = dict.fromkeys(x for node in nodes for x in node.input if x in self.initializers)
         graph = onnx.helper.make_graph(
-            nodes,
+            [node_proto(n) for n in nodes],
             f"segment_{seg.start}_{seg.end}",
             [
                 onnx.helper.make_tensor_value_info(
@@ -514,10 +513,10 @@ class Replay:
                 )
                 for o in seg.outputs
             ],
-            [self.initializers[x] for x in used],
+            [tensor_proto(x, self.initializers[x]) for x in used],
         )
         model = onnx.helper.make_model(
-            graph, opset_imports=list(self.proto.opset_import), ir_version=self.proto.ir_version
+            graph, opset_imports=self._opsets, ir_version=self._ir_version
         )
         data = model.SerializeToString()
         # the proto holds a copy of the segment's weights: gone before onnxruntime makes its own

@@ -559,6 +559,36 @@ def test_replay_under_a_memory_budget_recomputes_the_same_bits():
     assert free.checkpoint == free.cursor
 
 
+def test_replay_of_an_ir_model_gives_the_bits_of_its_proto():
+    """An ``ir.Model`` replays as its serialized form does, under a budget too, and a weight set
+    before a segment is built is the one that segment runs (as for a proto); the model is not
+    changed by the replay."""
+    rng = np.random.default_rng(18)
+    proto = _qdq_chain()
+    samples = _samples(rng, 3)
+    w1 = rng.normal(0, 0.3, (4, 4, 3, 3)).astype(np.float32)
+    walks = []
+    for model in (proto, to_ir(proto)):
+        replay = Replay(model, samples, "test", memory_budget=0)
+        (c0,) = replay.get(["c0"])
+        replay.set_initializer("w1", w1)
+        (xd, y) = replay.get(["xd", "y"])
+        walks.append([*c0, *xd, *y])
+        assert replay.coded.keys() == {"xd", "rd"}  # the int8 codes found from the IR too
+    for a, b in zip(*walks, strict=True):
+        np.testing.assert_array_equal(a, b)
+    changed = onnx.ModelProto()
+    changed.CopyFrom(proto)
+    changed.graph.initializer[[t.name for t in proto.graph.initializer].index("w1")].CopyFrom(
+        onnx.numpy_helper.from_array(w1, "w1")
+    )
+    for i, s in enumerate(samples):  # the set weight is used: y is that of the changed model
+        np.testing.assert_allclose(walks[0][6 + i], _outputs(changed, s, ["y"])[0], atol=1e-5)
+    model = to_ir(proto)
+    Replay(model, samples, "test").get(["y"])
+    assert to_proto(model).SerializeToString() == to_proto(to_ir(proto)).SerializeToString()
+
+
 def test_replay_budget_moves_the_checkpoint_only_where_the_state_fits():
     rng = np.random.default_rng(15)
     proto = _qdq_chain()

@@ -66,3 +66,56 @@ def test_shape_that_contradicts_fixed_dims_is_refused():
         FixInputShapes({"x": [1, 3, 4, 4]})(model)
     with pytest.raises(PassError, match="not graph inputs"):
         FixInputShapes({"image": [1, 2, 4, 4]})(to_ir(_dynamic_model()))
+
+
+def _annotated_model() -> onnx.ModelProto:
+    """Every value typed and carrying the batch symbol; a small initializer (bias, 64 bytes)
+    after a large one (weight, 1 KB), which onnx_ir's shape inference regroups."""
+    rng = np.random.default_rng(2)
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16, 4, 4])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 16, 4, 4])
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[1, 1]),
+        onnx.helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    model = make_model(
+        nodes,
+        [x],
+        [y],
+        {
+            "w": rng.normal(size=(16, 16, 1, 1)).astype(np.float32),
+            "b": rng.normal(size=16).astype(np.float32),
+        },
+    )
+    model.graph.value_info.append(
+        onnx.helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, ["N", 16, 4, 4])
+    )
+    return model
+
+
+def test_no_shape_inference_when_the_batch_makes_every_value_static(monkeypatch):
+    """The written bytes are those of the path that runs onnx_ir's shape inference (same
+    shapes, same initializer order), without its serialization of the graph."""
+    import quark_onnx.passes.fix_input_shapes as fis
+
+    inferred = to_ir(_annotated_model())
+    monkeypatch.setattr(fis, "_inference_has_work", lambda model: True)
+    assert FixInputShapes(batch=1)(inferred).modified
+    monkeypatch.undo()
+    assert [v.name for v in inferred.graph.initializers.values()] == ["b", "w"]
+    assert [list(v.shape) for v in inferred.graph.outputs] == [[1, 16, 4, 4]]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("shape inference ran on an all-static model")
+
+    monkeypatch.setattr(fis, "ShapeInferencePass", refuse)
+    skipped = to_ir(_annotated_model())
+    assert FixInputShapes(batch=1)(skipped).modified
+    assert to_proto(skipped).SerializeToString() == to_proto(inferred).SerializeToString()
+
+
+def test_shape_inference_still_fills_a_value_the_batch_leaves_unknown():
+    model = to_ir(_dynamic_model())  # c, r, g carry no shape
+    assert FixInputShapes(batch=1)(model).modified
+    shapes = {v.name: v.shape for node in model.graph for v in node.outputs}
+    assert [list(shapes[n]) for n in ("c", "r", "g")] == [[1, 2, 4, 4]] * 2 + [[1, 2, 1, 1]]
