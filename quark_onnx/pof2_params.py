@@ -74,15 +74,11 @@ CLIP_CEILING = 1
 
 def calibrated_ranges(plan: Any, result: Any) -> dict[str, tuple[float, int]]:
     """Activation -> (calibrated max |x|, its int8 NonOverflow position)."""
-    from quark_onnx.plan import TensorKind
-
     ranges: dict[str, tuple[float, int]] = {}
     if result is None:
         return ranges
-    for name, spec in plan.tensors.items():
-        if spec.kind is not TensorKind.ACTIVATION:
-            continue
-        observer = result.observer(name)
+    for name in plan.activation_names():
+        spec, observer = plan.tensors[name], result.observer(name)
         peak = max(abs(observer.min), abs(observer.max))
         if spec.range_max is not None:  # a ReLU6 made Relu saturates at its cap on purpose
             peak = min(peak, spec.range_max)

@@ -99,14 +99,10 @@ def cost_message(entry: Mapping[str, Any]) -> str:
 def activation_mean_squares(plan: Any, result: Any) -> dict[str, float]:
     """``mean(x^2)`` of every planned activation calibrated with a histogram (its exact
     ``square_sums`` over the count); activations observed by min/max only are left out."""
-    from quark_onnx.plan import TensorKind
-
     out: dict[str, float] = {}
     if result is None:
         return out
-    for name, spec in plan.tensors.items():
-        if spec.kind is not TensorKind.ACTIVATION:
-            continue
+    for name in plan.activation_names():
         observer = result.observer(name)
         squares = getattr(observer, "square_sums", None)
         if squares is not None and observer.count:
