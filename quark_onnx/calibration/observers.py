@@ -35,6 +35,7 @@ Non-finite values (NaN, +-Inf) are never folded into a range: each observer coun
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,6 +75,33 @@ _STAGE_LIMIT = (1 << 22) - _CHUNK
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
+
+_SCRATCH = threading.local()
+
+try:  # what np.einsum calls (without ``optimize``), minus its Python wrapper: one call per step
+    from numpy._core.multiarray import c_einsum as _einsum
+except ImportError:  # pragma: no cover - another numpy layout
+    _einsum = np.einsum
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's working arrays of :meth:`HistogramObserver._bin` (:data:`_CHUNK` each: the
+    packed patterns and the keys as int64, the values and their negative parts as float64).
+
+    Reused for every step: fresh temporaries of 256 KiB each are above glibc's mmap threshold or
+    at the top of its heap, so each step's would be mapped (or grown) and page-faulted anew --
+    more time than the arithmetic they hold. Per thread, since observers may be folded on two.
+    """
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = (
+            np.empty(_CHUNK, np.int64),
+            np.empty(_CHUNK, np.int64),
+            np.empty(_CHUNK, np.float64),
+            np.empty(_CHUNK, np.float64),
+        )
+        _SCRATCH.arrays = arrays
+    return arrays
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -390,11 +418,13 @@ class HistogramObserver:
         the maximum -- unless the minimum is zero, when a ``-0.0`` (key ``2^15``) may hide among
         the zeros and the largest key itself decides.
         """
-        add_at, einsum = np.add.at, np.einsum
+        add_at, einsum, copyto = np.add.at, _einsum, np.copyto
+        least, most = np.minimum.reduce, np.maximum.reduce
+        packed_buf, keys_buf, x64_buf, neg_buf = _scratch()
         pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
             chunk = values[start : start + _CHUNK]
-            lo, hi = float(chunk.min()), float(chunk.max())  # NaN propagates
+            lo, hi = float(least(chunk)), float(most(chunk))  # NaN propagates
             if not checked:
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     kept = chunk[np.isfinite(chunk)]
@@ -405,9 +435,11 @@ class HistogramObserver:
                     lo, hi = float(kept.min()), float(kept.max())
                 self.min = min(self.min, lo)
                 self.max = max(self.max, hi)
-            word = chunk.view(np.uint32)  # the key is the numeric top half: no byte-order question
-            packed = word.astype(np.int64)
-            keys = packed >> 16
+            m = chunk.size
+            packed, keys, x64 = packed_buf[:m], keys_buf[:m], x64_buf[:m]
+            # the key is the numeric top half of the pattern: no byte-order question
+            copyto(packed, chunk.view(np.uint32))
+            np.right_shift(packed, 16, out=keys)
             if lo < 0.0:
                 top = _pattern(lo) >> 16
             elif lo > 0.0:
@@ -419,12 +451,13 @@ class HistogramObserver:
                 stage = self._stage_for(top)
             if self._staged > _STAGE_LIMIT:
                 self._unstage()
-            packed += _PACK
+            np.add(packed, _PACK, out=packed)
             add_at(stage, keys, packed)
-            self._staged += chunk.size
-            x64 = chunk.astype(np.float64)
+            self._staged += m
+            copyto(x64, chunk)
             if lo < 0.0:
-                neg = np.minimum(x64, 0.0)
+                neg = neg_buf[:m]
+                np.minimum(x64, 0.0, out=neg)
                 neg_sq += float(einsum("i,i->", neg, neg))
                 np.maximum(x64, 0.0, out=x64)
             pos_sq += float(einsum("i,i->", x64, x64))  # numpy's own loop, not a BLAS thread
