@@ -322,7 +322,19 @@ class HistogramObserver:
         self._add_buckets(keys, n, t)
 
     def _add_buckets(self, keys: np.ndarray, n: np.ndarray, t: np.ndarray) -> None:
-        """Add ``(n, t)`` of the non-empty buckets ``keys`` (ascending) to the statistics."""
+        """Add ``(n, t)`` of the non-empty buckets ``keys`` (ascending) to the statistics.
+
+        Once a tensor's range has been seen, later data rarely opens a new bucket: then the sums
+        are added in place of the known buckets, without building the union of the keys.
+        """
+        if self._keys.size and keys.size:
+            at = np.searchsorted(self._keys, keys)
+            if at[-1] < self._keys.size and np.array_equal(self._keys[at], keys):
+                n_all, t_all = self._n.copy(), self._t.copy()
+                n_all[at] += n
+                t_all[at] += t
+                self._n, self._t = _frozen(n_all), _frozen(t_all)
+                return
         if self._keys.size:
             union = np.union1d(self._keys, keys)
             n_all = np.zeros(union.size, np.int64)

@@ -620,3 +620,24 @@ def test_observers_binned_on_two_threads_equal_one_thread():
         np.testing.assert_array_equal(a.counts, b.counts)
         np.testing.assert_array_equal(a.offset_sums, b.offset_sums)
         assert a.square_sums == b.square_sums and (a.min, a.max) == (b.min, b.max)
+
+
+def test_unstaging_into_known_and_new_buckets_is_exact():
+    # after a query, data that only falls into known buckets is added in place; data with a new
+    # bucket goes through the union of the keys: both equal numpy's statistics of all the data
+    rng = np.random.default_rng(41)
+    first = rng.uniform(1.0, 2.0, 50_000).astype(np.float32)  # one binade: all its 128 buckets
+    known = rng.uniform(1.0, 2.0, 40_000).astype(np.float32)
+    new = np.concatenate([known[:1000], np.float32([-3.5, 1e-3])])
+    obs = HistogramObserver()
+    seen = []
+    for part, fast in ((first, False), (known, True), (new, False)):
+        before = obs.nonzero_buckets()[0].copy()
+        obs.update(part)
+        seen.append(part)
+        keys = obs.nonzero_buckets()[0]
+        if before.size:  # the path taken: no new bucket (in place) or some (union)
+            assert np.array_equal(keys, before) == fast
+        counts, sum_t = _bit_statistics(np.concatenate(seen))
+        np.testing.assert_array_equal(obs.counts, counts)
+        np.testing.assert_array_equal(obs.offset_sums, sum_t)
