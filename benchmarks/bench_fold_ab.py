@@ -10,13 +10,15 @@ quantization of ``--model`` on 4 images), then times ``quark_onnx.calibration.ca
 ``--base`` revision (its ``observers.py`` loaded beside this one), alternating, and compares the
 statistics of every tensor bit for bit. Wall time, process CPU time (all threads: the session's
 and the fold's) and the main thread's CPU time (the fold) are reported, fastest of the repeats
-and the ratio this checkout / base. On a shared machine only the ratios mean something.
+and the ratio this checkout / base (medians too). On a shared machine only the ratios
+mean something.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,7 +117,12 @@ def main() -> int:
     print(f"{args.model}: calibrate, fastest of {args.repeats} (wall, process CPU, fold CPU)")
     for i, label in enumerate(("wall", "cpu", "fold thread cpu")):
         b, h = min(t[i] for t in times["base"]), min(t[i] for t in times["head"])
-        print(f"  {label:16s} base {b:.3f} s  head {h:.3f} s  head/base {h / b:.3f}")
+        mb = statistics.median(t[i] for t in times["base"])
+        mh = statistics.median(t[i] for t in times["head"])
+        print(
+            f"  {label:16s} base {b:.3f} s  head {h:.3f} s  head/base {h / b:.3f}"
+            f"  (medians {mb:.3f} / {mh:.3f} = {mh / mb:.3f})"
+        )
     print(f"  statistics identical: {same}")
     return 0
 
