@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -78,7 +79,12 @@ def _child(root: Path, model: str, data: Path, out: Path) -> None:
     quantizer.quantize_model(str(PATHS[model]), str(out), reader, progress=False)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     digest = hashlib.sha256(out.read_bytes()).hexdigest()
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "sha256": digest, "source": source}))
+    stages = dict(quantizer.report.timings)
+    print(
+        json.dumps(
+            {"seconds": seconds, "cpu": cpu, "sha256": digest, "source": source, "stages": stages}
+        )
+    )
 
 
 def _measure(root: Path, model: str, data: Path, out: Path) -> dict:
@@ -121,6 +127,9 @@ def main() -> int:
     seconds: dict[str, dict[str, list[float]]] = {m: {"base": [], "head": []} for m in models}
     cpu: dict[str, dict[str, list[float]]] = {m: {"base": [], "head": []} for m in models}
     digests: dict[str, dict[str, str]] = {m: {} for m in models}
+    stages: dict[str, dict[str, list[dict[str, float]]]] = {
+        m: {"base": [], "head": []} for m in models
+    }
     with tempfile.TemporaryDirectory(prefix="quark_onnx_rev_") as tmp:
         tmp_path = Path(tmp)
         worktree = tmp_path / "base"
@@ -141,6 +150,7 @@ def main() -> int:
                         seconds[model][rev].append(got["seconds"])
                         cpu[model][rev].append(got["cpu"])
                         digests[model][rev] = got["sha256"]
+                        stages[model][rev].append(got.get("stages", {}))
                         print(
                             f"{model:12s} {rev:4s} {got['seconds']:7.2f} s "
                             f"(cpu {got['cpu']:7.2f} s)",
@@ -162,6 +172,14 @@ def main() -> int:
             "base_runs": [round(s, 3) for s in seconds[model]["base"]],
             "head_runs": [round(s, 3) for s in seconds[model]["head"]],
             "same_output": digests[model]["base"] == digests[model]["head"],
+            # per stage, the fastest over the repeats of each revision (stage names of the head)
+            "stages": {
+                name: {
+                    rev: round(min(t.get(name, math.nan) for t in stages[model][rev]), 3)
+                    for rev in ("base", "head")
+                }
+                for name in (stages[model]["head"][0] if stages[model]["head"] else {})
+            },
         }
     result = {
         "base": base,
@@ -190,6 +208,17 @@ def main() -> int:
             f"{r['base_cpu_s']:.2f} | {r['head_cpu_s']:.2f} | {r['cpu_ratio']:.3f} | "
             f"{'yes' if r['same_output'] else 'NO'} |"
         )
+    lines += [
+        "",
+        "Per stage (report timings, fastest of the repeats of each revision; head / base):",
+        "",
+        "| model | stage | base s | head s | head / base |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for model, r in rows.items():
+        for name, t in r["stages"].items():
+            ratio = t["head"] / t["base"] if t["base"] else math.nan
+            lines.append(f"| {model} | {name} | {t['base']:.3f} | {t['head']:.3f} | {ratio:.3f} |")
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

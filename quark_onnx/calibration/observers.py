@@ -5,7 +5,7 @@ samples, and each *mergeable*: two observers fed disjoint parts of the data merg
 observer fed all of it (``a.merge(b)``), which is also how a Concat output is derived from its
 inputs.
 
-:class:`MinMaxObserver`
+:class:`MinMaxObserver` (:mod:`~quark_onnx.calibration.minmax`, imported here)
     Running minimum and maximum (and, with ``CalibMovingAverage``, their exponential moving
     average over batches). Serves ``MinMax`` ranges and the ``NonOverflow`` position.
 
@@ -35,6 +35,7 @@ Non-finite values (NaN, +-Inf) are never folded into a range: each observer coun
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -60,6 +61,7 @@ from quark_onnx.calibration.histogram_search import (
     mse_threshold_from_histogram,
     resample_linear,
 )
+from quark_onnx.calibration.minmax import MinMaxObserver
 from quark_onnx.enums import QuantType
 from quark_onnx.errors import CalibrationError, ConfigError
 
@@ -75,134 +77,37 @@ _STAGE_LIMIT = (1 << 22) - _CHUNK
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.setflags(write=False)
 
+_SCRATCH = threading.local()
+
+try:  # what np.einsum calls (without ``optimize``), minus its Python wrapper: one call per step
+    from numpy._core.multiarray import c_einsum as _einsum
+except ImportError:  # pragma: no cover - another numpy layout
+    _einsum = np.einsum
+
+
+def _scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's working arrays of :meth:`HistogramObserver._bin` (:data:`_CHUNK` each: the
+    packed patterns and the keys as int64, the values and their negative parts as float64).
+
+    Reused for every step: fresh temporaries of 256 KiB each are above glibc's mmap threshold or
+    at the top of its heap, so each step's would be mapped (or grown) and page-faulted anew --
+    more time than the arithmetic they hold. Per thread, since observers may be folded on two.
+    """
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = (
+            np.empty(_CHUNK, np.int64),
+            np.empty(_CHUNK, np.int64),
+            np.empty(_CHUNK, np.float64),
+            np.empty(_CHUNK, np.float64),
+        )
+        _SCRATCH.arrays = arrays
+    return arrays
+
 
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
-
-
-class MinMaxObserver:
-    """Running min/max of the finite values (and their moving average over batches).
-
-    With ``moving_average=c`` each :meth:`update` is one batch and ``ema = ema + c * (batch -
-    ema)`` (starting from the first batch), as onnxruntime's MinMax calibrator does; that average
-    depends on batch order, so such observers cannot be merged.
-    """
-
-    kind = "minmax"
-
-    def __init__(self, moving_average: float | None = None) -> None:
-        self.min = math.inf
-        self.max = -math.inf
-        self.count = 0
-        self.nonfinite = 0
-        self.batches = 0
-        self.moving_average = moving_average
-        self.ema_min = math.nan
-        self.ema_max = math.nan
-
-    @property
-    def absmax(self) -> float:
-        """``max |x|`` over the finite values seen (0.0 when none)."""
-        if self.count == 0:
-            return 0.0
-        return max(abs(self.min), abs(self.max))
-
-    def update(self, x: np.ndarray) -> None:
-        """Fold one batch (any shape, any real dtype) into the statistics."""
-        x = np.asarray(x)
-        if x.size == 0:
-            return
-        lo, hi = x.min(), x.max()  # numpy min/max propagate NaN
-        dropped = 0
-        if not (np.isfinite(lo) and np.isfinite(hi)):
-            finite = x[np.isfinite(x)]
-            dropped = int(x.size - finite.size)
-            if finite.size == 0:
-                self.nonfinite += dropped
-                return
-            lo, hi = finite.min(), finite.max()
-        self.update_stats(float(lo), float(hi), int(x.size - dropped), dropped)
-
-    def update_stats(self, lo: float, hi: float, count: int, nonfinite: int = 0) -> None:
-        """Fold a batch given by its finite min, max and count (in-graph reductions)."""
-        self.nonfinite += nonfinite
-        if count == 0:
-            return
-        self.min = min(self.min, lo)
-        self.max = max(self.max, hi)
-        self.count += count
-        if self.moving_average is not None:
-            c = self.moving_average
-            if self.batches == 0:
-                self.ema_min, self.ema_max = lo, hi
-            else:
-                self.ema_min += c * (lo - self.ema_min)
-                self.ema_max += c * (hi - self.ema_max)
-        self.batches += 1
-
-    def range(self, moving_average: bool = False) -> tuple[float, float]:
-        if self.count == 0:
-            return 0.0, 0.0
-        if moving_average:
-            if self.moving_average is None:
-                raise CalibrationError(
-                    "the moving average of min/max was not collected: calibrate again with "
-                    "CalibMovingAverage=True"
-                )
-            return self.ema_min, self.ema_max
-        return self.min, self.max
-
-    def nonoverflow_position(self, qtype: QuantType = QuantType.QInt8) -> int:
-        """:func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``."""
-        if self.count == 0:
-            return pof2.ZERO_POSITION
-        return pof2.nonoverflow_position(self.min, self.max, QuantType.coerce(qtype))
-
-    def merge(self, other: MinMaxObserver) -> MinMaxObserver:
-        """The observer of the union of both data sets."""
-        if self.moving_average is not None or other.moving_average is not None:
-            raise CalibrationError(
-                "moving-average min/max depends on batch order and cannot be merged"
-            )
-        out = MinMaxObserver()
-        out.min = min(self.min, other.min)
-        out.max = max(self.max, other.max)
-        out.count = self.count + other.count
-        out.nonfinite = self.nonfinite + other.nonfinite
-        out.batches = self.batches + other.batches
-        return out
-
-    def relu(self) -> MinMaxObserver:
-        """The observer of ``max(x, 0)`` for the data of this one."""
-        out = MinMaxObserver()
-        out.count, out.nonfinite, out.batches = self.count, self.nonfinite, self.batches
-        if self.count:
-            out.min, out.max = max(self.min, 0.0), max(self.max, 0.0)
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "kind": self.kind,
-            "min": self.min if self.count else None,
-            "max": self.max if self.count else None,
-            "count": self.count,
-            "nonfinite": self.nonfinite,
-            "batches": self.batches,
-        }
-        if self.moving_average is not None:
-            d.update(moving_average=self.moving_average, ema_min=self.ema_min, ema_max=self.ema_max)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MinMaxObserver:
-        out = cls(d.get("moving_average"))
-        out.count, out.nonfinite, out.batches = int(d["count"]), int(d["nonfinite"]), d["batches"]
-        if out.count:
-            out.min, out.max = float(d["min"]), float(d["max"])
-        if out.moving_average is not None:
-            out.ema_min, out.ema_max = float(d["ema_min"]), float(d["ema_max"])
-        return out
 
 
 class HistogramObserver:
@@ -294,7 +199,19 @@ class HistogramObserver:
         self._add_buckets(keys, n, t)
 
     def _add_buckets(self, keys: np.ndarray, n: np.ndarray, t: np.ndarray) -> None:
-        """Add ``(n, t)`` of the non-empty buckets ``keys`` (ascending) to the statistics."""
+        """Add ``(n, t)`` of the non-empty buckets ``keys`` (ascending) to the statistics.
+
+        Once a tensor's range has been seen, later data rarely opens a new bucket: then the sums
+        are added in place of the known buckets, without building the union of the keys.
+        """
+        if self._keys.size and keys.size:
+            at = np.searchsorted(self._keys, keys)
+            if at[-1] < self._keys.size and np.array_equal(self._keys[at], keys):
+                n_all, t_all = self._n.copy(), self._t.copy()
+                n_all[at] += n
+                t_all[at] += t
+                self._n, self._t = _frozen(n_all), _frozen(t_all)
+                return
         if self._keys.size:
             union = np.union1d(self._keys, keys)
             n_all = np.zeros(union.size, np.int64)
@@ -390,11 +307,13 @@ class HistogramObserver:
         the maximum -- unless the minimum is zero, when a ``-0.0`` (key ``2^15``) may hide among
         the zeros and the largest key itself decides.
         """
-        add_at, einsum = np.add.at, np.einsum
+        add_at, einsum, copyto = np.add.at, _einsum, np.copyto
+        least, most = np.minimum.reduce, np.maximum.reduce
+        packed_buf, keys_buf, x64_buf, neg_buf = _scratch()
         pos_sq, neg_sq = 0.0, 0.0
         for start in range(0, values.size, _CHUNK):
             chunk = values[start : start + _CHUNK]
-            lo, hi = float(chunk.min()), float(chunk.max())  # NaN propagates
+            lo, hi = float(least(chunk)), float(most(chunk))  # NaN propagates
             if not checked:
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     kept = chunk[np.isfinite(chunk)]
@@ -405,9 +324,11 @@ class HistogramObserver:
                     lo, hi = float(kept.min()), float(kept.max())
                 self.min = min(self.min, lo)
                 self.max = max(self.max, hi)
-            word = chunk.view(np.uint32)  # the key is the numeric top half: no byte-order question
-            packed = word.astype(np.int64)
-            keys = packed >> 16
+            m = chunk.size
+            packed, keys, x64 = packed_buf[:m], keys_buf[:m], x64_buf[:m]
+            # the key is the numeric top half of the pattern: no byte-order question
+            copyto(packed, chunk.view(np.uint32))
+            np.right_shift(packed, 16, out=keys)
             if lo < 0.0:
                 top = _pattern(lo) >> 16
             elif lo > 0.0:
@@ -419,12 +340,13 @@ class HistogramObserver:
                 stage = self._stage_for(top)
             if self._staged > _STAGE_LIMIT:
                 self._unstage()
-            packed += _PACK
+            np.add(packed, _PACK, out=packed)
             add_at(stage, keys, packed)
-            self._staged += chunk.size
-            x64 = chunk.astype(np.float64)
+            self._staged += m
+            copyto(x64, chunk)
             if lo < 0.0:
-                neg = np.minimum(x64, 0.0)
+                neg = neg_buf[:m]
+                np.minimum(x64, 0.0, out=neg)
                 neg_sq += float(einsum("i,i->", neg, neg))
                 np.maximum(x64, 0.0, out=x64)
             pos_sq += float(einsum("i,i->", x64, x64))  # numpy's own loop, not a BLAS thread

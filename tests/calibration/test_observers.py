@@ -537,3 +537,107 @@ def test_queries_release_the_staging_array_and_updates_continue_exactly():
     keys, n, _ = obs.nonzero_buckets()
     assert keys.size == np.count_nonzero(counts) and not n.flags.writeable
     assert obs.minmse_position() == oracle_minmse(x)
+
+
+def _chunked_square_sums(x: np.ndarray, chunk: int = 1 << 15) -> tuple[float, float]:
+    """The sums of squares of the positive and of the negative finite values of one large batch,
+    added exactly as the observer defines them: per step of ``chunk`` values (non-finite values
+    dropped within their step), one float64 ``einsum`` per sign, the steps added in order."""
+    pos, neg = 0.0, 0.0
+    for start in range(0, x.size, chunk):
+        part = x[start : start + chunk]
+        part = part[np.isfinite(part)].astype(np.float64)
+        if part.size == 0:
+            continue
+        if part.min() < 0.0:
+            below = np.minimum(part, 0.0)
+            neg += float(np.einsum("i,i->", below, below))
+        above = np.maximum(part, 0.0)
+        pos += float(np.einsum("i,i->", above, above))
+    return pos, neg
+
+
+def _edge_values(n: int, seed: int) -> np.ndarray:
+    """Signed data with the patterns the binning must handle: zeros of both signs, subnormals,
+    the largest finite magnitudes, NaN and infinities, and a chunk that is all non-finite."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10 ** rng.uniform(-4, 4, n)).astype(np.float32)
+    x[::11] = 0.0
+    x[3::13] = -0.0
+    x[5::17] = np.float32(1e-42) * rng.choice([-1, 1], x[5::17].size)  # subnormals
+    x[7::19] = np.finfo(np.float32).max * rng.choice([-1, 1], x[7::19].size)
+    x[9::23] = np.nan
+    x[10::29] = np.inf
+    x[12::31] = -np.inf
+    x[(1 << 15) : 2 * (1 << 15)] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("split", [1, 3, 2000])
+def test_binning_is_exact_on_edge_values_and_sums_squares_per_step(split):
+    # every statistic equals its numpy definition on data with signed zeros, subnormals, the
+    # largest magnitudes and non-finite values; the sums of squares bit for bit (per step of the
+    # batch, as defined), whether batches are binned at once or buffered (split=2000)
+    x = _edge_values(5 * (1 << 15) + 123, 30)
+    obs = HistogramObserver()
+    parts = np.array_split(x, split)
+    for part in parts:
+        obs.update(part)
+    finite = x[np.isfinite(x)]
+    counts, sum_t = _bit_statistics(finite)
+    np.testing.assert_array_equal(obs.counts, counts)
+    np.testing.assert_array_equal(obs.offset_sums, sum_t)
+    assert obs.nonfinite == x.size - finite.size
+    assert (obs.min, obs.max) == (float(finite.min()), float(finite.max()))
+    if split < 2000:  # each part is one large batch, binned in its own steps
+        pos, neg = 0.0, 0.0
+        for part in parts:
+            p, n = _chunked_square_sums(part)
+            pos, neg = pos + p, neg + n
+        assert obs.square_sums == (pos, neg)
+    else:  # buffered: the finite values of the parts, binned in steps of the concatenation
+        assert obs.square_sums == _chunked_square_sums(finite)
+
+
+def test_observers_binned_on_two_threads_equal_one_thread():
+    # the binning's working arrays are per thread: two threads folding different observers at
+    # once give exactly what one thread gives
+    import concurrent.futures
+
+    data = [_edge_values(3 * (1 << 15) + 7, 40 + i) for i in range(4)]
+
+    def fold(x: np.ndarray) -> HistogramObserver:
+        obs = HistogramObserver()
+        for part in np.array_split(x, 3):
+            obs.update(part)
+        obs.flush()
+        return obs
+
+    alone = [fold(x) for x in data]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        together = list(pool.map(fold, data))
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a.counts, b.counts)
+        np.testing.assert_array_equal(a.offset_sums, b.offset_sums)
+        assert a.square_sums == b.square_sums and (a.min, a.max) == (b.min, b.max)
+
+
+def test_unstaging_into_known_and_new_buckets_is_exact():
+    # after a query, data that only falls into known buckets is added in place; data with a new
+    # bucket goes through the union of the keys: both equal numpy's statistics of all the data
+    rng = np.random.default_rng(41)
+    first = rng.uniform(1.0, 2.0, 50_000).astype(np.float32)  # one binade: all its 128 buckets
+    known = rng.uniform(1.0, 2.0, 40_000).astype(np.float32)
+    new = np.concatenate([known[:1000], np.float32([-3.5, 1e-3])])
+    obs = HistogramObserver()
+    seen = []
+    for part, fast in ((first, False), (known, True), (new, False)):
+        before = obs.nonzero_buckets()[0].copy()
+        obs.update(part)
+        seen.append(part)
+        keys = obs.nonzero_buckets()[0]
+        if before.size:  # the path taken: no new bucket (in place) or some (union)
+            assert np.array_equal(keys, before) == fast
+        counts, sum_t = _bit_statistics(np.concatenate(seen))
+        np.testing.assert_array_equal(obs.counts, counts)
+        np.testing.assert_array_equal(obs.offset_sums, sum_t)
