@@ -44,8 +44,12 @@ When. A ``GlobalAveragePool`` of the default domain whose input is 4-D with stat
   block area exceeds the pool's own limit (``max_pool_kernel_area``, SplitLargeKernelPool's
   512): the pool is kept.
 
-AveragePool (windows that slide or pad) and GlobalMaxPool are left alone. The pass runs after
-SplitLargeKernelPool, so the last stage of a pool it split is converted like any other.
+An ``AveragePool`` whose one window is the whole input is the same global mean (older exports
+write ResNet's and Inception's last pool as ``AveragePool(kernel 7x7)`` on a 7x7 map): kernel equal
+to the static ``(H, W)``, no padding (``pads`` 0, ``auto_pad`` NOTSET or VALID) and dilations 1
+(strides and ``ceil_mode`` then give one output whatever they are). It is converted the same way.
+Other AveragePools (windows that slide or pad) and GlobalMaxPool are left alone. The pass runs
+after SplitLargeKernelPool, so the last stage of a pool it split is converted like any other.
 """
 
 from __future__ import annotations
@@ -79,6 +83,19 @@ def block_kernel(kernel: tuple[int, ...], max_side: int, max_area: int) -> tuple
     return tuple(blocks) if np.prod(blocks) <= max_area else None
 
 
+def _is_global(node: ir.Node, hw: tuple[int, int]) -> bool:
+    """A GlobalAveragePool, or an AveragePool whose single window is the whole unpadded map."""
+    if node.op_type == "GlobalAveragePool":
+        return True
+    if node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return False
+    if any(node.attributes.get_ints("pads", [0, 0, 0, 0])):
+        return False
+    if any(d != 1 for d in node.attributes.get_ints("dilations", [1, 1])):
+        return False
+    return tuple(node.attributes.get_ints("kernel_shape", ())) == hw
+
+
 def _static_chw(value: ir.Value) -> tuple[int, int, int] | None:
     """``(C, H, W)`` of a 4-D value when all three are known positive integers."""
     if value.shape is None or value.shape.rank() != 4:
@@ -90,7 +107,7 @@ def _static_chw(value: ir.Value) -> tuple[int, int, int] | None:
 
 
 class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
-    """Replace GlobalAveragePool (static 4-D input, kernel within the limit) by a depthwise Conv.
+    """Replace global average pools (static 4-D input) by depthwise Convs (see module doc).
 
     Args:
         max_kernel_side: largest Conv kernel height/width (the NPU's Conv kernel limit).
@@ -117,7 +134,7 @@ class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
         pools = [
             node
             for node in graph
-            if node.op_type == "GlobalAveragePool"
+            if node.op_type in ("GlobalAveragePool", "AveragePool")
             and node.domain in ("", "ai.onnx")
             and node.inputs
             and node.inputs[0] is not None
@@ -132,16 +149,18 @@ class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
             x = node.inputs[0]
             chw = _static_chw(x)
             if chw is None or x.dtype not in _FLOAT_TYPES:
-                logger.debug("GlobalAveragePool %s: input not static 4-D float, kept", node.name)
+                logger.debug("%s %s: input not static 4-D float, kept", node.op_type, node.name)
                 continue
             channels, height, width = chw
+            if not _is_global(node, (height, width)):
+                continue
             blocks = block_kernel(
                 (height, width), self.max_kernel_side, max(self.max_pool_kernel_area, 1)
             )
             if blocks is None:
                 logger.debug(
-                    "GlobalAveragePool %s: kernel %dx%d cannot be brought within the Conv "
-                    "limit %d, kept",
+                    "%s %s: kernel %dx%d cannot be brought within the Conv limit %d, kept",
+                    node.op_type,
                     node.name,
                     height,
                     width,
@@ -176,7 +195,8 @@ class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
             graph.insert_before(node, conv)
             graph.remove(node, safe=True)
             logger.debug(
-                "GlobalAveragePool %s (%d channels) -> %sdepthwise Conv %dx%d",
+                "%s %s (%d channels) -> %sdepthwise Conv %dx%d",
+                node.op_type,
                 node.name,
                 channels,
                 "" if blocks == (1, 1) else f"AveragePool {blocks[0]}x{blocks[1]} blocks, ",
@@ -186,7 +206,7 @@ class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
             count += 1
         if count:
             logger.info(
-                "ConvertGlobalAvgPoolToDepthwiseConv: %d GlobalAveragePool -> depthwise Conv",
+                "ConvertGlobalAvgPoolToDepthwiseConv: %d global average pool(s) -> depthwise Conv",
                 count,
             )
         return ir.passes.PassResult(model, modified=bool(count))

@@ -27,10 +27,8 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
 
 Simplification comes first so the rewrites see folded constants; constant channels are folded
 once BatchNorms are in the Convs' weights and before CLE, which must not pair a ~0 channel;
-ReplaceClip6Relu precedes
-ConvertClipToRelu (both keep the bound as the Relu's range cap); ReduceMean is turned into
-GlobalAveragePool before large pools are split, and pools are split before global pools become
-depthwise Convs (the last stage of a split pool may fit the Conv kernel limit).
+ReplaceClip6Relu precedes ConvertClipToRelu (both keep the bound as the Relu's range cap);
+ReduceMean becomes GlobalAveragePool before large pools are split, then global pools Convs.
 
 :func:`run_passes` times each pass and, for passes with ``changes_numerics = True`` when sample
 inputs are given, runs the model before and after that pass in onnxruntime (CPU, graph

@@ -87,6 +87,35 @@ def _gap_only(shape, dims=None):
     )
 
 
+def _avg_pool(shape=(1, 4, 7, 7), out=(1, 4, 1, 1), **attrs):
+    return make_model(
+        [h.make_node("AveragePool", ["x"], ["y"], name="pool", **attrs)],
+        [h.make_tensor_value_info("x", T.FLOAT, list(shape))],
+        [h.make_tensor_value_info("y", T.FLOAT, list(out))],
+    )
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"kernel_shape": [7, 7]},
+        {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [0, 0, 0, 0], "ceil_mode": 1},
+        {"kernel_shape": [7, 7], "auto_pad": "VALID", "count_include_pad": 1},
+    ],
+)
+def test_an_average_pool_over_the_whole_map_is_a_global_mean(attrs):
+    """Older exports write ResNet's last pool as AveragePool(7x7) on a 7x7 map."""
+    model = _avg_pool((2, 6, 7, 7), (2, 6, 1, 1), **attrs)
+    result, proto = _apply(model)
+    assert result.modified
+    assert [n.op_type for n in proto.graph.node] == ["Conv"]
+    x = RNG.normal(0, 50, (2, 6, 7, 7)).astype(np.float32)
+    (ref,) = run_ort(model, {"x": x})
+    (new,) = run_ort(proto, {"x": x})
+    assert new.shape == ref.shape == (2, 6, 1, 1)
+    assert np.max(np.abs(new - ref)) <= 1e-5 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize(
     "model, options",
     [
@@ -112,6 +141,9 @@ def _gap_only(shape, dims=None):
             ),
             {},
         ),
+        # an AveragePool whose window slides, or pads, is not a global mean
+        (_avg_pool(out=(1, 4, 3, 3), kernel_shape=[3, 3], strides=[2, 2]), {}),
+        (_avg_pool(out=(1, 4, 7, 7), kernel_shape=[7, 7], auto_pad="SAME_UPPER"), {}),
         (
             make_model(
                 [h.make_node("GlobalMaxPool", ["x"], ["y"])],
