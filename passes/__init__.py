@@ -21,6 +21,7 @@ _PASSES = {
     "ConvertSigmoidToHardSigmoid": "convert_sigmoid_to_hard_sigmoid",
     "ConvertReduceMeanToGlobalAvgPool": "convert_reduce_mean_to_global_avg_pool",
     "SplitLargeKernelPool": "split_large_kernel_pool",
+    "ConvertGlobalAvgPoolToDepthwiseConv": "convert_global_avg_pool_to_depthwise_conv",
     "ConvertSplitToSlice": "convert_split_to_slice",
     "RemoveInferenceDropout": "remove_inference_dropout",
     "CrossLayerEqualization": "cross_layer_equalization",

@@ -10,6 +10,7 @@ from quark_onnx.npu import ops as _ops
 from quark_onnx.npu.rules import (
     HARD_SIGMOID_INPUT_RANGE,
     HARD_SIGMOID_OUTPUT_MIN,
+    MAX_CONV_KERNEL_SIDE,
     MIN_CONV_NODES,
     MUL_SHIFT_RANGE,
     SHIFT_BIAS_MAX,
@@ -54,6 +55,7 @@ __all__ = [
     "FUSING_PRODUCERS",
     "HARD_SIGMOID_INPUT_RANGE",
     "HARD_SIGMOID_OUTPUT_MIN",
+    "MAX_CONV_KERNEL_SIDE",
     "MIN_CONV_NODES",
     "MUL_SHIFT_RANGE",
     "SCALE_PASSING_OPS",

@@ -92,6 +92,14 @@ class ExtraOptions:
         "Split a GlobalAveragePool/AveragePool whose kernel area exceeds the NPU limit into two "
         "average pools. Float-preserving.",
     )
+    ConvertGlobalAvgPoolToDepthwiseConv: bool = _opt(
+        False,
+        "Replace a GlobalAveragePool (static 4-D input; also an AveragePool whose one unpadded "
+        "window is the whole map) by a depthwise Conv with weights 1/(H W), a layer whose output "
+        "position is its own instead of the input's (the pool's shared_scale rule, AlignPool); "
+        "a side above the NPU's Conv kernel limit (16) is first reduced by an exact AveragePool "
+        "over non-overlapping blocks. Float-preserving.",
+    )
     ConvertSplitToSlice: bool = _opt(
         True, "Replace Split by one Slice per output (the NPU has no Split). Float-preserving."
     )

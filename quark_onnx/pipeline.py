@@ -8,27 +8,27 @@ can be printed, tested and edited before anything runs::
 
 Order and switches (each pass only when its switch is on; ``*``: changes numerics on purpose):
 
-====  ==================================  ===============================================
- 1    SimplifyWithOnnxsim                 ``qconfig.optimize_model``
- 1b   RemoveInferenceDropout              always (inference Dropout is an identity)
- 2    ConvertSplitToSlice                 ``ExtraOptions.ConvertSplitToSlice``
- 3    ConvertBNToConv                     ``ExtraOptions.ConvertBNToConv``
- 3b   FoldConstantChannels                ``ExtraOptions.FoldConstantChannels``
- 4    ReplaceClip6Relu *                  ``ExtraOptions.ReplaceClip6Relu``
- 4b   CrossLayerEqualization              ``qconfig.include_cle``
- 4c   EqualizeGatedActivations            ``ExtraOptions.EqualizeGatedActivations``
- 5    ConvertClipToRelu *                 ``ExtraOptions.ConvertClipToRelu``
- 6    ConvertReduceMeanToGlobalAvgPool    ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
- 7    SplitLargeKernelPool                ``ExtraOptions.SplitLargeKernelPool``
- 8    ConvertSigmoidToHardSigmoid *       ``ExtraOptions.ConvertSigmoidToHardSigmoid``
- 9    GraphCleanup                        always: drop unused nodes/initializers, sort
-====  ==================================  ===============================================
+====  ====================================  ====================================================
+ 1    SimplifyWithOnnxsim                   ``qconfig.optimize_model``
+ 1b   RemoveInferenceDropout                always (inference Dropout is an identity)
+ 2    ConvertSplitToSlice                   ``ExtraOptions.ConvertSplitToSlice``
+ 3    ConvertBNToConv                       ``ExtraOptions.ConvertBNToConv``
+ 3b   FoldConstantChannels                  ``ExtraOptions.FoldConstantChannels``
+ 4    ReplaceClip6Relu *                    ``ExtraOptions.ReplaceClip6Relu``
+ 4b   CrossLayerEqualization                ``qconfig.include_cle``
+ 4c   EqualizeGatedActivations              ``ExtraOptions.EqualizeGatedActivations``
+ 5    ConvertClipToRelu *                   ``ExtraOptions.ConvertClipToRelu``
+ 6    ConvertReduceMeanToGlobalAvgPool      ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
+ 7    SplitLargeKernelPool                  ``ExtraOptions.SplitLargeKernelPool``
+ 7b   ConvertGlobalAvgPoolToDepthwiseConv   ``ExtraOptions.ConvertGlobalAvgPoolToDepthwiseConv``
+ 8    ConvertSigmoidToHardSigmoid *         ``ExtraOptions.ConvertSigmoidToHardSigmoid``
+ 9    GraphCleanup                          always: drop unused nodes/initializers, sort
+====  ====================================  ====================================================
 
 Simplification comes first so the rewrites see folded constants; constant channels are folded
 once BatchNorms are in the Convs' weights and before CLE, which must not pair a ~0 channel;
-ReplaceClip6Relu precedes
-ConvertClipToRelu (both keep the bound as the Relu's range cap); ReduceMean is turned into
-GlobalAveragePool before large pools are split.
+ReplaceClip6Relu precedes ConvertClipToRelu (both keep the bound as the Relu's range cap);
+ReduceMean becomes GlobalAveragePool before large pools are split, then global pools Convs.
 
 :func:`run_passes` times each pass and, for passes with ``changes_numerics = True`` when sample
 inputs are given, runs the model before and after that pass in onnxruntime (CPU, graph
@@ -71,6 +71,7 @@ from quark_onnx.passes import (
     ConvertAvgPoolToDPUVersion,
     ConvertBNToConv,
     ConvertClipToRelu,
+    ConvertGlobalAvgPoolToDepthwiseConv,
     ConvertHardSigmoidToDPUVersion,
     ConvertLeakyReluToDPUVersion,
     ConvertReduceMeanToGlobalAvgPool,
@@ -174,6 +175,7 @@ def prepare_passes(
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),
+        (options.ConvertGlobalAvgPoolToDepthwiseConv, ConvertGlobalAvgPoolToDepthwiseConv),
         (options.ConvertSigmoidToHardSigmoid, ConvertSigmoidToHardSigmoid),
     ]
     passes: list[QuarkPass] = [

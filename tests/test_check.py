@@ -489,6 +489,29 @@ def test_conv_default_attributes_agrees_with_onnxsim():
     assert "conv_default_attributes" not in rules_of(two_convs().model())
 
 
+def _depthwise_mean(side: int) -> onnx.ModelProto:
+    """Two clean Convs, then a depthwise ``side x side`` Conv over the whole map (a global mean,
+    as ConvertGlobalAvgPoolToDepthwiseConv writes it)."""
+    g = two_convs()
+    y = g.outputs.pop().name
+    w = g.weight("mean_w", [4, 1, side, side], 14)
+    attrs = {"kernel_shape": [side, side], "strides": [1, 1], "pads": [0, 0, 0, 0]}
+    mean = g.op("Conv", [y, w], "mean", **attrs, dilations=[1, 1], group=4)
+    g.output(mean, 6, shape=[1, 4, 1, 1])
+    g.inputs[0] = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, side, side])
+    return g.model()
+
+
+def test_conv_kernel_size_limit_holds_for_depthwise_convs():
+    limit = R.MAX_CONV_KERNEL_SIDE
+    assert rules_of(_depthwise_mean(limit)) == set()  # 4 + 5 - 6 = shift_cut 3: clean
+    result = check(_depthwise_mean(limit + 1))
+    assert result.rules() == {"conv_kernel_size"}
+    (finding,) = result.findings
+    assert finding.node == "mean"
+    assert f"{limit + 1}x{limit + 1}" in finding.message and "depthwise" in finding.message
+
+
 def test_control_flow():
     g, z, _ = side_graph()
     cond = g._init("cond", np.array(True))

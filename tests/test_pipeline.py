@@ -37,6 +37,7 @@ ALL_PREPARE = [
     "ConvertClipToRelu",
     "ConvertReduceMeanToGlobalAvgPool",
     "SplitLargeKernelPool",
+    "ConvertGlobalAvgPoolToDepthwiseConv",
     "ConvertSigmoidToHardSigmoid",
     "GraphCleanup",
 ]
@@ -66,6 +67,7 @@ def test_xint8_pipeline_order():
         "EqualizeGatedActivations",
         "ConvertReduceMeanToGlobalAvgPool",
         "SplitLargeKernelPool",
+        "ConvertGlobalAvgPoolToDepthwiseConv",
         "ConvertSigmoidToHardSigmoid",
         "GraphCleanup",
     ]
@@ -241,8 +243,10 @@ def test_digits_xint8_prepare_is_float_exact():
     report = run_passes(model, prepare_passes(qconfig, options))
     ops = collections.Counter(n.op_type for n in model.graph)
     assert ops["BatchNormalization"] == 0
-    assert ops["ReduceMean"] == 0 and ops["GlobalAveragePool"] == 3
+    # the three spatial means became pools, then depthwise Convs (all within the kernel limit)
+    assert ops["ReduceMean"] == 0 and ops["GlobalAveragePool"] == 0
     assert report.record("ConvertReduceMeanToGlobalAvgPool").modified
+    assert report.record("ConvertGlobalAvgPoolToDepthwiseConv").modified
     out = run_model(model, {"image": x})["logits"]
     assert np.max(np.abs(out - ref)) <= 1e-4  # measured 1.05e-5 on the 719 test images
     assert (out.argmax(1) == labels).mean() == (ref.argmax(1) == labels).mean()
@@ -258,7 +262,8 @@ def test_digits_bn_folding_without_onnxsim():
     report = run_passes(model, prepare_passes(qconfig, options))
     assert report.record("ConvertBNToConv").modified
     assert not any(n.op_type == "BatchNormalization" for n in model.graph)
-    assert sum(n.op_type == "Conv" for n in model.graph) == 19  # all 13 folded, none added
+    # all 13 folded, none added; the three spatial means became depthwise Convs
+    assert sum(n.op_type == "Conv" for n in model.graph) == 19 + 3
     out = run_model(model, {"image": x})["logits"]
     assert np.max(np.abs(out - ref)) <= 1e-4
 
@@ -368,4 +373,5 @@ def test_squeezenet_1_1():
     report = _compare_after_pipeline(model, qconfig, options)
     assert report.record("SimplifyWithOnnxsim").modified
     ops = collections.Counter(n.op_type for n in model.graph)
-    assert ops["Conv"] == 26 and ops["GlobalAveragePool"] == 1
+    # the 13x13 global pool became a depthwise Conv
+    assert ops["Conv"] == 26 + 1 and ops["GlobalAveragePool"] == 0

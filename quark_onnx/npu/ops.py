@@ -176,6 +176,7 @@ _OPS: dict[str, OpSpec] = {
     "AveragePool": OpSpec(
         share=Share.ALL, align_option="AlignPool", fusable_producer=True, dpu_scale_mul=True
     ),
+    # ConvertGlobalAvgPoolToDepthwiseConv makes one a depthwise Conv (a layer: own output position)
     "GlobalAveragePool": OpSpec(
         share=Share.ALL, align_option="AlignPool", fusable_producer=True, dpu_scale_mul=True
     ),

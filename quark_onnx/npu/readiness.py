@@ -38,7 +38,9 @@ What is checked (rule ids in brackets):
 * Model structure: symbolic/unknown dims of graph inputs [dynamic_shape]; batch > 1
   [batch_size]; Loop/If/Scan [control_flow]; fewer than two Conv nodes [too_few_conv]; Conv nodes
   missing any of kernel_shape, strides, pads, dilations, group [conv_default_attributes] (the
-  Vitis AI EP aborts session creation on them; same test as ``onnxsim.check_vitisai_support``).
+  Vitis AI EP aborts session creation on them; same test as ``onnxsim.check_vitisai_support``);
+  Conv kernels (depthwise included) with a side above
+  :data:`~quark_onnx.npu.rules.MAX_CONV_KERNEL_SIDE` [conv_kernel_size].
 """
 
 from __future__ import annotations

@@ -48,6 +48,13 @@ from quark_onnx.npu import ops as _ops
 #: Conv nodes (its setting XLNX_MINIMUM_NUM_OF_CONV, default 2).
 MIN_CONV_NODES = 2
 
+#: Largest Conv kernel side (height and width) the NPU compiles, depthwise included: the conv2d
+#: kernel range ``w, h: [1, 16]`` common to every DPU generation of the Vitis AI operator table
+#: (UG1414 3.0, "Currently Supported Operators"; PG367, PG389, PG403 list the same for their
+#: convolution engine). Depthwise engines that take only 3x3/5x5 (DPUCVDX8H, PG403) are stricter;
+#: the Ryzen AI NPU's documentation gives no kernel limit, so the conv2d one is used.
+MAX_CONV_KERNEL_SIDE = 16
+
 SHIFT_CUT_RANGE: tuple[int, int] = (0, 16)
 SHIFT_BIAS_MAX = 15
 SHIFT_READ_MAX = 7

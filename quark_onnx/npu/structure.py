@@ -16,7 +16,7 @@ def model_findings(
     graph: ir.Graph, label: str, nodes: list[ir.Node], has_qdq: bool
 ) -> list[Finding]:
     """The model-level findings: not quantized, dynamic shapes, batch size, control flow, too few
-    Conv nodes, Conv attributes left to their defaults."""
+    Conv nodes, Conv attributes left to their defaults, Conv kernels above the NPU's limit."""
     findings: list[Finding] = []
 
     def add(rule: str, node: str | None, message: str) -> None:
@@ -100,4 +100,33 @@ def model_findings(
                 "kernel_shape, strides, pads, dilations, group explicitly (pass "
                 "MakeConvAttributesExplicit, or onnxsim.legalize_for_vitisai)",
             )
+        kernel = _conv_kernel(node)
+        if kernel is not None and max(kernel) > rules.MAX_CONV_KERNEL_SIDE:
+            kind = "depthwise Conv" if _depthwise(node) else "Conv"
+            add(
+                "conv_kernel_size",
+                node_label(node),
+                f"{kind} {node_label(node)!r} has kernel {'x'.join(map(str, kernel))}; the NPU "
+                f"compiles Conv kernels (depthwise included) of at most "
+                f"{rules.MAX_CONV_KERNEL_SIDE} per side: split the kernel, or for a mean over "
+                "a window keep it an average pool",
+            )
     return findings
+
+
+def _conv_kernel(node: ir.Node) -> tuple[int, ...] | None:
+    """The Conv's kernel sides: its ``kernel_shape``, else the weight's spatial dims."""
+    written = node.attributes.get_ints("kernel_shape", None)
+    if written is not None:
+        return tuple(int(k) for k in written)
+    weight = node.inputs[1]
+    if weight is None or weight.shape is None or weight.shape.rank() < 3:
+        return None
+    dims = tuple(weight.shape[2:])
+    return tuple(int(d) for d in dims) if all(isinstance(d, int) for d in dims) else None
+
+
+def _depthwise(node: ir.Node) -> bool:
+    group = node.attributes.get_int("group", 1)
+    weight = node.inputs[1]
+    return group > 1 and weight is not None and weight.shape is not None and weight.shape[1] == 1
