@@ -506,20 +506,28 @@ class _Run(sequencer.Stages):
         positions = self.positions  # bias correction moves some bias positions in it
         if samples and (qconfig.include_fast_ft or qconfig.include_bias_correction):
             fidelity_guard.materialize(self.prepared, self.external_dir)
+        rounding = None
         if qconfig.include_fast_ft:
-            with _stage(report, "adaround"):
-                from quark_onnx.accuracy.adaround import adaround
+            from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround
 
-                report.adaround = adaround(
-                    self.prepared, model, samples, plan, positions, self.options
-                )
+            rounding = AdaRoundSettings.from_options(self.options.FastFinetune)
+            if not (qconfig.include_bias_correction and rounding.OptimAlgorithm == "gptq"):
+                rounding = None
+                with _stage(report, "adaround"):
+                    report.adaround = adaround(
+                        self.prepared, model, samples, plan, positions, self.options
+                    )
         if qconfig.include_bias_correction:
             with _stage(report, "bias_correction"):
                 from quark_onnx.accuracy.bias_correction import correct_bias
 
+                # second-order rounding rides on bias correction's walk: one replay of each
+                # model, every layer rounded and then its bias corrected on the same inputs
                 report.bias_correction = correct_bias(
-                    self.prepared, model, samples, plan, positions, self.options
+                    self.prepared, model, samples, plan, positions, self.options, rounding
                 )
+                if rounding is not None:
+                    report.adaround = report.bias_correction.pop("rounding", {})
                 # a corrected bias may move inside its shift_bias window
                 report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
         return self._written(params, plan)
