@@ -27,6 +27,11 @@ error arriving from earlier layers ("empirical" rather than analytic bias correc
 layer's output is then updated in the replay (``y_q + (q'_c - q_c) 2^-p_b``) so later layers see
 the corrected prefix; the whole walk runs every node once (:class:`~.layerwise.Replay`).
 
+With second-order rounding on (``include_fast_ft`` with ``FastFinetune.OptimAlgorithm =
+"gptq"``, the XINT8 preset), each layer's weights are rounded first, in the same walk, on the
+same replays (:class:`~.adaround.SequentialRounding`): the bias is then corrected for the
+rounded weights, and no second replay of either model runs.
+
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
 samples and kept only where it also shrinks the second half's mean error.
 
