@@ -709,16 +709,14 @@ class SequentialRounding:
         k = fit.wg.shape[2]
         wanted = GPTQ_POSITIONS_PER_INPUT * k
         per_sample = _positions_per_sample(layer, self.batch)
-        if per_sample is not None:
-            if per_sample * self.cut < wanted:
-                self.skipped.append(
-                    {
-                        "node": layer.name,
-                        "reason": f"{per_sample * self.cut} positions for {k} inputs",
-                    }
-                )
-                return
-            fit.columns = -(-wanted // self.cut)
+        if per_sample is not None and per_sample * self.cut < wanted:
+            # known from the static shape: not even streamed
+            self.skipped.append(
+                {"node": layer.name, "reason": f"{per_sample * self.cut} positions for {k} inputs"}
+            )
+            return
+        # the same positions whether the shape is static or not (rows depend on no shape pass)
+        fit.columns = -(-wanted // self.cut)
         n_held = self.num_samples - self.cut
         groups = [
             _Statistics(layer, w_float, bias, fit.columns)

@@ -418,3 +418,21 @@ def test_xint8_preset_rounds_inside_bias_correction(tmp_path):
     assert report.adaround["shared_walk"] and report.adaround["layers"] == 2
     assert "rounding" not in report.bias_correction
     assert check(onnx.load(out)).ready
+
+
+def test_rounding_in_the_bias_walk_needs_every_held_out_group_to_gain():
+    """Held-out samples in two groups: the first (tied like the fitted ones) gains more than the
+    second (half-opposite tie) loses. The sum alone would keep the rounding; a gain one group
+    alone carries is not taken to generalise, so the layer stays rounded to nearest."""
+    rng = np.random.default_rng(13)
+    proto = _wide_pointwise_chain(rng)
+    fit = _wide_tied_samples(rng, 12, 1.0)
+    samples = fit + _wide_tied_samples(rng, 6, 1.0) + _wide_tied_samples(rng, 6, -0.5)
+    prepared, model, plan, positions, _ = _quantize(proto, samples)
+    nearest = find_layers(model)[0][0].weight_codes.copy()
+    summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
+    first = summary["rounding"]["per_layer"][0]
+    assert first["node"] == "conv0"
+    assert first["held_out_loss_learned"] < first["held_out_loss_nearest"]  # the sum gains
+    assert first["accepted"] is False
+    assert np.array_equal(find_layers(model)[0][0].weight_codes, nearest)
