@@ -352,7 +352,7 @@ def test_rounding_in_the_bias_walk_is_kept_only_where_it_helps_held_out_samples(
     summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
     first = summary["rounding"]["per_layer"][0]
     assert first["node"] == "conv0" and first["loss_learned"] < first["loss_nearest"]
-    assert first["fitted_positions"] >= 4 * 100
+    assert abs(first["fitted_positions"] - 4 * 100) <= 40  # about 100 per input, not all 1152
     assert first["accepted"] is kept
     codes = find_layers(model)[0][0].weight_codes
     assert np.array_equal(codes, nearest) is not kept
@@ -422,12 +422,12 @@ def test_xint8_preset_rounds_inside_bias_correction(tmp_path):
 
 def test_rounding_in_the_bias_walk_needs_every_held_out_group_to_gain():
     """Held-out samples in two groups: the first (tied like the fitted ones) gains more than the
-    second (half-opposite tie) loses. The sum alone would keep the rounding; a gain one group
+    second (a weak opposite tie) loses. The sum alone would keep the rounding; a gain one group
     alone carries is not taken to generalise, so the layer stays rounded to nearest."""
     rng = np.random.default_rng(13)
     proto = _wide_pointwise_chain(rng)
     fit = _wide_tied_samples(rng, 12, 1.0)
-    samples = fit + _wide_tied_samples(rng, 6, 1.0) + _wide_tied_samples(rng, 6, -0.5)
+    samples = fit + _wide_tied_samples(rng, 6, 1.0) + _wide_tied_samples(rng, 6, -0.25)
     prepared, model, plan, positions, _ = _quantize(proto, samples)
     nearest = find_layers(model)[0][0].weight_codes.copy()
     summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
