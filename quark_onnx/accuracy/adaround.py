@@ -49,14 +49,15 @@ is left rounded to nearest. The held-out gate there asks more than the separate 
 error must fall on each of :data:`GPTQ_HELD_OUT_GROUPS` disjoint groups of the held-out samples,
 not only on their sum; a gain one group alone carries is not taken to generalise (with the sum
 alone, SqueezeNet with rescaled channels and folded dead ones lost 0.5 dB of output SQNR on
-the 500 test images; with both groups it keeps its SQNR, benchmarks/results/rounding.txt).
+the 500 test images, benchmarks/results/fidelity_gptq_sum_gate.txt; with both groups it keeps
+its SQNR, benchmarks/results/fidelity_gptq.txt).
 Positions: a least-squares fit of ``K`` inputs on ``n`` positions looks better on its own data
 than on new data by about ``2K/n`` of the error, so at 100 positions per input the fit's
 optimism (~2 %) stays small against what rounding gains on held-out samples (up to 68 % of a
 layer's error on MobileNetV2). Layers with fewer positions overfit: rounded on all the positions
-they had, every MobileNetV2 1x1 layer with 65 or fewer per input lost on its held-out half
-(0.5-215 % more error). The statistics then cost ``O(K^3)`` per group whatever the image size
-(benchmarks/results/rounding.txt).
+they had, every MobileNetV2 1x1 layer with 66 or fewer per input lost on its held-out half
+(0.5-215 % more error; benchmarks/results/rounding_layers.txt). The statistics then cost
+``O(K^3)`` per group whatever the image size (time: benchmarks/results/rounding.txt).
 
 Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
 ``"gptq"``), ``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
