@@ -354,29 +354,51 @@ def _conv_geometry(node: ir.Node, weight_shape: tuple[int, ...]) -> _Geometry | 
     )
 
 
-def im2col(x: np.ndarray, geo: _Geometry) -> np.ndarray:
-    """Columns of a (N, C, H, W) input: (groups, C/groups * kh * kw, N * OH * OW), ONNX order."""
+def _output_size(shape: tuple[int, ...], geo: _Geometry) -> tuple[int, int]:
+    """(OH, OW) of a convolution with ``geo`` on an input of ``shape`` (N, C, H, W)."""
+    kh, kw = geo.kernel
+    top, left, bottom, right = geo.pads
+    oh = (shape[2] + top + bottom - geo.dilations[0] * (kh - 1) - 1) // geo.strides[0] + 1
+    ow = (shape[3] + left + right - geo.dilations[1] * (kw - 1) - 1) // geo.strides[1] + 1
+    return oh, ow
+
+
+def im2col(x: np.ndarray, geo: _Geometry, every: int = 1) -> np.ndarray:
+    """Columns of a (N, C, H, W) input: (groups, C/groups * kh * kw, N * P), ONNX order.
+
+    ``every`` > 1: only every ``every``-th output position of each sample (flat ``OH * OW``
+    order, from the first), ``P = ceil(OH * OW / every)``; gathered directly, so the cost is
+    that of the positions kept, not of all of them.
+    """
     n, c, _, _ = x.shape
     kh, kw = geo.kernel
     sh, sw = geo.strides
     dh, dw = geo.dilations
     top, left, bottom, right = geo.pads
-    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-    hp, wp = xp.shape[2], xp.shape[3]
-    oh = (hp - dh * (kh - 1) - 1) // sh + 1
-    ow = (wp - dw * (kw - 1) - 1) // sw + 1
-    cols = np.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            cols[:, :, i, j] = xp[
-                :,
-                :,
-                i * dh : i * dh + sh * (oh - 1) + 1 : sh,
-                j * dw : j * dw + sw * (ow - 1) + 1 : sw,
-            ]
+    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right))) if any(geo.pads) else x
+    oh, ow = _output_size(x.shape, geo)
+    if every > 1:
+        flat = np.arange(0, oh * ow, every)
+        ys, xs = (flat // ow) * sh, (flat % ow) * sw
+        cols = np.empty((n, c, kh, kw, flat.size), dtype=x.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                cols[:, :, i, j] = xp[:, :, ys + i * dh, xs + j * dw]
+        p = flat.size
+    else:
+        cols = np.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
+        for i in range(kh):
+            for j in range(kw):
+                cols[:, :, i, j] = xp[
+                    :,
+                    :,
+                    i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                    j * dw : j * dw + sw * (ow - 1) + 1 : sw,
+                ]
+        p = oh * ow
     g = geo.groups
-    cols = cols.reshape(n, g, (c // g) * kh * kw, oh * ow)
-    return np.ascontiguousarray(np.transpose(cols, (1, 2, 0, 3))).reshape(g, -1, n * oh * ow)
+    cols = cols.reshape(n, g, (c // g) * kh * kw, p)
+    return np.ascontiguousarray(np.transpose(cols, (1, 2, 0, 3))).reshape(g, -1, n * p)
 
 
 class _Statistics:
@@ -445,18 +467,21 @@ class _Statistics:
             return
         dtype, geo = self.dtype, self.geo
         g, o = self.wg.shape[:2]
-        cols = im2col(np.asarray(x, dtype=dtype), geo)
-        tt = np.asarray(t, dtype=dtype) - self.bias.reshape(1, -1, 1, 1).astype(dtype)
-        tg = np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
-        if tg.shape[2] != cols.shape[2]:
+        x = np.asarray(x, dtype=dtype)
+        t = np.asarray(t)
+        oh, ow = _output_size(x.shape, geo)
+        if t.ndim != 4 or t.shape[0] != x.shape[0] or t.shape[2:] != (oh, ow):
             self.valid = False
             return
-        self.available += cols.shape[2]
-        if self.columns and cols.shape[2] > self.columns:
-            every = -(-cols.shape[2] // self.columns)
-            # contiguous copies: numpy's matmul takes BLAS only for contiguous operands
-            cols = np.ascontiguousarray(cols[:, :, ::every])
-            tg = np.ascontiguousarray(tg[:, :, ::every])
+        self.available += x.shape[0] * oh * ow
+        every = -(-(oh * ow) // self.columns) if self.columns and oh * ow > self.columns else 1
+        # every k-th output position of each sample, gathered before anything is copied whole
+        cols = im2col(x, geo, every)
+        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
+        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
+        tg = np.ascontiguousarray(
+            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
+        )
         if g == 1:  # c @ c.T of a 2-D array is one symmetric rank-k update (half the products)
             c = cols[0]
             self.gram[0] += c @ c.T

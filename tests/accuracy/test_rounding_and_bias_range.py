@@ -437,3 +437,22 @@ def test_rounding_in_the_bias_walk_needs_every_held_out_group_to_gain():
     assert first["held_out_loss_learned"] < first["held_out_loss_nearest"]  # the sum gains
     assert first["accepted"] is False
     assert np.array_equal(find_layers(model)[0][0].weight_codes, nearest)
+
+
+@pytest.mark.parametrize(
+    "group, stride, dilation, pads", [(1, 1, 1, 1), (2, 2, 1, 0), (4, 1, 2, 2)]
+)
+def test_im2col_of_every_kth_position_is_those_columns_of_the_full_im2col(
+    group, stride, dilation, pads
+):
+    """The statistics gather only the positions they keep: the same columns, exactly."""
+    from quark_onnx.accuracy.adaround import _Geometry, im2col
+
+    x = np.random.default_rng(23).normal(size=(2, 4, 9, 7)).astype(np.float32)
+    geo = _Geometry(group, (3, 3), (stride, stride), (dilation, dilation), (pads,) * 4)
+    full = im2col(x, geo)
+    g, k, np_ = full.shape
+    per = full.reshape(g, k, 2, np_ // 2)
+    for every in (2, 3, 5):
+        want = per[:, :, :, ::every].reshape(g, k, -1)
+        assert np.array_equal(im2col(x, geo, every), want)
