@@ -41,7 +41,8 @@ most :data:`GPTQ_COLUMNS` output positions per sample, in float32. It can also m
 away from its floor/ceiling pair (``W*`` is not ``W``), which AdaRound cannot.
 
 With bias correction on (the XINT8 preset), second-order rounding runs inside bias correction's
-layer walk instead of as a stage of its own (:class:`SequentialRounding`): the same replays
+layer walk instead of as a stage of its own
+(:class:`~quark_onnx.accuracy.sequential_rounding.SequentialRounding`): the same replays
 feed both, each layer is rounded on the inputs the corrected prefix produces and its bias then
 corrected for the rounded weights. Its statistics use :data:`GPTQ_POSITIONS_PER_INPUT` output
 positions per input of the layer (spread evenly over each sample), and a layer offering fewer
@@ -80,6 +81,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from quark_onnx.accuracy.layer_statistics import _statistics, _ungroup
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -113,10 +115,11 @@ ALGORITHMS = ("adaround", "gptq")
 #: Output positions per sample the second-order rounding's statistics use (module doc).
 GPTQ_COLUMNS = 1024
 #: Output positions per input (``K``) the statistics of second-order rounding inside bias
-#: correction use, and the fewest a layer must offer to be rounded (:class:`SequentialRounding`).
+#: correction use, and the fewest a layer must offer to be rounded
+#: (:class:`~quark_onnx.accuracy.sequential_rounding.SequentialRounding`).
 GPTQ_POSITIONS_PER_INPUT = 100
-#: Disjoint groups the held-out samples of :class:`SequentialRounding` are split into: a layer
-#: keeps the rounding only where each group's error falls (module doc).
+#: Disjoint groups the held-out samples of second-order rounding inside bias correction are split
+#: into: a layer keeps the rounding only where each group's error falls (module doc).
 GPTQ_HELD_OUT_GROUPS = 2
 #: Columns quantized between two updates of the columns after them (:func:`gptq_rounding`).
 GPTQ_BLOCK = 128
@@ -326,201 +329,6 @@ def gptq_rounding(
     )  # fmt: skip
 
 
-# --- layer statistics ------------------------------------------------------------------------
-
-
-@dataclass
-class _Geometry:
-    groups: int
-    kernel: tuple[int, int]
-    strides: tuple[int, int]
-    dilations: tuple[int, int]
-    pads: tuple[int, int, int, int]
-
-
-def _conv_geometry(node: ir.Node, weight_shape: tuple[int, ...]) -> _Geometry | None:
-    if len(weight_shape) != 4:
-        return None
-    attrs = node.attributes
-    if attrs.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        return None
-    pads = tuple(attrs.get_ints("pads", (0, 0, 0, 0)) or (0, 0, 0, 0))
-    return _Geometry(
-        groups=attrs.get_int("group", 1),
-        kernel=(weight_shape[2], weight_shape[3]),
-        strides=tuple(attrs.get_ints("strides", (1, 1)) or (1, 1)),  # type: ignore[arg-type]
-        dilations=tuple(attrs.get_ints("dilations", (1, 1)) or (1, 1)),  # type: ignore[arg-type]
-        pads=pads,  # type: ignore[arg-type]
-    )
-
-
-def _output_size(shape: tuple[int, ...], geo: _Geometry) -> tuple[int, int]:
-    """(OH, OW) of a convolution with ``geo`` on an input of ``shape`` (N, C, H, W)."""
-    kh, kw = geo.kernel
-    top, left, bottom, right = geo.pads
-    oh = (shape[2] + top + bottom - geo.dilations[0] * (kh - 1) - 1) // geo.strides[0] + 1
-    ow = (shape[3] + left + right - geo.dilations[1] * (kw - 1) - 1) // geo.strides[1] + 1
-    return oh, ow
-
-
-def im2col(x: np.ndarray, geo: _Geometry, every: int = 1) -> np.ndarray:
-    """Columns of a (N, C, H, W) input: (groups, C/groups * kh * kw, N * P), ONNX order.
-
-    ``every`` > 1: only every ``every``-th output position of each sample (flat ``OH * OW``
-    order, from the first), ``P = ceil(OH * OW / every)``; gathered directly, so the cost is
-    that of the positions kept, not of all of them.
-    """
-    n, c, _, _ = x.shape
-    kh, kw = geo.kernel
-    sh, sw = geo.strides
-    dh, dw = geo.dilations
-    top, left, bottom, right = geo.pads
-    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right))) if any(geo.pads) else x
-    oh, ow = _output_size(x.shape, geo)
-    if every > 1:
-        flat = np.arange(0, oh * ow, every)
-        ys, xs = (flat // ow) * sh, (flat % ow) * sw
-        cols = np.empty((n, c, kh, kw, flat.size), dtype=x.dtype)
-        for i in range(kh):
-            for j in range(kw):
-                cols[:, :, i, j] = xp[:, :, ys + i * dh, xs + j * dw]
-        p = flat.size
-    else:
-        cols = np.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
-        for i in range(kh):
-            for j in range(kw):
-                cols[:, :, i, j] = xp[
-                    :,
-                    :,
-                    i * dh : i * dh + sh * (oh - 1) + 1 : sh,
-                    j * dw : j * dw + sw * (ow - 1) + 1 : sw,
-                ]
-        p = oh * ow
-    g = geo.groups
-    cols = cols.reshape(n, g, (c // g) * kh * kw, p)
-    return np.ascontiguousarray(np.transpose(cols, (1, 2, 0, 3))).reshape(g, -1, n * p)
-
-
-class _Statistics:
-    """``G``, ``C`` and ``sum ||T - b||^2`` of one layer, accumulated one sample at a time.
-
-    ``columns`` > 0: at most that many output positions per sample (every k-th, so reruns are
-    identical), multiplied in float32 and accumulated in float64 -- the cheap statistics
-    second-order rounding uses; 0: every position in float64 (AdaRound). ``form`` is None for a
-    layer form the rounding does not support (module doc).
-    """
-
-    def __init__(self, layer: Layer, w_float: np.ndarray, bias: np.ndarray, columns: int = 0):
-        self.columns = columns
-        self.dtype = np.float32 if columns else np.float64
-        self.bias = bias
-        self.const = 0.0
-        self.rows = 0  # positions accumulated (per group)
-        self.available = 0  # positions the samples had before subsampling
-        self.valid = True
-        self.geo: _Geometry | None = None
-        self.form: Any = None
-        node = layer.node
-        if layer.op_type == "Conv":
-            geo = _conv_geometry(node, w_float.shape)
-            if geo is None or w_float.shape[0] % geo.groups:
-                return
-            g, cout = geo.groups, w_float.shape[0]
-            self.geo = geo
-            self.wg = w_float.reshape(g, cout // g, -1).astype(np.float64)
-            self.form = w_float.shape
-        elif layer.op_type == "Gemm":
-            attrs = node.attributes
-            if (
-                attrs.get_float("alpha", 1.0) != 1.0
-                or attrs.get_float("beta", 1.0) != 1.0
-                or attrs.get_int("transA", 0)
-            ):
-                return
-            trans_b = attrs.get_int("transB", 0)
-            wm = w_float if trans_b else w_float.T  # (M, K)
-            self.wg = wm[None].astype(np.float64)
-            self.form = ("gemm", trans_b, w_float.shape)
-        else:
-            return
-        g, o, k = self.wg.shape
-        self.gram = np.zeros((g, k, k))
-        self.cross = np.zeros((g, k, o))
-
-    @property
-    def supported(self) -> bool:
-        return self.form is not None and self.valid
-
-    def add(self, x: np.ndarray, t: np.ndarray) -> None:
-        """Accumulate one sample: the layer's input ``x`` (quantized model) and target ``t``."""
-        if not self.supported:
-            return
-        if self.geo is None:  # Gemm
-            k = self.wg.shape[2]
-            a = np.asarray(x, dtype=np.float64).reshape(-1, k)
-            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
-            self.gram[0] += a.T @ a
-            self.cross[0] += a.T @ tt
-            self.const += float(np.sum(tt * tt))
-            self.rows += a.shape[0]
-            self.available += a.shape[0]
-            return
-        dtype, geo = self.dtype, self.geo
-        g, o = self.wg.shape[:2]
-        x = np.asarray(x, dtype=dtype)
-        t = np.asarray(t)
-        oh, ow = _output_size(x.shape, geo)
-        if t.ndim != 4 or t.shape[0] != x.shape[0] or t.shape[2:] != (oh, ow):
-            self.valid = False
-            return
-        self.available += x.shape[0] * oh * ow
-        every = -(-(oh * ow) // self.columns) if self.columns and oh * ow > self.columns else 1
-        # every k-th output position of each sample, gathered before anything is copied whole
-        cols = im2col(x, geo, every)
-        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
-        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
-        tg = np.ascontiguousarray(
-            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
-        )
-        if g == 1:  # c @ c.T of a 2-D array is one symmetric rank-k update (half the products)
-            c = cols[0]
-            self.gram[0] += c @ c.T
-        else:
-            self.gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
-        self.cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
-        self.const += float(np.sum(np.square(tg, dtype=np.float64)))
-        self.rows += cols.shape[2]
-
-    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-        """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported."""
-        if not self.supported:
-            return None
-        return self.wg, self.gram, self.cross, self.const, self.form
-
-
-def _statistics(
-    layer: Layer,
-    w_float: np.ndarray,
-    bias: np.ndarray,
-    xs: Sequence[np.ndarray],
-    ts: Sequence[np.ndarray],
-    columns: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-    """:class:`_Statistics` over the samples ``xs``/``ts``; None for an unsupported layer."""
-    stats = _Statistics(layer, w_float, bias, columns)
-    for x, t in zip(xs, ts, strict=True):
-        stats.add(x, t)
-    return stats.result()
-
-
-def _ungroup(codes: np.ndarray, how: Any) -> np.ndarray:
-    if isinstance(how, tuple) and how and how[0] == "gemm":
-        _, trans_b, shape = how
-        m = codes[0]
-        return m if trans_b else m.T.reshape(shape)
-    return codes.reshape(how)
-
-
 def _round(
     layer: Layer,
     stats: tuple[np.ndarray, np.ndarray, np.ndarray, float, Any],
@@ -653,6 +461,16 @@ def adaround(
     return summary
 
 
+def rounding_in_bias_walk(qconfig: Any, options: ExtraOptions) -> AdaRoundSettings | None:
+    """The settings when second-order rounding runs inside bias correction's walk (both on,
+    ``OptimAlgorithm = "gptq"``: one replay of each model, each layer rounded and then its bias
+    corrected on the same inputs); None when rounding is off or a stage of its own."""
+    if not (qconfig.include_fast_ft and qconfig.include_bias_correction):
+        return None
+    settings = AdaRoundSettings.from_options(options.FastFinetune)
+    return settings if settings.OptimAlgorithm == "gptq" else None
+
+
 def _float_weight_name(layer: Layer) -> str:
     """The float weight's name: the DQ's output is ``W_DequantizeLinear_Output``; the codes are
     ``W_quantized`` (InsertQDQ)."""
@@ -670,150 +488,3 @@ def _dequantized_bias(layer: Layer, w_float: np.ndarray) -> np.ndarray:
     if codes.size != cout:
         raise QuantizationError(f"{layer.name}: bias has {codes.size} values for {cout} outputs")
     return codes.astype(np.float64) * math.ldexp(1.0, -layer.bias_position)
-
-
-def _positions_per_sample(layer: Layer, batch: int) -> int | None:
-    """Output positions (rows of the layer's statistics) one sample gives, from the layer's
-    static output shape (a symbolic batch dimension is ``batch``); None when not known."""
-    shape = layer.node.outputs[0].shape
-    if shape is None or len(shape) < 2 or not all(isinstance(d, int) for d in shape[1:]):
-        return None
-    n = shape[0] if isinstance(shape[0], int) else batch
-    return int(n) if layer.op_type == "Gemm" else int(n) * math.prod(int(d) for d in shape[2:])
-
-
-class SequentialRounding:
-    """Second-order rounding inside bias correction's layer walk (module doc).
-
-    Called for a layer before its bias is corrected, this streams the layer's quantized input
-    and float output once through bias correction's replays (:class:`~.layerwise.Replay`),
-    accumulates ``G``/``C`` of the fitted half and of each held-out group (:class:`_Statistics`,
-    at most :data:`GPTQ_POSITIONS_PER_INPUT` positions per input), rounds
-    (:func:`gptq_rounding`) and applies the held-out gate (:func:`_round`, then per group).
-    Kept codes are set in the graph and in the quantized replay before the layer's own segment
-    is built, so bias correction then measures the mean error of the rounded weights, and later
-    layers see both. A layer offering fewer
-    positions than :data:`GPTQ_POSITIONS_PER_INPUT` per input (known from its static output
-    shape) is not streamed at all.
-    """
-
-    def __init__(
-        self, prepared: onnx.ModelProto, samples: Sequence[dict[str, np.ndarray]],
-        settings: AdaRoundSettings,
-    ):  # fmt: skip
-        self.settings = settings
-        first = next(iter(samples[0].values()), None) if samples else None
-        self.batch = int(first.shape[0]) if first is not None and first.ndim else 1
-        num_samples = len(samples)
-        self.float_weights = {t.name: t for t in prepared.graph.initializer}
-        fit, check = held_out_split(list(range(num_samples)))
-        self.cut = len(fit)
-        self.num_samples = num_samples
-        self.gated = bool(check)
-        self.per_layer: list[dict[str, Any]] = []
-        self.skipped: list[dict[str, Any]] = []
-        self.seconds = 0.0
-
-    def __call__(self, layer: Layer, quant: Replay, flt: Replay) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._round_layer(layer, quant, flt)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    def _round_layer(self, layer: Layer, quant: Replay, flt: Replay) -> None:
-        w_name = _float_weight_name(layer)
-        if layer.weight_codes.dtype != np.int8 or w_name not in self.float_weights:
-            self.skipped.append({"node": layer.name, "reason": "no float int8-quantized weight"})
-            return
-        w_float = onnx.numpy_helper.to_array(self.float_weights[w_name]).astype(np.float32)
-        bias = _dequantized_bias(layer, w_float)
-        fit = _Statistics(layer, w_float, bias, GPTQ_COLUMNS)
-        if not fit.supported:
-            self.skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
-            return
-        k = fit.wg.shape[2]
-        wanted = GPTQ_POSITIONS_PER_INPUT * k
-        per_sample = _positions_per_sample(layer, self.batch)
-        if per_sample is not None and per_sample * self.cut < wanted:
-            # known from the static shape: not even streamed
-            self.skipped.append(
-                {"node": layer.name, "reason": f"{per_sample * self.cut} positions for {k} inputs"}
-            )
-            return
-        # the same positions whether the shape is static or not (rows depend on no shape pass)
-        fit.columns = -(-wanted // self.cut)
-        n_held = self.num_samples - self.cut
-        groups = [
-            _Statistics(layer, w_float, bias, fit.columns)
-            for _ in range(min(GPTQ_HELD_OUT_GROUPS, n_held) if self.gated else 0)
-        ]
-        pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.input]), strict=True)
-        for (i, (t,)), (_, (x,)) in pairs:
-            if i < self.cut or not groups:
-                fit.add(x, t)
-            else:
-                groups[(i - self.cut) * len(groups) // n_held].add(x, t)
-            del t, x
-        parts = [g.result() for g in groups]
-        held = None
-        if parts and all(part is not None for part in parts):
-            held = (
-                parts[0][0],
-                sum(part[1] for part in parts),
-                sum(part[2] for part in parts),
-                sum(part[3] for part in parts),
-                parts[0][4],
-            )
-        stats = fit.result()
-        if stats is None or (groups and held is None):
-            self.skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
-            return
-        if fit.available < wanted:
-            self.skipped.append(
-                {"node": layer.name, "reason": f"{fit.available} positions for {k} inputs"}
-            )
-            return
-        result, held_out = _round(layer, stats, held, self.settings)
-        if result.accepted and len(parts) > 1:
-            # kept only where every held-out group gains, not just their sum
-            step = math.ldexp(1.0, -layer.weight_position)
-            nearest = np.clip(np.rint(stats[0] / step), -128, 127)
-            if not all(
-                _quadratic_loss(result.codes * step, p[1], p[2], p[3])
-                < _quadratic_loss(nearest * step, p[1], p[2], p[3])
-                for p in parts
-            ):
-                result.accepted = False
-                result.codes = nearest.astype(np.int8)
-        codes = _ungroup(result.codes, stats[4])
-        changed = int(np.count_nonzero(codes != layer.weight_codes))
-        if result.accepted and changed:
-            set_codes(layer.weight, codes)
-            quant.set_initializer(layer.weight.name or "", codes)
-        self.per_layer.append(
-            {
-                "node": layer.name,
-                "inputs": k,
-                "fitted_positions": fit.rows,
-                "loss_nearest": result.loss_nearest,
-                "loss_learned": result.loss_learned,
-                "accepted": result.accepted,
-                "changed_codes": changed if result.accepted else 0,
-                "held_out_loss_nearest": None if held_out is None else held_out[0],
-                "held_out_loss_learned": None if held_out is None else held_out[1],
-                "seconds": round(result.seconds, 3),
-            }
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """The stage's JSON summary, shaped as :func:`adaround`'s."""
-        return {
-            "layers": len(self.per_layer),
-            "accepted": sum(int(r["accepted"]) for r in self.per_layer),
-            "settings": self.settings.__dict__.copy(),
-            "per_layer": self.per_layer,
-            "skipped": self.skipped,
-            "seconds": round(self.seconds, 3),
-            "shared_walk": True,
-        }

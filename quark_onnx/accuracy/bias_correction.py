@@ -29,7 +29,7 @@ the corrected prefix; the whole walk runs every node once (:class:`~.layerwise.R
 
 With second-order rounding on (``include_fast_ft`` with ``FastFinetune.OptimAlgorithm =
 "gptq"``, the XINT8 preset), each layer's weights are rounded first, in the same walk, on the
-same replays (:class:`~.adaround.SequentialRounding`): the bias is then corrected for the
+same replays (:class:`~.sequential_rounding.SequentialRounding`): the bias is then corrected for the
 rounded weights, and no second replay of either model runs.
 
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
@@ -74,7 +74,7 @@ import onnx
 import onnx_ir as ir
 
 from quark_onnx import npu_rules
-from quark_onnx.accuracy.adaround import AdaRoundSettings, SequentialRounding
+from quark_onnx.accuracy.adaround import AdaRoundSettings
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -82,6 +82,7 @@ from quark_onnx.accuracy.layerwise import (
     set_codes,
     tensor_names,
 )
+from quark_onnx.accuracy.sequential_rounding import SequentialRounding
 from quark_onnx.options import ExtraOptions
 from quark_onnx.plan import PlannedNode, QuantPlan
 from quark_onnx.pof2 import POSITION_MAX, POSITION_MIN
@@ -276,8 +277,9 @@ def correct_bias(
         plan, positions: the quantization plan and solved positions (positions are not changed).
         options: the extra options.
         rounding: with ``OptimAlgorithm = "gptq"``, each layer's weights are first rounded by
-            second-order rounding in the same walk (:class:`~.adaround.SequentialRounding`);
-            its summary is ``summary["rounding"]``.
+            second-order rounding in the same walk
+            (:class:`~.sequential_rounding.SequentialRounding`); its summary is
+            ``summary["rounding"]``.
     """
     start = time.perf_counter()
     summary: dict[str, Any] = {"layers": 0, "changed_channels": 0, "saturated": 0}

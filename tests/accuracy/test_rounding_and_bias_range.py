@@ -446,7 +446,7 @@ def test_im2col_of_every_kth_position_is_those_columns_of_the_full_im2col(
     group, stride, dilation, pads
 ):
     """The statistics gather only the positions they keep: the same columns, exactly."""
-    from quark_onnx.accuracy.adaround import _Geometry, im2col
+    from quark_onnx.accuracy.layer_statistics import _Geometry, im2col
 
     x = np.random.default_rng(23).normal(size=(2, 4, 9, 7)).astype(np.float32)
     geo = _Geometry(group, (3, 3), (stride, stride), (dilation, dilation), (pads,) * 4)
