@@ -503,24 +503,24 @@ class _Run(sequencer.Stages):
         qconfig, report, samples = self.qconfig, self.report, self.samples
         if not self.power_of_two:
             return params
-        positions = self.positions  # bias correction moves some bias positions in it
         if samples and (qconfig.include_fast_ft or qconfig.include_bias_correction):
             fidelity_guard.materialize(self.prepared, self.external_dir)
-        if qconfig.include_fast_ft:
-            with _stage(report, "adaround"):
-                from quark_onnx.accuracy.adaround import adaround
+        from quark_onnx.accuracy.adaround import adaround, rounding_in_bias_walk
+        from quark_onnx.accuracy.bias_correction import correct_bias
 
+        rounding = rounding_in_bias_walk(qconfig, self.options)  # then one walk does both
+        if qconfig.include_fast_ft and rounding is None:
+            with _stage(report, "adaround"):
                 report.adaround = adaround(
-                    self.prepared, model, samples, plan, positions, self.options
+                    self.prepared, model, samples, plan, self.positions, self.options
                 )
         if qconfig.include_bias_correction:
             with _stage(report, "bias_correction"):
-                from quark_onnx.accuracy.bias_correction import correct_bias
-
+                # moves some bias positions in self.positions (inside their shift_bias windows)
                 report.bias_correction = correct_bias(
-                    self.prepared, model, samples, plan, positions, self.options
+                    self.prepared, model, samples, plan, self.positions, self.options, rounding
                 )
-                # a corrected bias may move inside its shift_bias window
+                report.adaround = report.bias_correction.pop("rounding", report.adaround)
                 report.positions.update(report.bias_correction.get("moved_bias_positions", {}))
         return self._written(params, plan)
 

@@ -27,6 +27,11 @@ error arriving from earlier layers ("empirical" rather than analytic bias correc
 layer's output is then updated in the replay (``y_q + (q'_c - q_c) 2^-p_b``) so later layers see
 the corrected prefix; the whole walk runs every node once (:class:`~.layerwise.Replay`).
 
+With second-order rounding on (``include_fast_ft`` with ``FastFinetune.OptimAlgorithm =
+"gptq"``, the XINT8 preset), each layer's weights are rounded first, in the same walk, on the
+same replays (:class:`~.sequential_rounding.SequentialRounding`): the bias is then corrected for the
+rounded weights, and no second replay of either model runs.
+
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
 samples and kept only where it also shrinks the second half's mean error.
 
@@ -69,6 +74,7 @@ import onnx
 import onnx_ir as ir
 
 from quark_onnx import npu_rules
+from quark_onnx.accuracy.adaround import AdaRoundSettings
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -76,6 +82,7 @@ from quark_onnx.accuracy.layerwise import (
     set_codes,
     tensor_names,
 )
+from quark_onnx.accuracy.sequential_rounding import SequentialRounding
 from quark_onnx.options import ExtraOptions
 from quark_onnx.plan import PlannedNode, QuantPlan
 from quark_onnx.pof2 import POSITION_MAX, POSITION_MIN
@@ -259,6 +266,7 @@ def correct_bias(
     plan: QuantPlan,
     positions: dict[str, int],
     options: ExtraOptions,
+    rounding: AdaRoundSettings | None = None,
 ) -> dict[str, Any]:
     """Correct the quantized biases of ``model`` in place (module doc); returns a JSON summary.
 
@@ -268,6 +276,10 @@ def correct_bias(
         samples: calibration feeds (up to ``options.AccuracySamples``).
         plan, positions: the quantization plan and solved positions (positions are not changed).
         options: the extra options.
+        rounding: with ``OptimAlgorithm = "gptq"``, each layer's weights are first rounded by
+            second-order rounding in the same walk
+            (:class:`~.sequential_rounding.SequentialRounding`); its summary is
+            ``summary["rounding"]``.
     """
     start = time.perf_counter()
     summary: dict[str, Any] = {"layers": 0, "changed_channels": 0, "saturated": 0}
@@ -281,6 +293,8 @@ def correct_bias(
     if not layers:  # no replay: each would copy or run the whole model for nothing
         summary.update(moved_bias_positions=moved, per_layer=[], skipped=skipped)
         summary.update(samples=len(samples), segment_runs=0)
+        if rounding is not None:
+            summary["rounding"] = SequentialRounding(prepared, samples, rounding).summary()
         summary["seconds"] = round(time.perf_counter() - start, 3)
         return summary
     # closing the replays hands their arena regions and heap pages back before the next stage
@@ -293,9 +307,12 @@ def correct_bias(
             prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET
         ) as flt,
     ):
+        rounder = None if rounding is None else SequentialRounding(prepared, samples, rounding)
         per_layer = _correct_layers(
-            layers, skipped, quant, flt, len(samples) // 2, summary, windows, moved
+            layers, skipped, quant, flt, len(samples) // 2, summary, windows, moved, rounder
         )
+    if rounder is not None:
+        summary["rounding"] = rounder.summary()
     # the bias positions moved inside their shift_bias windows (the caller's solved positions)
     positions.update(moved)
     summary["moved_bias_positions"] = moved
@@ -323,12 +340,15 @@ def _correct_layers(
     summary: dict[str, Any],
     windows: dict[str, tuple[tuple[int, int], str]],
     moved: dict[str, int],
+    rounder: SequentialRounding | None = None,
 ) -> list[dict[str, Any]]:
     """The per-layer walk of :func:`correct_bias`; returns the per-layer report."""
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
         for layer in layers:
             progress.update()
+            if rounder is not None:  # the weights first: the bias then corrects what they leave
+                rounder(layer, quant, flt)
             if layer.bias is None or layer.bias_position is None:
                 skipped.append(
                     {

@@ -15,7 +15,7 @@ from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
 from quark_onnx import pof2
-from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround, im2col, learn_rounding
+from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround, learn_rounding
 from quark_onnx.accuracy.bias_correction import correct_bias, requantize_bias
 from quark_onnx.accuracy.error_analysis import (
     fallback_cost,
@@ -23,6 +23,7 @@ from quark_onnx.accuracy.error_analysis import (
     sqnr_db,
     worst_layers,
 )
+from quark_onnx.accuracy.layer_statistics import im2col
 from quark_onnx.accuracy.layerwise import Replay, find_layers, position_of_scale
 from quark_onnx.config import get_default_config
 from quark_onnx.errors import ConfigError
@@ -170,7 +171,7 @@ def test_im2col_matches_onnxruntime_conv(group, stride, dilation, pads):
     )
     (want,) = run_ort(model, {"x": x})
 
-    from quark_onnx.accuracy.adaround import _Geometry
+    from quark_onnx.accuracy.layer_statistics import _Geometry
 
     geo = _Geometry(group, (3, 3), (stride, stride), (dilation, dilation), (pads,) * 4)
     cols = im2col(x.astype(np.float64), geo)  # (g, K, N*P)

@@ -24,7 +24,7 @@ from quark_onnx.accuracy.bias_correction import (
     channel_sums,
     correct_bias,
 )
-from quark_onnx.accuracy.layerwise import find_layers
+from quark_onnx.accuracy.layerwise import find_layers, set_codes
 from quark_onnx.check import check
 from quark_onnx.errors import ConfigError
 from quark_onnx.model_io import to_proto
@@ -300,3 +300,159 @@ def test_activation_bounds_follow_the_layers_activation(op, seed_options, bounds
     # a Sigmoid is not fused into the layer: its input is quantized like a kept pair's
     assert reader == ("QuantizeLinear" if seed_options or op == "Sigmoid" else op)
     assert _activation_bounds(layer) == bounds
+
+
+# --- second-order rounding inside bias correction's walk ----------------------------------------
+
+
+def _wide_pointwise_chain(rng: np.random.Generator) -> onnx.ModelProto:
+    """x (1,4,12,12) -> Conv 1x1 -> Relu -> Conv 1x1 -> y: 144 positions per sample, so 8 fitted
+    samples offer more than GPTQ_POSITIONS_PER_INPUT per input (K = 4)."""
+    k = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1]}
+    return make_model(
+        [
+            helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", **k),
+            helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+            helper.make_node("Conv", ["r0", "w1", "b1"], ["y"], name="conv1", **k),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 12, 12])],
+        {
+            "w0": rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32),
+            "b0": rng.normal(0, 0.1, 4).astype(np.float32),
+            "w1": rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32),
+            "b1": rng.normal(0, 0.1, 4).astype(np.float32),
+        },
+    )
+
+
+def _wide_tied_samples(rng: np.random.Generator, n: int, sign: float) -> list[dict]:
+    out = []
+    for _ in range(n):
+        x = rng.normal(0, 1, (1, 4, 12, 12))
+        x[:, 1] = sign * x[:, 0] + 0.01 * rng.normal(0, 1, (1, 12, 12))
+        out.append({"x": x.astype(np.float32)})
+    return out
+
+
+GPTQ = AdaRoundSettings(OptimAlgorithm="gptq")
+
+
+@pytest.mark.parametrize("held_out_sign, kept", [(1.0, True), (-1.0, False)])
+def test_rounding_in_the_bias_walk_is_kept_only_where_it_helps_held_out_samples(
+    held_out_sign, kept
+):
+    """The held-out gate of the separate stage holds in the shared walk: fitted on equal first
+    two inputs, judged on opposite ones, the first layer must stay rounded to nearest."""
+    rng = np.random.default_rng(13)
+    proto = _wide_pointwise_chain(rng)
+    samples = _wide_tied_samples(rng, 8, 1.0) + _wide_tied_samples(rng, 8, held_out_sign)
+    prepared, model, plan, positions, _ = _quantize(proto, samples)
+    nearest = find_layers(model)[0][0].weight_codes.copy()
+    summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
+    first = summary["rounding"]["per_layer"][0]
+    assert first["node"] == "conv0" and first["loss_learned"] < first["loss_nearest"]
+    assert abs(first["fitted_positions"] - 4 * 100) <= 40  # about 100 per input, not all 1152
+    assert first["accepted"] is kept
+    codes = find_layers(model)[0][0].weight_codes
+    assert np.array_equal(codes, nearest) is not kept
+
+
+def test_bias_is_corrected_for_the_rounded_weights():
+    """Rounding then correcting in one walk gives the biases that correcting a model already
+    holding the rounded weights gives: the correction measures the rounded layer, on the
+    inputs its rounded predecessors produce. The weights stay int8 at their positions."""
+    rng = np.random.default_rng(13)
+    proto = _wide_pointwise_chain(rng)
+    samples = _wide_tied_samples(rng, 16, 1.0)
+    prepared, model, plan, positions, _ = _quantize(proto, samples)
+    before = {lay.name: (lay.weight_position, lay.bias_position) for lay in find_layers(model)[0]}
+    summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
+    assert summary["rounding"]["accepted"] >= 1
+    layers = find_layers(model)[0]
+    assert {lay.name: (lay.weight_position, lay.bias_position) for lay in layers} == before
+    for lay in layers:
+        assert lay.weight_codes.dtype == np.int8
+    # the oracle: a fresh quantized model given the rounded weights, then plain bias correction
+    prepared2, model2, plan2, positions2, _ = _quantize(proto, samples)
+    for lay, lay2 in zip(layers, find_layers(model2)[0], strict=True):
+        set_codes(lay2.weight, lay.weight_codes.copy())
+    correct_bias(prepared2, model2, samples, plan2, positions2, ExtraOptions())
+    for lay, lay2 in zip(layers, find_layers(model2)[0], strict=True):
+        assert np.array_equal(lay.bias_codes, lay2.bias_codes), lay.name
+
+
+def test_rounding_skips_layers_with_too_few_positions():
+    """6x6 outputs, 8 fitted samples: 288 positions for 4 inputs, below 100 per input: the
+    layers stay rounded to nearest and the report says why."""
+    rng = np.random.default_rng(13)
+    proto = _pointwise_chain(rng)
+    samples = _tied_samples(rng, 16, 1.0)
+    prepared, model, plan, positions, _ = _quantize(proto, samples)
+    nearest = [lay.weight_codes.copy() for lay in find_layers(model)[0]]
+    summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
+    assert summary["rounding"]["layers"] == 0
+    assert [s["reason"] for s in summary["rounding"]["skipped"]] == [
+        "288 positions for 4 inputs"
+    ] * 2
+    for lay, codes in zip(find_layers(model)[0], nearest, strict=True):
+        assert np.array_equal(lay.weight_codes, codes)
+
+
+def test_xint8_rounds_inside_bias_correction(tmp_path):
+    """XINT8 with second-order rounding: it runs in bias correction's walk (no separate stage,
+    no second replay); the quantized model stays NPU-ready."""
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+
+    rng = np.random.default_rng(22)
+    proto = _wide_pointwise_chain(rng)
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(proto, src)
+    samples = _wide_tied_samples(rng, 16, 1.0)
+    qc = get_default_config("XINT8")
+    qc.include_fast_ft = True
+    qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantizer.quantize_model(str(src), str(out), ArrayDataReader(samples))
+    report = quantizer.report
+    assert "adaround" not in report.timings
+    assert report.adaround["shared_walk"] and report.adaround["layers"] == 2
+    assert "rounding" not in report.bias_correction
+    assert check(onnx.load(out)).ready
+
+
+def test_rounding_in_the_bias_walk_needs_every_held_out_group_to_gain():
+    """Held-out samples in two groups: the first (tied like the fitted ones) gains more than the
+    second (a weak opposite tie) loses. The sum alone would keep the rounding; a gain one group
+    alone carries is not taken to generalise, so the layer stays rounded to nearest."""
+    rng = np.random.default_rng(13)
+    proto = _wide_pointwise_chain(rng)
+    fit = _wide_tied_samples(rng, 12, 1.0)
+    samples = fit + _wide_tied_samples(rng, 6, 1.0) + _wide_tied_samples(rng, 6, -0.25)
+    prepared, model, plan, positions, _ = _quantize(proto, samples)
+    nearest = find_layers(model)[0][0].weight_codes.copy()
+    summary = correct_bias(prepared, model, samples, plan, positions, ExtraOptions(), GPTQ)
+    first = summary["rounding"]["per_layer"][0]
+    assert first["node"] == "conv0"
+    assert first["held_out_loss_learned"] < first["held_out_loss_nearest"]  # the sum gains
+    assert first["accepted"] is False
+    assert np.array_equal(find_layers(model)[0][0].weight_codes, nearest)
+
+
+@pytest.mark.parametrize(
+    "group, stride, dilation, pads", [(1, 1, 1, 1), (2, 2, 1, 0), (4, 1, 2, 2)]
+)
+def test_im2col_of_every_kth_position_is_those_columns_of_the_full_im2col(
+    group, stride, dilation, pads
+):
+    """The statistics gather only the positions they keep: the same columns, exactly."""
+    from quark_onnx.accuracy.layer_statistics import _Geometry, im2col
+
+    x = np.random.default_rng(23).normal(size=(2, 4, 9, 7)).astype(np.float32)
+    geo = _Geometry(group, (3, 3), (stride, stride), (dilation, dilation), (pads,) * 4)
+    full = im2col(x, geo)
+    g, k, np_ = full.shape
+    per = full.reshape(g, k, 2, np_ // 2)
+    for every in (2, 3, 5):
+        want = per[:, :, :, ::every].reshape(g, k, -1)
+        assert np.array_equal(im2col(x, geo, every), want)
