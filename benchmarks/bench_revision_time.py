@@ -52,15 +52,18 @@ def _mount(root: Path) -> str:
 
     if Path(quark_onnx.__file__).resolve().parent != (root / "quark_onnx").resolve():
         raise SystemExit(f"quark_onnx imported from {quark_onnx.__file__}, not {root}")
-    spec = importlib.util.spec_from_file_location(
-        "quark_onnx.passes",
-        root / "passes" / "__init__.py",
-        submodule_search_locations=[str(root / "passes")],
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quark_onnx.passes"] = module
-    spec.loader.exec_module(module)
-    quark_onnx.passes = module
+    # the installed package maps these two subpackages to the checkout's top-level folders, so
+    # without this a revision would read the current passes and presets
+    for sub in ("passes", "configs"):
+        spec = importlib.util.spec_from_file_location(
+            f"quark_onnx.{sub}",
+            root / sub / "__init__.py",
+            submodule_search_locations=[str(root / sub)],
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"quark_onnx.{sub}"] = module
+        spec.loader.exec_module(module)
+        setattr(quark_onnx, sub, module)
     return quark_onnx.__file__
 
 
