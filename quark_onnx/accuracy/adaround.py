@@ -186,6 +186,21 @@ class RoundingResult:
     iterations: int
     seconds: float
 
+    def record(
+        self, node: str, changed: int, held_out: tuple[float, float] | None, **extra: Any
+    ) -> dict[str, Any]:
+        """The report's row for this layer (both rounding paths write the same keys)."""
+        return {
+            "node": node,
+            "loss_nearest": self.loss_nearest,
+            "loss_learned": self.loss_learned,
+            "accepted": self.accepted,
+            "changed_codes": changed if self.accepted else 0,
+            "held_out_loss_nearest": None if held_out is None else held_out[0],
+            "held_out_loss_learned": None if held_out is None else held_out[1],
+            **extra,
+        }
+
 
 def _quadratic_loss(w: np.ndarray, gram: np.ndarray, cross: np.ndarray, const: float) -> float:
     """``sum_g tr(W_g G_g W_g^T) - 2 tr(W_g C_g) + const`` for ``w`` of shape (g, O, K)."""
@@ -434,17 +449,13 @@ def adaround(
             summary["layers"] += 1
             summary["accepted"] += int(result.accepted)
             per_layer.append(
-                {
-                    "node": layer.name,
-                    "loss_nearest": result.loss_nearest,
-                    "loss_learned": result.loss_learned,
-                    "accepted": result.accepted,
-                    "changed_codes": changed if result.accepted else 0,
-                    "held_out_loss_nearest": None if held_out is None else held_out[0],
-                    "held_out_loss_learned": None if held_out is None else held_out[1],
-                    "iterations": result.iterations,
-                    "seconds": round(result.seconds + stat_seconds, 3),
-                }
+                result.record(
+                    layer.name,
+                    changed,
+                    held_out,
+                    iterations=result.iterations,
+                    seconds=round(result.seconds + stat_seconds, 3),
+                )
             )
             logger.debug("AdaRound %s: %s", layer.name, per_layer[-1])
     summary["per_layer"] = per_layer

@@ -150,18 +150,14 @@ class SequentialRounding:
             set_codes(layer.weight, codes)
             quant.set_initializer(layer.weight.name or "", codes)
         self.per_layer.append(
-            {
-                "node": layer.name,
-                "inputs": k,
-                "fitted_positions": fit.rows,
-                "loss_nearest": result.loss_nearest,
-                "loss_learned": result.loss_learned,
-                "accepted": result.accepted,
-                "changed_codes": changed if result.accepted else 0,
-                "held_out_loss_nearest": None if held_out is None else held_out[0],
-                "held_out_loss_learned": None if held_out is None else held_out[1],
-                "seconds": round(result.seconds, 3),
-            }
+            result.record(
+                layer.name,
+                changed,
+                held_out,
+                inputs=k,
+                fitted_positions=fit.rows,
+                seconds=round(result.seconds, 3),
+            )
         )
 
     def summary(self) -> dict[str, Any]:
