@@ -28,9 +28,10 @@ layer's output is then updated in the replay (``y_q + (q'_c - q_c) 2^-p_b``) so 
 the corrected prefix; the whole walk runs every node once (:class:`~.layerwise.Replay`).
 
 With second-order rounding on (``include_fast_ft`` with ``FastFinetune.OptimAlgorithm =
-"gptq"``, the XINT8 preset), each layer's weights are rounded first, in the same walk, on the
-same replays (:class:`~.sequential_rounding.SequentialRounding`): the bias is then corrected for the
-rounded weights, and no second replay of either model runs.
+"gptq"``; off in the XINT8 preset, see configs/xint8.toml), each layer's weights are rounded
+first, in the same walk, on the same replays
+(:class:`~.sequential_rounding.SequentialRounding`): the bias is then corrected for the rounded
+weights, and no second replay of either model runs.
 
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
 samples and kept only where it also shrinks the second half's mean error.
