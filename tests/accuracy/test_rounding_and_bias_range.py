@@ -107,17 +107,18 @@ def test_gptq_rounding_saturates_out_of_range_weights():
     assert res.codes.min() >= -128 and res.codes.max() <= 127
 
 
-def _pointwise_chain(rng: np.random.Generator) -> onnx.ModelProto:
-    """x (1,4,6,6) -> Conv 1x1 -> Relu -> Conv 1x1 -> y; weights off the int8 grid."""
-    k = {"kernel_shape": [1, 1]}
+def _pointwise_chain(rng: np.random.Generator, side: int = 6) -> onnx.ModelProto:
+    """x (1,4,side,side) -> Conv 1x1 -> Relu -> Conv 1x1 -> y; weights off the int8 grid."""
+    k = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1]}
+    shape = [1, 4, side, side]
     return make_model(
         [
             helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", **k),
             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
             helper.make_node("Conv", ["r0", "w1", "b1"], ["y"], name="conv1", **k),
         ],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
         {
             "w0": rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32),
             "b0": rng.normal(0, 0.1, 4).astype(np.float32),
@@ -127,12 +128,12 @@ def _pointwise_chain(rng: np.random.Generator) -> onnx.ModelProto:
     )
 
 
-def _tied_samples(rng: np.random.Generator, n: int, sign: float) -> list[dict]:
+def _tied_samples(rng: np.random.Generator, n: int, sign: float, side: int = 6) -> list[dict]:
     """Input channel 1 = ``sign`` x channel 0: rounding may trade one's error for the other's."""
     out = []
     for _ in range(n):
-        x = rng.normal(0, 1, (1, 4, 6, 6))
-        x[:, 1] = sign * x[:, 0] + 0.01 * rng.normal(0, 1, (1, 6, 6))
+        x = rng.normal(0, 1, (1, 4, side, side))
+        x[:, 1] = sign * x[:, 0] + 0.01 * rng.normal(0, 1, (1, side, side))
         out.append({"x": x.astype(np.float32)})
     return out
 
@@ -306,33 +307,13 @@ def test_activation_bounds_follow_the_layers_activation(op, seed_options, bounds
 
 
 def _wide_pointwise_chain(rng: np.random.Generator) -> onnx.ModelProto:
-    """x (1,4,12,12) -> Conv 1x1 -> Relu -> Conv 1x1 -> y: 144 positions per sample, so 8 fitted
-    samples offer more than GPTQ_POSITIONS_PER_INPUT per input (K = 4)."""
-    k = {"kernel_shape": [1, 1], "pads": [0, 0, 0, 0], "strides": [1, 1]}
-    return make_model(
-        [
-            helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", **k),
-            helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
-            helper.make_node("Conv", ["r0", "w1", "b1"], ["y"], name="conv1", **k),
-        ],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 12, 12])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 12, 12])],
-        {
-            "w0": rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32),
-            "b0": rng.normal(0, 0.1, 4).astype(np.float32),
-            "w1": rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32),
-            "b1": rng.normal(0, 0.1, 4).astype(np.float32),
-        },
-    )
+    """144 positions per sample, so 8 fitted samples offer more than GPTQ_POSITIONS_PER_INPUT
+    per input (K = 4)."""
+    return _pointwise_chain(rng, side=12)
 
 
 def _wide_tied_samples(rng: np.random.Generator, n: int, sign: float) -> list[dict]:
-    out = []
-    for _ in range(n):
-        x = rng.normal(0, 1, (1, 4, 12, 12))
-        x[:, 1] = sign * x[:, 0] + 0.01 * rng.normal(0, 1, (1, 12, 12))
-        out.append({"x": x.astype(np.float32)})
-    return out
+    return _tied_samples(rng, n, sign, side=12)
 
 
 GPTQ = AdaRoundSettings(OptimAlgorithm="gptq")
