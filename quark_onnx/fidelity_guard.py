@@ -10,6 +10,7 @@ the most (:func:`worst_layers`, the per-layer error analysis).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +23,13 @@ from quark_onnx.options import ExtraOptions
 if TYPE_CHECKING:
     import onnx_ir as ir
 
+    from quark_onnx.fidelity import FidelityResult
     from quark_onnx.report import QuantizationReport
 
 # the quantizer's stages report through the quantizer's logger
 logger = logging.getLogger("quark_onnx.quantizer")
 
-__all__ = ["guard_fidelity", "materialize", "reference_outputs", "worst_layers"]
+__all__ = ["guard_fidelity", "materialize", "measure", "reference_outputs", "worst_layers"]
 
 
 def reference_outputs(
@@ -55,34 +57,21 @@ def guard_fidelity(
     reference: list[dict[str, np.ndarray]],
     stages: tuple[onnx.ModelProto, Any, Path | None],
     options: ExtraOptions,
-) -> None:
+    repair: Callable[[FidelityResult], tuple[Any, FidelityResult]] | None = None,
+) -> Any:
     """Measure every output against the original float model; warn (or raise) if unfaithful.
 
     The reference is the model the user gave, before any pass: the cost of the
-    numerics-changing passes counts. When an output is not faithful, the per-layer error
-    analysis (the tensors whose SQNR drops the most) names where it is lost.
+    numerics-changing passes counts. When an output is not faithful, ``repair`` (when given)
+    may replace the model (:mod:`quark_onnx.fidelity_repair`), then the per-layer error analysis
+    of the model kept (the tensors whose SQNR drops the most) names where it is lost. Returns the
+    model kept.
     """
-    from quark_onnx import fidelity
-    from quark_onnx.pipeline import run_model
-
-    try:
-        quantized = run_model(model, samples)
-    except Exception as exc:  # onnxruntime raises its own exception types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        logger.warning("%s: fidelity not measured: %s", source, first)
-        report.fidelity = {"faithful": None, "error": first}
-        return
-    result = fidelity.FidelityResult(
-        samples=len(samples),
-        outputs=fidelity.compare_runs(
-            reference,
-            quantized,
-            min_sqnr_db=options.FidelityMinSQNR,
-            min_agreement=options.FidelityMinAgreement,
-        ),
-        min_sqnr_db=options.FidelityMinSQNR,
-        min_agreement=options.FidelityMinAgreement,
-    )
+    result = measure(report, source, model, samples, reference, options)
+    if result is None:
+        return model
+    if not result.faithful and repair is not None:
+        model, result = repair(result)
     if not result.faithful:
         result.worst_layers = worst_layers(report, samples, model, *stages)
     report.fidelity = result.to_dict()
@@ -93,11 +82,45 @@ def guard_fidelity(
             result.samples,
             "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs),
         )
-        return
+        return model
     message = result.message(source)
     if options.RequireFidelity:
         raise FidelityError(message + " (RequireFidelity is set: no model was written)")
     logger.warning(message)
+    return model
+
+
+def measure(
+    report: QuantizationReport,
+    source: str,
+    model: Any,
+    samples: list[dict[str, np.ndarray]],
+    reference: list[dict[str, np.ndarray]],
+    options: ExtraOptions,
+) -> FidelityResult | None:
+    """Every output of ``model`` against ``reference`` on ``samples`` (None, recorded in the
+    report, when the model does not run)."""
+    from quark_onnx import fidelity
+    from quark_onnx.pipeline import run_model
+
+    try:
+        quantized = run_model(model, samples)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.warning("%s: fidelity not measured: %s", source, first)
+        report.fidelity = {"faithful": None, "error": first}
+        return None
+    return fidelity.FidelityResult(
+        samples=len(samples),
+        outputs=fidelity.compare_runs(
+            reference,
+            quantized,
+            min_sqnr_db=options.FidelityMinSQNR,
+            min_agreement=options.FidelityMinAgreement,
+        ),
+        min_sqnr_db=options.FidelityMinSQNR,
+        min_agreement=options.FidelityMinAgreement,
+    )
 
 
 def worst_layers(

@@ -271,6 +271,20 @@ class ExtraOptions:
         "Raise FidelityError (and write no model) when an output is not faithful, instead of a "
         "warning (CLI: --require-fidelity).",
     )
+    FidelityRepair: bool = _opt(
+        True,
+        "XINT8: when the fidelity guard finds an output not faithful, quantize again from the "
+        "same calibration with the conservative choices in turn (weights never clipped: "
+        "WeightPositionMethod NonOverflow; no bias correction; both), stop at the first faithful "
+        "one and keep whichever measures best on the guard's samples; the report lists every "
+        "attempt (quark_onnx.fidelity_repair).",
+    )
+    WeightPositionMethod: str = _opt(
+        "",
+        "XINT8 weight positions: 'MinMSE' (the least squared error over the weight's values; may "
+        "clip its largest values), 'NonOverflow' (never clips a weight), or '' to follow "
+        "calibrate_method.",
+    )
 
 
 #: Keys AMD Quark accepts that quark_onnx does not act on: accepted with a warning, never silently.
@@ -367,8 +381,22 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
 }
 
 
+#: The string options that take one of a few values ('' is the default of each).
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "WeightPositionMethod": ("", "MinMSE", "NonOverflow"),
+}
+
+
 def check_bounds(key: str, value: Any) -> None:
-    """Refuse a numeric option outside :data:`OPTION_BOUNDS`, naming it and its range."""
+    """Refuse a numeric option outside :data:`OPTION_BOUNDS` or a string option not in
+    :data:`OPTION_CHOICES`, naming it and what it takes."""
+    choices = OPTION_CHOICES.get(key)
+    if choices is not None and value not in choices:
+        close = closest_name(str(value), [c for c in choices if c])
+        hint = f"; did you mean {close!r}?" if close else ""
+        raise ConfigError(
+            f"extra option {key}={value!r} is not one of {', '.join(map(repr, choices))}{hint}"
+        )
     bounds = OPTION_BOUNDS.get(key)
     if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return

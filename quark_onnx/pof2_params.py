@@ -24,10 +24,12 @@ __all__ = ["CLIP_CEILING", "calibrated_ranges", "initial_positions", "range_clip
 
 
 def initial_positions(
-    model: ir.Model, plan: Any, result: Any, method: Any
+    model: ir.Model, plan: Any, result: Any, method: Any, weight_method: Any = None
 ) -> tuple[dict[str, int], dict[str, Any]]:
     """Calibrated activation positions and weight/bias positions, before the NPU rules; and the
-    error curves (position -> error) the solver minimises where it must move a position."""
+    error curves (position -> error) the solver minimises where it must move a position.
+
+    Weights use ``weight_method`` (option ``WeightPositionMethod``; None or '': ``method``)."""
     from quark_onnx.plan import ACTIVATION_EQUALITY_OPS, TensorKind
     from quark_onnx.strategy import constant_data, constant_values
 
@@ -36,6 +38,7 @@ def initial_positions(
             f"calibrate_method {method} does not give power-of-two "
             "scales; XINT8 needs PowerOfTwoMethod.MinMSE or NonOverflow"
         )
+    weight_method = PowerOfTwoMethod.coerce(weight_method or method)
     positions: dict[str, int] = {}
     errors: dict[str, Any] = {}
     constants = constant_values(model)  # one scan; arrays are read one weight at a time
@@ -52,7 +55,7 @@ def initial_positions(
                 errors[name] = curve
         elif spec.kind is TensorKind.WEIGHT:
             w = constant_data(constants, name)
-            positions[name] = pof2.weight_position(w, method, spec.qtype)
+            positions[name] = pof2.weight_position(w, weight_method, spec.qtype)
             errors[name] = pof2.error_function(w, spec.qtype)
         else:
             positions[name] = pof2.bias_position(constant_data(constants, name))

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quark_onnx import fidelity_guard, pipeline, sequencer
+from quark_onnx import fidelity_guard, fidelity_repair, pipeline, preflight, sequencer
 from quark_onnx.config import Config, QuantizationConfig
 from quark_onnx.errors import ConfigError, QuantizationError
 from quark_onnx.options import ExtraOptions
@@ -98,6 +98,8 @@ class ModelQuantizer:
         qconfig = copy.deepcopy(self.qconfig)
         undone = [p["name"] for p in (self.report.passes if self.report else ()) if p["reverted"]]
         qconfig.extra_options.update(dict.fromkeys(undone, False))
+        for repair in (r for r in (self.report.repairs if self.report else ()) if r["kept"]):
+            fidelity_repair.apply_settings(qconfig, repair["settings"])
         return qconfig
 
     def quantize_model(
@@ -137,7 +139,7 @@ class ModelQuantizer:
         """
         from quark_onnx import model_io
 
-        _check_path_arguments(
+        preflight.check_path_arguments(
             model_input=model_input,
             model_output=model_output,
             calibration_data_path=calibration_data_path,
@@ -247,40 +249,6 @@ class ModelQuantizer:
         )
 
 
-def _check_architecture(
-    model: Any, source: str, qconfig: QuantizationConfig, require_ready: bool
-) -> None:
-    """Warn (or, with ``require_ready``, refuse) before any work when NPU (XINT8) settings meet
-    a model without Conv: the Vitis AI CNN flow is built around Conv layers (the check wants at
-    least two) and leaves transformer ops float; float-scale presets fit such models."""
-    if not qconfig.enable_npu_cnn:
-        return
-    if any(node.op_type == "Conv" for node in model.graph):
-        return
-    message = (
-        f"{source}: the NPU (XINT8) settings are for CNNs and this model has no Conv node; "
-        "the result will not be Vitis AI-ready and its LayerNormalization/Gelu/Softmax-style "
-        "ops stay float. For transformers use A16W8 (accurate static), A8W8 or INT8_DYNAMIC"
-    )
-    if require_ready:
-        raise ConfigError(message + " (refused because readiness is required)")
-    logger.warning(message)
-
-
-def _check_path_arguments(**arguments: Any) -> None:
-    """Refuse path arguments of the wrong type (a number, bytes, a list) with the argument named,
-    instead of a ``TypeError`` from deep inside."""
-    for name, value in arguments.items():
-        allowed: tuple[type, ...] = (str, os.PathLike)
-        if name == "model_input":
-            allowed = (str, os.PathLike, onnx.ModelProto)
-        elif value is None:
-            continue
-        if not isinstance(value, allowed):
-            expected = "a path or an onnx.ModelProto" if name == "model_input" else "a path"
-            raise ConfigError(f"{name} must be {expected}, got {type(value).__name__}")
-
-
 #: Stages that allocate and free a lot (model copies, onnxruntime sessions, replays): their freed
 #: heap pages go back to the OS when they end, so the next stage's peak does not stack on them.
 _LARGE_STAGES = frozenset({"prepare", "calibrate", "adaround", "bias_correction", "error_analysis"})
@@ -328,6 +296,7 @@ class _Run(sequencer.Stages):
         self.samples: list[dict[str, np.ndarray]] = []  # kept for the stages after calibration
         self.prepared: onnx.ModelProto | None = None  # the float copy calibration reads
         self.external_dir: Path | None = None
+        self.calibration: Any = None  # the calibration result
         self.power_of_two = False  # set by the plan
         self.positions: dict[str, int] = {}  # XINT8: the solved positions
         self.quantized: dict[str, Any] = {}  # constant -> the initializer of its codes
@@ -346,7 +315,7 @@ class _Run(sequencer.Stages):
                 # the readers read the graph's inputs only: no serialisation of the graph
                 proto = model_io.signature_proto(model)
         args = self.arguments
-        _check_architecture(model, self.source, self.qconfig, args["require_ready"])
+        preflight.check_architecture(model, self.source, self.qconfig, args["require_ready"])
         self.reader = calibration_source(
             args["reader"],
             args["npz_path"],
@@ -425,6 +394,7 @@ class _Run(sequencer.Stages):
             logger.info(
                 "%s: %s quantization needs no calibration data", self.source, plan.strategy.value
             )
+        self.calibration = result  # a fidelity repair positions again from it
         kept = self.reader.kept if self.reader is not None else []
         self.samples = kept[: self.q._samples_to_keep()]
         self.q.kept_samples = kept[: self.q.keep_samples]
@@ -443,7 +413,9 @@ class _Run(sequencer.Stages):
         report, source = self.report, self.source
         with _stage(report, "positions"):
             method = self.qconfig.calibrate_method
-            positions, errors = pof2_params.initial_positions(model, plan, result, method)
+            positions, errors = pof2_params.initial_positions(
+                model, plan, result, method, self.options.WeightPositionMethod
+            )
             ranges = pof2_params.calibrated_ranges(plan, result)
         with _stage(report, "constraints"):
             solved = pof2_params.solve(plan, positions, errors, ranges, self.options)
@@ -540,7 +512,7 @@ class _Run(sequencer.Stages):
             written[name] = p
         return written
 
-    def measure(self, model: Any, plan: Any) -> None:
+    def measure(self, model: Any, plan: Any, params: dict[str, Any]) -> tuple[Any, dict]:
         report = self.report
         if self.options.LayerErrorAnalysis and self.samples:
             fidelity_guard.materialize(self.prepared, self.external_dir)
@@ -548,19 +520,25 @@ class _Run(sequencer.Stages):
                 from quark_onnx.accuracy.error_analysis import layer_errors
 
                 report.layer_errors = layer_errors(self.prepared, model, self.samples, plan)
-        if self.reference:
-            # before finalize: fixing the batch dimension changes no value, and the samples'
-            # own batch sizes still fit
-            with _stage(report, "fidelity"):
-                fidelity_guard.guard_fidelity(
-                    report,
-                    self.source,
-                    model,
-                    self.fidelity_samples,
-                    self.reference,
-                    (self.prepared, plan, self.external_dir),
-                    self.options,
-                )
+        if not self.reference:
+            return model, params
+        fix = None  # XINT8: an unfaithful output is quantized again with conservative choices
+        if self.power_of_two and self.options.FidelityRepair:
+            fix = fidelity_repair.Repairer(self, model, params, plan)
+        # before finalize: fixing the batch dimension changes no value, and the samples'
+        # own batch sizes still fit
+        with _stage(report, "fidelity"):
+            model = fidelity_guard.guard_fidelity(
+                report,
+                self.source,
+                model,
+                self.fidelity_samples,
+                self.reference,
+                (self.prepared, plan, self.external_dir),
+                self.options,
+                repair=fix,
+            )
+        return model, (fix.params if fix is not None else params)
 
     def finalize(self, model: Any) -> onnx.ModelProto:
         from quark_onnx import model_io
@@ -572,7 +550,7 @@ class _Run(sequencer.Stages):
             return model_io.to_proto(model)
 
     def release(self) -> None:
-        self.prepared = None
+        self.prepared = self.calibration = None
         self.quantized = {}  # its initializers keep the whole working graph reachable
         gc.collect()
 

@@ -38,6 +38,10 @@ class QuantizationReport:
     #: The fidelity guard's verdict (:meth:`quark_onnx.fidelity.FidelityResult.to_dict`): every
     #: output against the original float model; empty when it did not run.
     fidelity: dict[str, Any] = field(default_factory=dict)
+    #: What the fidelity repair tried when the guard found an output not faithful, one entry per
+    #: attempt (:func:`quark_onnx.fidelity_repair.repair`): its settings, fidelity and whether
+    #: it was kept.
+    repairs: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     #: The process's peak RSS (MiB, ``getrusage`` ``ru_maxrss``) when each stage ended: a
     #: high-water mark, so the stage after which it jumps is the one that set the peak, and the
@@ -146,6 +150,12 @@ class QuantizationReport:
                 + (f", top-1 agreement {agree:.3f}" if agree is not None else "")
                 + ("" if out["faithful"] else "  <- below threshold")
             )
+        for entry in self.repairs:
+            outputs = ", ".join(f"{o['name']} SQNR {_db(o['sqnr_db'])}" for o in entry["outputs"])
+            lines.append(
+                f"  repair tried: {entry['repair']}: {outputs}"
+                + (" (kept)" if entry.get("kept") else "")
+            )
         for layer in fid.get("worst_layers", []):
             lines.append(
                 f"  loses most: {layer['node'] or layer['tensor']} ({layer['op_type']}), "
@@ -163,6 +173,10 @@ def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[
     if len(costly) > shown:
         lines.append(f"  rule cost: {len(costly) - shown} more tensor(s) lose >= 6 dB (report)")
     return lines
+
+
+def _db(value: Any) -> str:
+    return f"{value:.1f} dB" if isinstance(value, float) else f"{value} dB"
 
 
 def _jsonable(value: Any) -> Any:

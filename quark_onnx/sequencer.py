@@ -82,8 +82,12 @@ class Stages:
         """Stages that change the written codes; the parameters the model holds after them."""
         return params
 
-    def measure(self, model: ir.Model, plan: Any) -> None:
-        """Measurements of the quantized model before it is finalized (its batch sizes free)."""
+    def measure(
+        self, model: ir.Model, plan: Any, params: dict[str, QuantParams]
+    ) -> tuple[ir.Model, dict[str, QuantParams]]:
+        """Measurements of the quantized model before it is finalized (its batch sizes free);
+        the model and parameters kept (a repair may replace both)."""
+        return model, params
 
     def finalize(self, model: ir.Model) -> onnx.ModelProto:
         """The finalize passes; the model as written."""
@@ -108,7 +112,7 @@ def run(stages: Stages) -> Outcome:
     params = stages.insert(model, plan, parameters)
     del parameters
     params = stages.accuracy(model, plan, params)
-    stages.measure(model, plan)
+    model, params = stages.measure(model, plan, params)
     # nothing after the measurements reads the plan or the float copies: gone before finalize
     # writes the protobuf beside the working graph
     del plan

@@ -1,0 +1,229 @@
+"""Fidelity repair: when the guard measures an XINT8 output as not faithful, quantize again with
+the conservative choices and keep what measures best.
+
+Two choices of the XINT8 flow trade a rare catastrophe for a common gain, and both were seen to
+break models no test here had seen:
+
+* **MinMSE weight positions** may clip a weight tensor's largest values. The squared error over
+  the weight's values counts a clipped weight like a rounded one, but a clipped weight's error is
+  not noise: it shrinks the strongest pattern of its output channel exactly when that pattern is
+  present (a text recognizer whose 18,385-class head lost its most frequent class's weights this
+  way fell to 1 dB output SQNR; never clipping them: 13.6 dB). ``NonOverflow`` never clips.
+* **Bias correction** moves each layer's bias by the mean error measured on the calibration
+  samples. Where those samples do not exercise a layer as the model's inputs will (a text
+  detector calibrated on images without text), the correction itself becomes the error.
+
+The guard's verdict is a measurement on the user's own samples, so it can decide: each
+:class:`Repair` in :func:`candidates` order re-runs positions, Q/DQ insertion and the accuracy
+stages on a fresh copy of the prepared float model with the same calibration result, and is
+measured like the first attempt. The first faithful attempt wins; when none is faithful, the
+best-measuring one (:func:`score`) is kept, which may be the first. Nothing here runs for a
+faithful model, so it changes no output the guard accepts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from quark_onnx.enums import PowerOfTwoMethod
+
+logger = logging.getLogger("quark_onnx.quantizer")
+
+__all__ = ["Repair", "Repairer", "apply_settings", "candidates", "repair", "score"]
+
+#: The report fields the stages from positions to the accuracy stages write (a kept attempt's
+#: replace the first attempt's).
+_STAGE_FIELDS = (
+    "positions",
+    "adjustments",
+    "unfixable",
+    "range_clips",
+    "position_costs",
+    "bias_correction",
+    "adaround",
+)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One conservative variant of the settings: extra options and config fields it changes."""
+
+    label: str
+    extra_options: tuple[tuple[str, Any], ...] = ()
+    config: tuple[tuple[str, Any], ...] = ()
+
+    def settings(self) -> dict[str, Any]:
+        """The changed settings, as the report records them."""
+        return {**dict(self.config), **dict(self.extra_options)}
+
+
+def apply_settings(qconfig: Any, settings: dict[str, Any]) -> None:
+    """Write a repair's settings into ``qconfig`` (config fields, else extra options)."""
+    for key, value in settings.items():
+        if any(f.name == key for f in dataclasses.fields(qconfig)):
+            setattr(qconfig, key, value)
+        else:
+            qconfig.extra_options[key] = value
+
+
+def candidates(qconfig: Any, options: Any) -> list[Repair]:
+    """The repairs that change something for these settings, in the order they are tried."""
+    weight_method = PowerOfTwoMethod.coerce(
+        options.WeightPositionMethod or qconfig.calibrate_method
+    )
+    no_clip = (
+        (("WeightPositionMethod", "NonOverflow"),)
+        if weight_method is PowerOfTwoMethod.MinMSE
+        else ()
+    )
+    no_bias_correction = (("include_bias_correction", False),)
+    found = []
+    if no_clip:
+        found.append(Repair("weights never clipped", extra_options=no_clip))
+    if qconfig.include_bias_correction:
+        found.append(Repair("no bias correction", config=no_bias_correction))
+        if no_clip:
+            found.append(
+                Repair(
+                    "weights never clipped, no bias correction",
+                    extra_options=no_clip,
+                    config=no_bias_correction,
+                )
+            )
+    return found
+
+
+def score(result: Any) -> tuple[int, float, float]:
+    """Order of fidelity results: more faithful outputs, then the higher sum of the outputs'
+    SQNR (each within +-100 dB; NaN counts -100), then the higher sum of top-1 agreements."""
+    sqnr = sum(
+        -100.0 if o.sqnr_db != o.sqnr_db else max(-100.0, min(100.0, o.sqnr_db))
+        for o in result.outputs
+    )
+    agreement = sum(o.top1_agreement or 0.0 for o in result.outputs)
+    return (sum(o.faithful for o in result.outputs), sqnr, agreement)
+
+
+def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[Any, Any, Any]:
+    """Try :func:`candidates` on ``run`` (a quantizer run whose guard found ``first`` not
+    faithful); return the model, parameters and fidelity result kept. The report gets one
+    ``repairs`` entry per attempt, and the kept attempt's stage records and settings."""
+    report = run.report
+    kept = (score(first), model, params, first, None)
+    for cand in candidates(run.qconfig, run.options):
+        start = time.perf_counter()
+        trial = _attempt(run, plan, cand)
+        if trial is None:
+            continue
+        trial_run, trial_model, trial_params, result = trial
+        report.repairs.append(
+            {
+                "repair": cand.label,
+                "settings": cand.settings(),
+                **_fidelity_row(result),
+                "seconds": round(time.perf_counter() - start, 4),
+            }
+        )
+        if score(result) > kept[0]:
+            kept = (score(result), trial_model, trial_params, result, (cand, trial_run))
+        if result.faithful:
+            break
+    _, model, params, result, chosen = kept
+    for entry in report.repairs:
+        entry["kept"] = chosen is not None and entry["repair"] == chosen[0].label
+    if chosen is None:
+        return model, params, result
+    cand, trial_run = chosen
+    for name in _STAGE_FIELDS:
+        setattr(report, name, getattr(trial_run.report, name))
+    run.positions, run.quantized = trial_run.positions, trial_run.quantized
+    report.settings.get("extra_options", {}).update(dict(cand.extra_options))
+    report.settings.update(dict(cand.config))
+    logger.warning(
+        "%s: fidelity repair: with %s (%s) the outputs measure %s instead of %s; kept",
+        run.source,
+        cand.label,
+        ", ".join(f"{k}={v}" for k, v in cand.settings().items()),
+        _outputs_text(result),
+        _outputs_text(first),
+    )
+    return model, params, result
+
+
+class Repairer:
+    """The fidelity guard's repair hook for one quantizer run: after the guard calls it,
+    :attr:`model` and :attr:`params` are the ones kept (until then, the run's own)."""
+
+    def __init__(self, run: Any, model: Any, params: Any, plan: Any) -> None:
+        self.run, self.model, self.params, self.plan = run, model, params, plan
+
+    def __call__(self, first: Any) -> tuple[Any, Any]:
+        self.model, self.params, result = repair(
+            self.run, self.model, self.params, self.plan, first
+        )
+        return self.model, result
+
+
+def _attempt(run: Any, plan: Any, cand: Repair) -> tuple[Any, Any, Any, Any] | None:
+    """Positions, insertion and accuracy stages again with ``cand``'s settings, on a fresh copy
+    of the prepared float model; the trial run, its model, parameters and fidelity result."""
+    from quark_onnx import fidelity_guard, model_io
+    from quark_onnx.report import QuantizationReport
+
+    trial = copy.copy(run)
+    trial.qconfig = dataclasses.replace(run.qconfig, **dict(cand.config))
+    trial.options = dataclasses.replace(run.options, **dict(cand.extra_options))
+    trial.report = QuantizationReport(model=run.source)
+    trial.positions, trial.quantized = {}, {}
+    fidelity_guard.materialize(run.prepared, run.external_dir)
+    model = model_io.to_ir(run.prepared)
+    with _quiet():  # the first attempt's warnings were given; the kept one is summarised
+        positions = trial._positions(model, plan, run.calibration)
+        params = trial.insert(model, plan, positions)
+        params = trial.accuracy(model, plan, params)
+        result = fidelity_guard.measure(
+            trial.report, run.source, model, run.fidelity_samples, run.reference, run.options
+        )
+    if result is None:
+        return None
+    return trial, model, params, result
+
+
+def _fidelity_row(result: Any) -> dict[str, Any]:
+    return {
+        "faithful": result.faithful,
+        "outputs": [
+            {k: o.to_dict()[k] for k in ("name", "sqnr_db", "top1_agreement", "faithful")}
+            for o in result.outputs
+        ],
+    }
+
+
+def _outputs_text(result: Any) -> str:
+    return "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs)
+
+
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Warnings of the quantizer's stages are not repeated for each attempt."""
+    drop = _DropWarnings()
+    loggers = [logging.getLogger(n) for n in ("quark_onnx.quantizer", "quark_onnx")]
+    for log in loggers:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        for log in loggers:
+            log.removeFilter(drop)

@@ -1,0 +1,200 @@
+"""The fidelity repair: an unfaithful XINT8 output is quantized again with the conservative
+choices, and the best-measuring attempt is written; WeightPositionMethod."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper
+
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config, pof2
+from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx.errors import ConfigError
+from quark_onnx.fidelity import FidelityResult, OutputFidelity
+from quark_onnx.fidelity_repair import candidates, score
+
+
+def _model() -> onnx.ModelProto:
+    """x -> Conv 3x3 (4 channels) -> Relu -> Conv 1x1 (2 channels) -> y, random weights."""
+    rng = np.random.default_rng(3)
+    nodes = [
+        h.make_node("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c1"], ["r1"]),
+        h.make_node("Conv", ["r1", "w2"], ["y"], kernel_shape=[1, 1]),
+    ]
+    return make_model(
+        nodes,
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 1, 8, 8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 2, 8, 8])],
+        {
+            "w1": rng.normal(0, 0.5, (4, 1, 3, 3)).astype(np.float32),
+            "b1": rng.normal(0, 0.1, 4).astype(np.float32),
+            "w2": rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32),
+        },
+    )
+
+
+def _samples(n: int = 24) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.uniform(-1, 1, size=(1, 1, 8, 8)).astype(np.float32)} for _ in range(n)]
+
+
+def _quantizer(**extra) -> ModelQuantizer:
+    """XINT8 without CLE, so that the written weights are the model's own (the oracle's input)."""
+    config = get_default_config("XINT8")
+    config.include_cle = False
+    config.extra_options.update(extra)
+    return ModelQuantizer(Config(global_quant_config=config))
+
+
+def _weight_positions(model: onnx.ModelProto) -> dict[str, int]:
+    """Consumer weight input -> position, read from the written DequantizeLinear scales."""
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in ("w1_quantized", "w2_quantized"):
+            out[node.input[0]] = -int(math.log2(float(inits[node.input[1]])))
+    return out
+
+
+@pytest.fixture
+def clipping_minmse(monkeypatch):
+    """MinMSE weight positions made to clip: three positions above NonOverflow (each weight's
+    range / 8), which breaks the output the way a clipped classifier head does."""
+
+    def clipping(x, qtype=None):
+        w = np.asarray(x, dtype=np.float64)
+        return pof2.nonoverflow_position(float(w.min()), float(w.max())) + 3
+
+    monkeypatch.setattr(pof2, "minmse_position", clipping)
+
+
+def _sqnr(model: onnx.ModelProto, quantized: onnx.ModelProto, samples) -> float:
+    f = np.concatenate([run_ort(model, s)[0] for s in samples]).astype(np.float64)
+    q = np.concatenate([run_ort(quantized, s)[0] for s in samples]).astype(np.float64)
+    return 10 * math.log10(np.sum(f**2) / np.sum((f - q) ** 2))
+
+
+def test_clipped_weights_are_repaired_and_the_repair_is_written(tmp_path, clipping_minmse, caplog):
+    model, out = _model(), tmp_path / "q.onnx"
+    quantizer = _quantizer()
+    with caplog.at_level(logging.WARNING):
+        quantizer.quantize_model(model, out, ArrayDataReader(_samples()))
+    report = quantizer.report
+    assert report.fidelity["faithful"] is True
+    first = report.repairs[0]
+    assert first["repair"] == "weights never clipped" and first["kept"]
+    assert first["settings"] == {"WeightPositionMethod": "NonOverflow"}
+    assert len(report.repairs) == 1  # the first faithful attempt ends the search
+    assert "fidelity repair: with weights never clipped" in caplog.text
+    assert "does not follow the float model" not in caplog.text
+    # the written model holds NonOverflow weight positions (the pof2 oracle) ...
+    written = onnx.load(out)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    expected = {
+        f"{name}_quantized": pof2.weight_position(inits[name], PowerOfTwoMethod.NonOverflow)
+        for name in ("w1", "w2")
+    }
+    assert _weight_positions(written) == expected
+    # ... and is the model the guard measured (same SQNR on the guard's 16 samples)
+    assert report.fidelity["outputs"][0]["sqnr_db"] == pytest.approx(
+        _sqnr(model, written, _samples()[:16]), abs=1e-6
+    )
+    assert report.settings["extra_options"]["WeightPositionMethod"] == "NonOverflow"
+    assert quantizer.config_in_force.extra_options["WeightPositionMethod"] == "NonOverflow"
+    # the parameters the quantizer hands on (a recipe) are the written model's
+    assert float(quantizer.params["w1"].scale) == 2.0 ** -expected["w1_quantized"]
+    assert "repair tried: weights never clipped" in report.summary()
+
+
+def test_without_repair_the_clipped_weights_stay_and_the_guard_warns(
+    tmp_path, clipping_minmse, caplog
+):
+    model, out = _model(), tmp_path / "q.onnx"
+    quantizer = _quantizer(FidelityRepair=False)
+    with caplog.at_level(logging.WARNING):
+        quantizer.quantize_model(model, out, ArrayDataReader(_samples()))
+    assert quantizer.report.fidelity["faithful"] is False and quantizer.report.repairs == []
+    assert "does not follow the float model" in caplog.text
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    clipped = pof2.weight_position(inits["w2"], PowerOfTwoMethod.NonOverflow) + 3
+    assert _weight_positions(onnx.load(out))["w2_quantized"] == clipped
+
+
+def test_require_fidelity_is_met_by_a_repaired_model(tmp_path, clipping_minmse):
+    out = tmp_path / "q.onnx"
+    _quantizer(RequireFidelity=True).quantize_model(_model(), out, ArrayDataReader(_samples()))
+    assert out.exists()
+
+
+def test_a_faithful_model_is_not_repaired(tmp_path):
+    quantizer = _quantizer()
+    quantizer.quantize_model(_model(), tmp_path / "q.onnx", ArrayDataReader(_samples()))
+    assert quantizer.report.fidelity["faithful"] is True and quantizer.report.repairs == []
+
+
+def test_weight_position_method_nonoverflow_never_clips(tmp_path):
+    model = _model()
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = tmp_path / "q.onnx"
+    _quantizer(WeightPositionMethod="NonOverflow").quantize_model(
+        model, out, ArrayDataReader(_samples())
+    )
+    expected = {
+        f"{n}_quantized": pof2.weight_position(inits[n], PowerOfTwoMethod.NonOverflow)
+        for n in ("w1", "w2")
+    }
+    assert _weight_positions(onnx.load(out)) == expected
+
+
+def test_weight_position_method_rejects_other_values():
+    with pytest.raises(ConfigError, match="WeightPositionMethod='minmse2'.*did you mean 'MinMSE'"):
+        _quantizer(WeightPositionMethod="minmse2")
+
+
+def test_candidates_are_the_ones_that_change_something():
+    def labels(**changes):
+        config = get_default_config("XINT8")
+        extra = {k: v for k, v in changes.items() if k[0].isupper()}
+        for key, value in changes.items():
+            if not key[0].isupper():
+                setattr(config, key, value)
+        config.extra_options.update(extra)
+        return [c.label for c in candidates(config, config.validate())]
+
+    assert labels() == [
+        "weights never clipped",
+        "no bias correction",
+        "weights never clipped, no bias correction",
+    ]
+    assert labels(WeightPositionMethod="NonOverflow") == ["no bias correction"]
+    assert labels(calibrate_method=PowerOfTwoMethod.NonOverflow) == ["no bias correction"]
+    assert labels(include_bias_correction=False) == ["weights never clipped"]
+
+
+def _result(*outputs: tuple[float, float | None, bool]) -> FidelityResult:
+    return FidelityResult(
+        samples=4,
+        outputs=[
+            OutputFidelity(f"o{i}", s, 1.0, 0.0, a, 4 if a is not None else 0, ok)
+            for i, (s, a, ok) in enumerate(outputs)
+        ],
+        min_sqnr_db=10.0,
+        min_agreement=0.75,
+    )
+
+
+def test_score_orders_faithful_outputs_then_sqnr_then_agreement():
+    assert score(_result((11.0, None, True), (5.0, None, False))) > score(
+        _result((9.0, None, False), (40.0, None, False))
+    )
+    assert score(_result((9.0, None, False))) > score(_result((8.0, None, False)))
+    assert score(_result((9.0, 0.7, False))) > score(_result((9.0, 0.6, False)))
+    assert score(_result((float("nan"), None, False))) == score(_result((-1e9, None, False)))
