@@ -17,7 +17,8 @@ The guard's verdict is a measurement on the user's own samples, so it can decide
 :class:`Repair` in :func:`candidates` order re-runs positions, Q/DQ insertion and the accuracy
 stages on a fresh copy of the prepared float model with the same calibration result, and is
 measured like the first attempt. The first faithful attempt wins; when none is faithful, the
-best-measuring one (:func:`score`) is kept, which may be the first. Nothing here runs for a
+best-measuring one (:func:`score`: faithful outputs, then agreement, cosine, SQNR) is kept,
+which may be the first. Nothing here runs for a
 faithful model, so it changes no output the guard accepts.
 """
 
@@ -100,15 +101,22 @@ def candidates(qconfig: Any, options: Any) -> list[Repair]:
     return found
 
 
-def score(result: Any) -> tuple[int, float, float]:
-    """Order of fidelity results: more faithful outputs, then the higher sum of the outputs'
-    SQNR (each within +-100 dB; NaN counts -100), then the higher sum of top-1 agreements."""
-    sqnr = sum(
-        -100.0 if o.sqnr_db != o.sqnr_db else max(-100.0, min(100.0, o.sqnr_db))
-        for o in result.outputs
+def score(result: Any) -> tuple[int, float, float, float]:
+    """Order of fidelity results: more faithful outputs; then the higher sum of top-1
+    agreements (score vectors: their decision); then the higher sum of cosines (does each
+    output still follow the float pattern: an output that collapsed to zeros measures about
+    0 dB SQNR, better than a noisy one that still carries the pattern, but cosine 0); then the
+    higher sum of SQNR (each within +-100 dB). NaN counts as the worst value."""
+
+    def finite(value: float, low: float) -> float:
+        return low if value != value else max(low, min(-low, value))
+
+    return (
+        sum(o.faithful for o in result.outputs),
+        sum(o.top1_agreement or 0.0 for o in result.outputs),
+        sum(finite(o.cosine, -1.0) for o in result.outputs),
+        sum(finite(o.sqnr_db, -100.0) for o in result.outputs),
     )
-    agreement = sum(o.top1_agreement or 0.0 for o in result.outputs)
-    return (sum(o.faithful for o in result.outputs), sqnr, agreement)
 
 
 def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[Any, Any, Any]:
@@ -200,7 +208,7 @@ def _fidelity_row(result: Any) -> dict[str, Any]:
     return {
         "faithful": result.faithful,
         "outputs": [
-            {k: o.to_dict()[k] for k in ("name", "sqnr_db", "top1_agreement", "faithful")}
+            {k: o.to_dict()[k] for k in ("name", "sqnr_db", "cosine", "top1_agreement", "faithful")}
             for o in result.outputs
         ],
     }

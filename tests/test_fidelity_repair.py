@@ -179,22 +179,27 @@ def test_candidates_are_the_ones_that_change_something():
     assert labels(include_bias_correction=False) == ["weights never clipped"]
 
 
-def _result(*outputs: tuple[float, float | None, bool]) -> FidelityResult:
+def _result(*outputs: tuple[float, float, float | None, bool]) -> FidelityResult:
+    """Outputs as (SQNR, cosine, top-1 agreement, faithful)."""
     return FidelityResult(
         samples=4,
         outputs=[
-            OutputFidelity(f"o{i}", s, 1.0, 0.0, a, 4 if a is not None else 0, ok)
-            for i, (s, a, ok) in enumerate(outputs)
+            OutputFidelity(f"o{i}", s, c, 0.0, a, 4 if a is not None else 0, ok)
+            for i, (s, c, a, ok) in enumerate(outputs)
         ],
         min_sqnr_db=10.0,
         min_agreement=0.75,
     )
 
 
-def test_score_orders_faithful_outputs_then_sqnr_then_agreement():
-    assert score(_result((11.0, None, True), (5.0, None, False))) > score(
-        _result((9.0, None, False), (40.0, None, False))
+def test_score_orders_faithful_outputs_then_agreement_then_cosine_then_sqnr():
+    assert score(_result((11.0, 0.9, None, True), (5.0, 0.8, None, False))) > score(
+        _result((9.0, 0.9, None, False), (40.0, 1.0, None, False))
     )
-    assert score(_result((9.0, None, False))) > score(_result((8.0, None, False)))
-    assert score(_result((9.0, 0.7, False))) > score(_result((9.0, 0.6, False)))
-    assert score(_result((float("nan"), None, False))) == score(_result((-1e9, None, False)))
+    assert score(_result((9.0, 0.5, 0.7, False))) > score(_result((12.0, 0.9, 0.6, False)))
+    # an output collapsed to zeros (0 dB, cosine 0) loses to a noisy one that keeps the pattern
+    assert score(_result((-2.0, 0.5, None, False))) > score(_result((0.0, 0.0, None, False)))
+    assert score(_result((9.0, 0.9, None, False))) > score(_result((8.0, 0.9, None, False)))
+    assert score(_result((float("nan"), float("nan"), None, False))) == score(
+        _result((-1e9, -1.0, None, False))
+    )
