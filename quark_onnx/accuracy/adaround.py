@@ -81,7 +81,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.accuracy.layer_statistics import _statistics, _ungroup
+from quark_onnx.accuracy.layer_statistics import TARGETS, _statistics, _ungroup
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -124,6 +124,9 @@ GPTQ_HELD_OUT_GROUPS = 2
 #: Columns quantized between two updates of the columns after them (:func:`gptq_rounding`).
 GPTQ_BLOCK = 128
 
+#: The settings that take one of a few names.
+_CHOICES = {"OptimAlgorithm": ALGORITHMS, "Target": TARGETS}
+
 #: Upper bounds of the count settings: above them AdaRound would run for days.
 _MAX_SETTING = {"NumIterations": 1_000_000, "NumBatches": 100_000}
 
@@ -137,6 +140,7 @@ class AdaRoundSettings:
     LearningRate: float = 0.05
     TimeBudgetPerLayer: float = 5.0
     OptimAlgorithm: str = "adaround"
+    Target: str = "float"
 
     @classmethod
     def from_options(cls, raw: dict[str, Any] | None) -> AdaRoundSettings:
@@ -150,11 +154,11 @@ class AdaRoundSettings:
                 raise ConfigError(
                     f"unknown FastFinetune setting {key!r}{hint} (valid: {', '.join(names)})"
                 )
-            if key == "OptimAlgorithm":
-                if value not in ALGORITHMS:
+            if key in _CHOICES:
+                if value not in _CHOICES[key]:
                     raise ConfigError(
-                        f"FastFinetune setting OptimAlgorithm={value!r} is not one of "
-                        f"{', '.join(map(repr, ALGORITHMS))}"
+                        f"FastFinetune setting {key}={value!r} is not one of "
+                        f"{', '.join(map(repr, _CHOICES[key]))}"
                     )
                 values[key] = value
                 continue
@@ -428,13 +432,21 @@ def adaround(
             w_float = onnx.numpy_helper.to_array(float_weights[w_name]).astype(np.float32)
             bias = _dequantized_bias(layer, w_float)
             (xs,) = quant.get([layer.input])
-            (ts,) = flt.get([layer.float_output])
+            target = settings.Target
+            names = [layer.float_output, layer.float_input]
+            got = flt.get(names if target == "instrument" else names[:1])
+            ts, xfs = got[0], got[1] if len(got) > 1 else None
             t0 = time.perf_counter()
             fit_x, check_x = held_out_split(xs)
             fit_t, check_t = held_out_split(ts)
+            fit_f, check_f = held_out_split(xfs) if xfs is not None else (None, None)
             columns = GPTQ_COLUMNS if settings.OptimAlgorithm == "gptq" else 0
-            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns)
-            held = _statistics(layer, w_float, bias, check_x, check_t, columns) if check_x else None
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns, target, fit_f)
+            held = (
+                _statistics(layer, w_float, bias, check_x, check_t, columns, target, check_f)
+                if check_x
+                else None
+            )
             if stats is None:
                 skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
                 continue

@@ -3,6 +3,21 @@
 or Gemm layer, accumulated one sample at a time (:class:`_Statistics`), optionally on every k-th
 output position only (gathered directly, :func:`im2col`). The loss they define and the rounding
 that minimises it are in :mod:`~quark_onnx.accuracy.adaround`.
+
+Targets (``target``), ``Xq`` the layer's input in the quantized model, ``X`` in the float one:
+
+- ``"float"``: ``T`` the float model's output of the layer; the fit ``V* = C^T G^-1`` is then
+  the least-squares (conditional-mean) estimate of the float output from the quantized input,
+  which shrinks the response where the input is noisy (errors in variables).
+- ``"weights"``: ``T - b = W Xq``, the layer's float weights on its quantized input (classic
+  GPTQ): ``V* = W``; ``C = G W^T`` and ``sum ||T - b||^2 = tr(W G W^T)`` follow from ``G``
+  alone (only ``G`` is accumulated).
+- ``"instrument"``: ``V*`` solves ``V* Xq X^T = (T - b) X^T`` (instrumental variables, the
+  float input the instrument): it undoes the part of the input's error that is linear in the
+  float input (earlier layers' weight rounding) but, unlike ``"float"``, does not shrink for
+  error uncorrelated with it; ``C = G V*^T``, ``sum ||T - b||^2`` replaced by ``tr(V* G V*^T)``.
+
+With ``Xq = X`` all three are the same statistics (``V* = W``).
 """
 
 from __future__ import annotations
@@ -15,6 +30,12 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.accuracy.layerwise import Layer
+
+#: What the layer's output is fitted to (module doc).
+TARGETS = ("float", "weights", "instrument")
+#: Ridge of the instrument target's solve, relative to the mean diagonal of ``X Xq^T`` (the
+#: rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
+INSTRUMENT_DAMPING = 0.01
 
 
 @dataclass
@@ -95,10 +116,16 @@ class _Statistics:
     ``columns`` > 0: at most that many output positions per sample (every k-th, so reruns are
     identical), multiplied in float32 and accumulated in float64 -- the cheap statistics
     second-order rounding uses; 0: every position in float64 (AdaRound). ``form`` is None for a
-    layer form the rounding does not support (module doc).
+    layer form the rounding does not support. ``target``: module doc.
     """
 
-    def __init__(self, layer: Layer, w_float: np.ndarray, bias: np.ndarray, columns: int = 0):
+    def __init__(
+        self, layer: Layer, w_float: np.ndarray, bias: np.ndarray, columns: int = 0,
+        target: str = "float",
+    ):  # fmt: skip
+        if target not in TARGETS:
+            raise ValueError(f"unknown rounding target {target!r}; known: {', '.join(TARGETS)}")
+        self.target = target
         self.columns = columns
         self.dtype = np.float32 if columns else np.float64
         self.bias = bias
@@ -134,24 +161,37 @@ class _Statistics:
         g, o, k = self.wg.shape
         self.gram = np.zeros((g, k, k))
         self.cross = np.zeros((g, k, o))
+        # instrument target: X Xq^T (float input times quantized input)
+        self.mixed = np.zeros((g, k, k)) if target == "instrument" else None
 
     @property
     def supported(self) -> bool:
         return self.form is not None and self.valid
 
-    def add(self, x: np.ndarray, t: np.ndarray) -> None:
-        """Accumulate one sample: the layer's input ``x`` (quantized model) and target ``t``."""
+    def add(self, x: np.ndarray, t: np.ndarray, xf: np.ndarray | None = None) -> None:
+        """Accumulate one sample: the layer's input ``x`` (quantized model), target ``t`` and,
+        for the ``"instrument"`` target, the layer's float input ``xf``."""
         if not self.supported:
+            return
+        if self.target == "instrument" and (xf is None or np.shape(xf) != np.shape(x)):
+            self.valid = False
             return
         if self.geo is None:  # Gemm
             k = self.wg.shape[2]
             a = np.asarray(x, dtype=np.float64).reshape(-1, k)
-            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
             self.gram[0] += a.T @ a
-            self.cross[0] += a.T @ tt
-            self.const += float(np.sum(tt * tt))
             self.rows += a.shape[0]
             self.available += a.shape[0]
+            if self.target == "weights":
+                return
+            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
+            if self.target == "instrument":
+                af = np.asarray(xf, dtype=np.float64).reshape(-1, k)
+                self.mixed[0] += af.T @ a
+                self.cross[0] += af.T @ tt
+                return
+            self.cross[0] += a.T @ tt
+            self.const += float(np.sum(tt * tt))
             return
         dtype, geo = self.dtype, self.geo
         g, o = self.wg.shape[:2]
@@ -165,25 +205,47 @@ class _Statistics:
         every = -(-(oh * ow) // self.columns) if self.columns and oh * ow > self.columns else 1
         # every k-th output position of each sample, gathered before anything is copied whole
         cols = im2col(x, geo, every)
-        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
-        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
-        tg = np.ascontiguousarray(
-            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
-        )
         if g == 1:  # c @ c.T of a 2-D array is one symmetric rank-k update (half the products)
             c = cols[0]
             self.gram[0] += c @ c.T
         else:
             self.gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
+        self.rows += cols.shape[2]
+        if self.target == "weights":
+            return
+        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
+        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
+        tg = np.ascontiguousarray(
+            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
+        )
+        if self.target == "instrument":
+            cols_f = im2col(np.asarray(xf, dtype=dtype), geo, every)
+            self.mixed += np.matmul(cols_f, np.swapaxes(cols, 1, 2))
+            self.cross += np.matmul(cols_f, np.swapaxes(tg, 1, 2))
+            return
         self.cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
         self.const += float(np.sum(np.square(tg, dtype=np.float64)))
-        self.rows += cols.shape[2]
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-        """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported."""
+        """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported.
+        For the ``"weights"`` and ``"instrument"`` targets ``C = G V*^T`` and the constant is
+        ``tr(V* G V*^T)``, ``V*`` the target weights (module doc)."""
         if not self.supported:
             return None
-        return self.wg, self.gram, self.cross, self.const, self.form
+        if self.target == "float":
+            return self.wg, self.gram, self.cross, self.const, self.form
+        wt = np.swapaxes(self.wg, 1, 2)  # (g, K, O)
+        if self.target == "instrument":  # V*^T = (X Xq^T + mu I)^-1 (X (T - b)^T + mu W^T)
+            diag = np.abs(np.diagonal(self.mixed, axis1=1, axis2=2))
+            mu = INSTRUMENT_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
+            eye = np.eye(self.mixed.shape[1])[None]
+            try:
+                wt = np.linalg.solve(self.mixed + mu[:, None, None] * eye,
+                                     self.cross + mu[:, None, None] * wt)  # fmt: skip
+            except np.linalg.LinAlgError:
+                return None
+        cross = np.matmul(self.gram, wt)
+        return self.wg, self.gram, cross, float(np.sum(wt * cross)), self.form
 
 
 def _statistics(
@@ -193,11 +255,15 @@ def _statistics(
     xs: Sequence[np.ndarray],
     ts: Sequence[np.ndarray],
     columns: int = 0,
+    target: str = "float",
+    xfs: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-    """:class:`_Statistics` over the samples ``xs``/``ts``; None for an unsupported layer."""
-    stats = _Statistics(layer, w_float, bias, columns)
-    for x, t in zip(xs, ts, strict=True):
-        stats.add(x, t)
+    """:class:`_Statistics` over the samples ``xs``/``ts`` (float inputs ``xfs`` for the
+    instrument target); None for an unsupported layer."""
+    stats = _Statistics(layer, w_float, bias, columns, target)
+    floats = [None] * len(xs) if xfs is None else xfs
+    for x, t, xf in zip(xs, ts, floats, strict=True):
+        stats.add(x, t, xf)
     return stats.result()
 
 

@@ -86,7 +86,8 @@ class SequentialRounding:
             return
         w_float = onnx.numpy_helper.to_array(self.float_weights[w_name]).astype(np.float32)
         bias = _dequantized_bias(layer, w_float)
-        fit = _Statistics(layer, w_float, bias, GPTQ_COLUMNS)
+        target = self.settings.Target
+        fit = _Statistics(layer, w_float, bias, GPTQ_COLUMNS, target)
         if not fit.supported:
             self.skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
             return
@@ -103,16 +104,20 @@ class SequentialRounding:
         fit.columns = -(-wanted // self.cut)
         n_held = self.num_samples - self.cut
         groups = [
-            _Statistics(layer, w_float, bias, fit.columns)
+            _Statistics(layer, w_float, bias, fit.columns, target)
             for _ in range(min(GPTQ_HELD_OUT_GROUPS, n_held) if self.gated else 0)
         ]
-        pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.input]), strict=True)
-        for (i, (t,)), (_, (x,)) in pairs:
+        names = [layer.float_output]
+        if target == "instrument":  # the float input too (layer_statistics' module doc)
+            names.append(layer.float_input)
+        pairs = zip(flt.stream(names), quant.stream([layer.input]), strict=True)
+        for (i, floats), (_, (x,)) in pairs:
+            t, xf = floats[0], floats[1] if len(floats) > 1 else None
             if i < self.cut or not groups:
-                fit.add(x, t)
+                fit.add(x, t, xf)
             else:
-                groups[(i - self.cut) * len(groups) // n_held].add(x, t)
-            del t, x
+                groups[(i - self.cut) * len(groups) // n_held].add(x, t, xf)
+            del t, x, xf, floats
         parts = [g.result() for g in groups]
         held = None
         if parts and all(part is not None for part in parts):
