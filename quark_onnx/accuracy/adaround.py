@@ -60,8 +60,15 @@ they had, every MobileNetV2 1x1 layer with 66 or fewer per input lost on its hel
 (0.5-215 % more error; benchmarks/results/rounding_layers.txt). The statistics then cost
 ``O(K^3)`` per group whatever the image size (time: benchmarks/results/rounding.txt).
 
+What the layer output is fitted to (``Target``, :mod:`~quark_onnx.accuracy.layer_statistics`):
+``"float"`` (default), the float model's output as above; ``"weights"``, the float weights on
+the quantized input (``T - b = W X``: rounding only, no compensation of the prefix's error);
+``"instrument"``, the weights that undo the prefix's error linear in the float input without
+the least-squares fit's shrinkage toward the mean for error uncorrelated with it.
+
 Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
-``"gptq"``), ``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
+``"gptq"``), ``Target`` (``"float"``, default, ``"weights"`` or ``"instrument"``),
+``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
 ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer`` (seconds of optimisation per layer,
 default 5; the loop stops early and keeps the best so far); the last three are AdaRound's.
 Supported layers: 2-D Conv (any group, stride, dilation, padding) and Gemm (alpha = beta = 1,
