@@ -17,7 +17,11 @@ Targets (``target``), ``Xq`` the layer's input in the quantized model, ``X`` in 
   float input (earlier layers' weight rounding) but, unlike ``"float"``, does not shrink for
   error uncorrelated with it; ``C = G V*^T``, ``sum ||T - b||^2`` replaced by ``tr(V* G V*^T)``.
 
-With ``Xq = X`` all three are the same statistics (``V* = W``).
+- ``"debiased"``: the ``"float"`` fit with each output channel's gain raised so that the fitted
+  output regressed on the float output has slope 1 (``var(t) / cov(V* xq, t)``, centred): the
+  least-squares fit's attenuation undone per channel; ``C = G V*^T`` as above.
+
+With ``Xq = X`` all four are the same statistics (``V* = W``).
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ import onnx_ir as ir
 from quark_onnx.accuracy.layerwise import Layer
 
 #: What the layer's output is fitted to (module doc).
-TARGETS = ("float", "weights", "instrument")
-#: Ridge of the instrument target's solve, relative to the mean diagonal of ``X Xq^T`` (the
-#: rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
-INSTRUMENT_DAMPING = 0.01
+TARGETS = ("float", "weights", "instrument", "debiased")
+#: Ridge of the instrument and debiased targets' solves, relative to the mean diagonal of
+#: ``X Xq^T`` or ``G`` (the rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
+TARGET_DAMPING = 0.01
 
 
 @dataclass
@@ -163,6 +167,8 @@ class _Statistics:
         self.cross = np.zeros((g, k, o))
         # instrument target: X Xq^T (float input times quantized input)
         self.mixed = np.zeros((g, k, k)) if target == "instrument" else None
+        # debiased target: sums of the inputs, of T - b and of its square, per group
+        self.sums = (np.zeros((g, k)), np.zeros((g, o)), np.zeros((g, o)))
 
     @property
     def supported(self) -> bool:
@@ -192,6 +198,8 @@ class _Statistics:
                 return
             self.cross[0] += a.T @ tt
             self.const += float(np.sum(tt * tt))
+            if self.target == "debiased":
+                self._add_sums(a.T[None], tt.T[None])
             return
         dtype, geo = self.dtype, self.geo
         g, o = self.wg.shape[:2]
@@ -225,6 +233,14 @@ class _Statistics:
             return
         self.cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
         self.const += float(np.sum(np.square(tg, dtype=np.float64)))
+        if self.target == "debiased":
+            self._add_sums(cols, tg)
+
+    def _add_sums(self, cols: np.ndarray, tg: np.ndarray) -> None:
+        """Sums over positions of (g, K, P) input columns and (g, O, P) targets ``T - b``."""
+        self.sums[0][:] += np.sum(cols, axis=2, dtype=np.float64)
+        self.sums[1][:] += np.sum(tg, axis=2, dtype=np.float64)
+        self.sums[2][:] += np.sum(np.square(tg, dtype=np.float64), axis=2)
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
         """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported.
@@ -235,9 +251,11 @@ class _Statistics:
         if self.target == "float":
             return self.wg, self.gram, self.cross, self.const, self.form
         wt = np.swapaxes(self.wg, 1, 2)  # (g, K, O)
+        if self.target == "debiased":
+            wt = self._debiased(wt)
         if self.target == "instrument":  # V*^T = (X Xq^T + mu I)^-1 (X (T - b)^T + mu W^T)
             diag = np.abs(np.diagonal(self.mixed, axis1=1, axis2=2))
-            mu = INSTRUMENT_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
+            mu = TARGET_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
             eye = np.eye(self.mixed.shape[1])[None]
             try:
                 wt = np.linalg.solve(self.mixed + mu[:, None, None] * eye,
@@ -246,6 +264,29 @@ class _Statistics:
                 return None
         cross = np.matmul(self.gram, wt)
         return self.wg, self.gram, cross, float(np.sum(wt * cross)), self.form
+
+    def _debiased(self, wt: np.ndarray) -> np.ndarray:
+        """``V*^T`` of the debiased target: the damped least-squares fit ``(G + mu I)^-1
+        (C + mu W^T)``, each output channel ``c`` then multiplied by ``var(t_c) / cov(v_c,
+        t_c)`` (centered over positions), so that the fitted output regressed on the float one
+        has slope 1; a channel whose fitted output does not covary with its target keeps the
+        fit."""
+        diag = np.diagonal(self.gram, axis1=1, axis2=2)
+        mu = TARGET_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
+        eye = np.eye(self.gram.shape[1])[None]
+        try:
+            fit = np.linalg.solve(self.gram + mu[:, None, None] * eye,
+                                  self.cross + mu[:, None, None] * wt)  # fmt: skip
+        except np.linalg.LinAlgError:
+            return wt
+        n = max(self.rows, 1)
+        sum_x, sum_t, sum_t2 = self.sums
+        centred = self.cross - np.einsum("gk,go->gko", sum_x, sum_t) / n
+        cov = np.sum(fit * centred, axis=1)  # (g, O)
+        var = sum_t2 - sum_t * sum_t / n
+        ok = (cov > 0) & (var > 0)
+        gain = np.where(ok, var / np.where(ok, cov, 1.0), 1.0)
+        return fit * gain[:, None, :]
 
 
 def _statistics(

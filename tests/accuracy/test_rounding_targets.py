@@ -65,7 +65,7 @@ def test_every_target_gives_the_same_statistics_and_rounding_on_noise_free_input
     layer = _layer("Conv", **CONV)
     got = {t: _statistics(layer, w, b, xs, ts, target=t, xfs=xs) for t in TARGETS}
     ref = got["float"]
-    for target in ("weights", "instrument"):
+    for target in ("weights", "instrument", "debiased"):
         _, gram, cross, const, _ = got[target]
         np.testing.assert_allclose(gram, ref[1], rtol=1e-12)
         np.testing.assert_allclose(cross, ref[2], rtol=1e-8, atol=1e-9)
@@ -73,6 +73,7 @@ def test_every_target_gives_the_same_statistics_and_rounding_on_noise_free_input
     codes = {t: gptq_rounding(s[0], 3, s[1], s[2], s[3]).codes for t, s in got.items()}
     assert np.array_equal(codes["weights"], codes["float"])
     assert np.array_equal(codes["instrument"], codes["float"])
+    assert np.array_equal(codes["debiased"], codes["float"])
 
 
 def _gemm_fit(rng: np.random.Generator, noise: float):
