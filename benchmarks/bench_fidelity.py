@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gptq-target",
         default="",
         help="also second-order rounding (include_fast_ft, OptimAlgorithm gptq) with this "
-        "FastFinetune Target (float, weights, instrument) in every option set",
+        "FastFinetune Target (float, weights, debiased) in every option set",
     )
     parser.add_argument("--name", default="fidelity", help="results/<name>.{txt,json}")
     args = parser.parse_args(argv)  # fmt: skip

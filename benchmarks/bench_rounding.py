@@ -43,7 +43,7 @@ import common
 import numpy as np
 
 VARIANTS = (
-    "shipped", "gptq", "gptq_weights", "gptq_instrument", "gptq_debiased", "no_gptq", "move_bias",
+    "shipped", "gptq", "gptq_weights", "gptq_debiased", "no_gptq", "move_bias",
     "no_bc",
 )  # fmt: skip
 REFERENCE = "shipped"  # the time ratio's denominator

@@ -61,13 +61,14 @@ they had, every MobileNetV2 1x1 layer with 66 or fewer per input lost on its hel
 ``O(K^3)`` per group whatever the image size (time: benchmarks/results/rounding.txt).
 
 What the layer output is fitted to (``Target``, :mod:`~quark_onnx.accuracy.layer_statistics`):
-``"float"`` (default), the float model's output as above; ``"weights"``, the float weights on
-the quantized input (``T - b = W X``: rounding only, no compensation of the prefix's error);
-``"instrument"``, the weights that undo the prefix's error linear in the float input without
-the least-squares fit's shrinkage toward the mean for error uncorrelated with it.
+``"float"`` (default), the float model's output as above, whose least-squares fit on a noisy
+quantized input shrinks the layer's response toward its mean; ``"weights"``, the float weights
+on the quantized input (``T - b = W X``: rounding only, no compensation of the prefix's error);
+``"debiased"``, the float target's fit with each output channel's gain restored (slope 1 of
+fitted on float output).
 
 Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
-``"gptq"``), ``Target`` (``"float"``, default, ``"weights"`` or ``"instrument"``),
+``"gptq"``), ``Target`` (``"float"``, default, ``"weights"`` or ``"debiased"``),
 ``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
 ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer`` (seconds of optimisation per layer,
 default 5; the loop stops early and keeps the best so far); the last three are AdaRound's.
@@ -439,18 +440,15 @@ def adaround(
             w_float = onnx.numpy_helper.to_array(float_weights[w_name]).astype(np.float32)
             bias = _dequantized_bias(layer, w_float)
             (xs,) = quant.get([layer.input])
-            target = settings.Target
-            names = [layer.float_output, layer.float_input]
-            got = flt.get(names if target == "instrument" else names[:1])
-            ts, xfs = got[0], got[1] if len(got) > 1 else None
+            (ts,) = flt.get([layer.float_output])
             t0 = time.perf_counter()
             fit_x, check_x = held_out_split(xs)
             fit_t, check_t = held_out_split(ts)
-            fit_f, check_f = held_out_split(xfs) if xfs is not None else (None, None)
             columns = GPTQ_COLUMNS if settings.OptimAlgorithm == "gptq" else 0
-            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns, target, fit_f)
+            target = settings.Target
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns, target)
             held = (
-                _statistics(layer, w_float, bias, check_x, check_t, columns, target, check_f)
+                _statistics(layer, w_float, bias, check_x, check_t, columns, target)
                 if check_x
                 else None
             )

@@ -4,7 +4,7 @@ or Gemm layer, accumulated one sample at a time (:class:`_Statistics`), optional
 output position only (gathered directly, :func:`im2col`). The loss they define and the rounding
 that minimises it are in :mod:`~quark_onnx.accuracy.adaround`.
 
-Targets (``target``), ``Xq`` the layer's input in the quantized model, ``X`` in the float one:
+Targets (``target``), ``Xq`` the layer's input in the quantized model:
 
 - ``"float"``: ``T`` the float model's output of the layer; the fit ``V* = C^T G^-1`` is then
   the least-squares (conditional-mean) estimate of the float output from the quantized input,
@@ -12,16 +12,13 @@ Targets (``target``), ``Xq`` the layer's input in the quantized model, ``X`` in 
 - ``"weights"``: ``T - b = W Xq``, the layer's float weights on its quantized input (classic
   GPTQ): ``V* = W``; ``C = G W^T`` and ``sum ||T - b||^2 = tr(W G W^T)`` follow from ``G``
   alone (only ``G`` is accumulated).
-- ``"instrument"``: ``V*`` solves ``V* Xq X^T = (T - b) X^T`` (instrumental variables, the
-  float input the instrument): it undoes the part of the input's error that is linear in the
-  float input (earlier layers' weight rounding) but, unlike ``"float"``, does not shrink for
-  error uncorrelated with it; ``C = G V*^T``, ``sum ||T - b||^2`` replaced by ``tr(V* G V*^T)``.
-
 - ``"debiased"``: the ``"float"`` fit with each output channel's gain raised so that the fitted
   output regressed on the float output has slope 1 (``var(t) / cov(V* xq, t)``, centred): the
-  least-squares fit's attenuation undone per channel; ``C = G V*^T`` as above.
+  least-squares fit's attenuation undone per channel; ``C = G V*^T`` and ``sum ||T - b||^2``
+  replaced by ``tr(V* G V*^T)``.
 
-With ``Xq = X`` all four are the same statistics (``V* = W``).
+With ``Xq`` equal to the float input and ``T = W Xq + b`` the three are the same statistics
+(``V* = W``).
 """
 
 from __future__ import annotations
@@ -36,9 +33,9 @@ import onnx_ir as ir
 from quark_onnx.accuracy.layerwise import Layer
 
 #: What the layer's output is fitted to (module doc).
-TARGETS = ("float", "weights", "instrument", "debiased")
-#: Ridge of the instrument and debiased targets' solves, relative to the mean diagonal of
-#: ``X Xq^T`` or ``G`` (the rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
+TARGETS = ("float", "weights", "debiased")
+#: Ridge of the debiased target's least-squares fit, relative to the mean diagonal of ``G``
+#: (the rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
 TARGET_DAMPING = 0.01
 
 
@@ -165,22 +162,16 @@ class _Statistics:
         g, o, k = self.wg.shape
         self.gram = np.zeros((g, k, k))
         self.cross = np.zeros((g, k, o))
-        # instrument target: X Xq^T (float input times quantized input)
-        self.mixed = np.zeros((g, k, k)) if target == "instrument" else None
-        # debiased target: sums of the inputs, of T - b and of its square, per group
+        # debiased target: sums over positions of the inputs, of T - b and of its square
         self.sums = (np.zeros((g, k)), np.zeros((g, o)), np.zeros((g, o)))
 
     @property
     def supported(self) -> bool:
         return self.form is not None and self.valid
 
-    def add(self, x: np.ndarray, t: np.ndarray, xf: np.ndarray | None = None) -> None:
-        """Accumulate one sample: the layer's input ``x`` (quantized model), target ``t`` and,
-        for the ``"instrument"`` target, the layer's float input ``xf``."""
+    def add(self, x: np.ndarray, t: np.ndarray) -> None:
+        """Accumulate one sample: the layer's input ``x`` (quantized model) and target ``t``."""
         if not self.supported:
-            return
-        if self.target == "instrument" and (xf is None or np.shape(xf) != np.shape(x)):
-            self.valid = False
             return
         if self.geo is None:  # Gemm
             k = self.wg.shape[2]
@@ -191,11 +182,6 @@ class _Statistics:
             if self.target == "weights":
                 return
             tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
-            if self.target == "instrument":
-                af = np.asarray(xf, dtype=np.float64).reshape(-1, k)
-                self.mixed[0] += af.T @ a
-                self.cross[0] += af.T @ tt
-                return
             self.cross[0] += a.T @ tt
             self.const += float(np.sum(tt * tt))
             if self.target == "debiased":
@@ -226,11 +212,6 @@ class _Statistics:
         tg = np.ascontiguousarray(
             np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
         )
-        if self.target == "instrument":
-            cols_f = im2col(np.asarray(xf, dtype=dtype), geo, every)
-            self.mixed += np.matmul(cols_f, np.swapaxes(cols, 1, 2))
-            self.cross += np.matmul(cols_f, np.swapaxes(tg, 1, 2))
-            return
         self.cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
         self.const += float(np.sum(np.square(tg, dtype=np.float64)))
         if self.target == "debiased":
@@ -244,7 +225,7 @@ class _Statistics:
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
         """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported.
-        For the ``"weights"`` and ``"instrument"`` targets ``C = G V*^T`` and the constant is
+        For the ``"weights"`` and ``"debiased"`` targets ``C = G V*^T`` and the constant is
         ``tr(V* G V*^T)``, ``V*`` the target weights (module doc)."""
         if not self.supported:
             return None
@@ -253,15 +234,6 @@ class _Statistics:
         wt = np.swapaxes(self.wg, 1, 2)  # (g, K, O)
         if self.target == "debiased":
             wt = self._debiased(wt)
-        if self.target == "instrument":  # V*^T = (X Xq^T + mu I)^-1 (X (T - b)^T + mu W^T)
-            diag = np.abs(np.diagonal(self.mixed, axis1=1, axis2=2))
-            mu = TARGET_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
-            eye = np.eye(self.mixed.shape[1])[None]
-            try:
-                wt = np.linalg.solve(self.mixed + mu[:, None, None] * eye,
-                                     self.cross + mu[:, None, None] * wt)  # fmt: skip
-            except np.linalg.LinAlgError:
-                return None
         cross = np.matmul(self.gram, wt)
         return self.wg, self.gram, cross, float(np.sum(wt * cross)), self.form
 
@@ -297,14 +269,11 @@ def _statistics(
     ts: Sequence[np.ndarray],
     columns: int = 0,
     target: str = "float",
-    xfs: Sequence[np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-    """:class:`_Statistics` over the samples ``xs``/``ts`` (float inputs ``xfs`` for the
-    instrument target); None for an unsupported layer."""
+    """:class:`_Statistics` over the samples ``xs``/``ts``; None for an unsupported layer."""
     stats = _Statistics(layer, w_float, bias, columns, target)
-    floats = [None] * len(xs) if xfs is None else xfs
-    for x, t, xf in zip(xs, ts, floats, strict=True):
-        stats.add(x, t, xf)
+    for x, t in zip(xs, ts, strict=True):
+        stats.add(x, t)
     return stats.result()
 
 

@@ -107,17 +107,13 @@ class SequentialRounding:
             _Statistics(layer, w_float, bias, fit.columns, target)
             for _ in range(min(GPTQ_HELD_OUT_GROUPS, n_held) if self.gated else 0)
         ]
-        names = [layer.float_output]
-        if target == "instrument":  # the float input too (layer_statistics' module doc)
-            names.append(layer.float_input)
-        pairs = zip(flt.stream(names), quant.stream([layer.input]), strict=True)
-        for (i, floats), (_, (x,)) in pairs:
-            t, xf = floats[0], floats[1] if len(floats) > 1 else None
+        pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.input]), strict=True)
+        for (i, (t,)), (_, (x,)) in pairs:
             if i < self.cut or not groups:
-                fit.add(x, t, xf)
+                fit.add(x, t)
             else:
-                groups[(i - self.cut) * len(groups) // n_held].add(x, t, xf)
-            del t, x, xf, floats
+                groups[(i - self.cut) * len(groups) // n_held].add(x, t)
+            del t, x
         parts = [g.result() for g in groups]
         held = None
         if parts and all(part is not None for part in parts):
