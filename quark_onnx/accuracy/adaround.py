@@ -65,7 +65,8 @@ What the layer output is fitted to (``Target``, :mod:`~quark_onnx.accuracy.layer
 quantized input shrinks the layer's response toward its mean; ``"weights"``, the float weights
 on the quantized input (``T - b = W X``: rounding only, no compensation of the prefix's error);
 ``"debiased"``, the float target's fit with each output channel's gain restored (slope 1 of
-fitted on float output).
+fitted on float output). The held-out gate measures the same target on the held-out samples.
+None of them is in the XINT8 preset (measured: benchmarks/results/rounding_target.md).
 
 Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
 ``"gptq"``), ``Target`` (``"float"``, default, ``"weights"`` or ``"debiased"``),
