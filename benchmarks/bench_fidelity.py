@@ -669,6 +669,18 @@ def measure(
     return row
 
 
+def _gptq(target: str) -> Callable[[Any], None] | None:
+    """``--gptq-target``: second-order rounding in bias correction's walk with this target."""
+    if not target:
+        return None
+
+    def on(qc: Any) -> None:
+        qc.include_fast_ft = True
+        qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq", "Target": target}
+
+    return on
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -686,6 +698,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="with --techniques: comma separated subset of the discovered list",
     )
+    parser.add_argument(
+        "--gptq-target",
+        default="",
+        help="also second-order rounding (include_fast_ft, OptimAlgorithm gptq) with this "
+        "FastFinetune Target (float, weights, debiased) in every option set",
+    )
     parser.add_argument("--name", default="fidelity", help="results/<name>.{txt,json}")
     args = parser.parse_args(argv)  # fmt: skip
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
@@ -700,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown technique(s) {unknown}; the preset enables {sorted(offs)}")
         offs = {k: offs[k] for k in wanted}
     meta = {**common.machine_info(), "commit": _git_commit(), "argv": sys.argv[1:]}
+    if args.gptq_target:
+        meta["gptq_target"] = args.gptq_target
     if offs:
         meta["techniques"] = sorted(offs)
     rows: list[dict] = []
@@ -732,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(("preset", REFERENCE, None))
             jobs += [("preset", t, fn) for t, fn in offs.items()]
         else:
-            jobs += [(c, "", None) for c in configs]
+            jobs += [(c, "", _gptq(args.gptq_target)) for c in configs]
         for config, technique, tweak in jobs:
             rerun = args.rerun and not technique
             row = measure(

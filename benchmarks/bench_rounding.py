@@ -42,7 +42,10 @@ import bench_fidelity as bf
 import common
 import numpy as np
 
-VARIANTS = ("shipped", "gptq", "no_gptq", "move_bias", "no_bc")
+VARIANTS = (
+    "shipped", "gptq", "gptq_weights", "gptq_debiased", "no_gptq", "move_bias",
+    "no_bc",
+)  # fmt: skip
 REFERENCE = "shipped"  # the time ratio's denominator
 
 
@@ -50,11 +53,12 @@ def tweak(variant: str):
     """The function that turns option set ``qc`` into ``variant`` (None: as shipped)."""
     if variant == "shipped":
         return None
-    if variant == "gptq":
+    if variant.startswith("gptq"):
+        target = variant.partition("_")[2] or "float"
 
         def gptq(qc: Any) -> None:
             qc.include_fast_ft = True
-            qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+            qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq", "Target": target}
 
         return gptq
     if variant == "no_gptq":

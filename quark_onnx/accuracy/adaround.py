@@ -60,8 +60,17 @@ they had, every MobileNetV2 1x1 layer with 66 or fewer per input lost on its hel
 (0.5-215 % more error; benchmarks/results/rounding_layers.txt). The statistics then cost
 ``O(K^3)`` per group whatever the image size (time: benchmarks/results/rounding.txt).
 
+What the layer output is fitted to (``Target``, :mod:`~quark_onnx.accuracy.layer_statistics`):
+``"float"`` (default), the float model's output as above, whose least-squares fit on a noisy
+quantized input shrinks the layer's response toward its mean; ``"weights"``, the float weights
+on the quantized input (``T - b = W X``: rounding only, no compensation of the prefix's error);
+``"debiased"``, the float target's fit with each output channel's gain restored (slope 1 of
+fitted on float output). The held-out gate measures the same target on the held-out samples.
+None of them is in the XINT8 preset (measured: benchmarks/results/rounding_target.md).
+
 Settings (``extra_options["FastFinetune"]``): ``OptimAlgorithm`` (``"adaround"``, default, or
-``"gptq"``), ``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
+``"gptq"``), ``Target`` (``"float"``, default, ``"weights"`` or ``"debiased"``),
+``NumIterations`` (default 500), ``NumBatches`` (samples used, default all kept),
 ``LearningRate`` (default 0.05), ``TimeBudgetPerLayer`` (seconds of optimisation per layer,
 default 5; the loop stops early and keeps the best so far); the last three are AdaRound's.
 Supported layers: 2-D Conv (any group, stride, dilation, padding) and Gemm (alpha = beta = 1,
@@ -81,7 +90,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.accuracy.layer_statistics import _statistics, _ungroup
+from quark_onnx.accuracy.layer_statistics import TARGETS, _statistics, _ungroup
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -124,6 +133,9 @@ GPTQ_HELD_OUT_GROUPS = 2
 #: Columns quantized between two updates of the columns after them (:func:`gptq_rounding`).
 GPTQ_BLOCK = 128
 
+#: The settings that take one of a few names.
+_CHOICES = {"OptimAlgorithm": ALGORITHMS, "Target": TARGETS}
+
 #: Upper bounds of the count settings: above them AdaRound would run for days.
 _MAX_SETTING = {"NumIterations": 1_000_000, "NumBatches": 100_000}
 
@@ -137,6 +149,7 @@ class AdaRoundSettings:
     LearningRate: float = 0.05
     TimeBudgetPerLayer: float = 5.0
     OptimAlgorithm: str = "adaround"
+    Target: str = "float"
 
     @classmethod
     def from_options(cls, raw: dict[str, Any] | None) -> AdaRoundSettings:
@@ -150,11 +163,11 @@ class AdaRoundSettings:
                 raise ConfigError(
                     f"unknown FastFinetune setting {key!r}{hint} (valid: {', '.join(names)})"
                 )
-            if key == "OptimAlgorithm":
-                if value not in ALGORITHMS:
+            if key in _CHOICES:
+                if value not in _CHOICES[key]:
                     raise ConfigError(
-                        f"FastFinetune setting OptimAlgorithm={value!r} is not one of "
-                        f"{', '.join(map(repr, ALGORITHMS))}"
+                        f"FastFinetune setting {key}={value!r} is not one of "
+                        f"{', '.join(map(repr, _CHOICES[key]))}"
                     )
                 values[key] = value
                 continue
@@ -433,8 +446,13 @@ def adaround(
             fit_x, check_x = held_out_split(xs)
             fit_t, check_t = held_out_split(ts)
             columns = GPTQ_COLUMNS if settings.OptimAlgorithm == "gptq" else 0
-            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns)
-            held = _statistics(layer, w_float, bias, check_x, check_t, columns) if check_x else None
+            target = settings.Target
+            stats = _statistics(layer, w_float, bias, fit_x, fit_t, columns, target)
+            held = (
+                _statistics(layer, w_float, bias, check_x, check_t, columns, target)
+                if check_x
+                else None
+            )
             if stats is None:
                 skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
                 continue

@@ -3,6 +3,22 @@
 or Gemm layer, accumulated one sample at a time (:class:`_Statistics`), optionally on every k-th
 output position only (gathered directly, :func:`im2col`). The loss they define and the rounding
 that minimises it are in :mod:`~quark_onnx.accuracy.adaround`.
+
+Targets (``target``), ``Xq`` the layer's input in the quantized model:
+
+- ``"float"``: ``T`` the float model's output of the layer; the fit ``V* = C^T G^-1`` is then
+  the least-squares (conditional-mean) estimate of the float output from the quantized input,
+  which shrinks the response where the input is noisy (errors in variables).
+- ``"weights"``: ``T - b = W Xq``, the layer's float weights on its quantized input (classic
+  GPTQ): ``V* = W``; ``C = G W^T`` and ``sum ||T - b||^2 = tr(W G W^T)`` follow from ``G``
+  alone (only ``G`` is accumulated).
+- ``"debiased"``: the ``"float"`` fit with each output channel's gain raised so that the fitted
+  output regressed on the float output has slope 1 (``var(t) / cov(V* xq, t)``, centred): the
+  least-squares fit's attenuation undone per channel; ``C = G V*^T`` and ``sum ||T - b||^2``
+  replaced by ``tr(V* G V*^T)``.
+
+With ``Xq`` equal to the float input and ``T = W Xq + b`` the three are the same statistics
+(``V* = W``).
 """
 
 from __future__ import annotations
@@ -15,6 +31,12 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.accuracy.layerwise import Layer
+
+#: What the layer's output is fitted to (module doc).
+TARGETS = ("float", "weights", "debiased")
+#: Ridge of the debiased target's least-squares fit, relative to the mean diagonal of ``G``
+#: (the rounding's own damping, :data:`~quark_onnx.accuracy.adaround.DAMPING`).
+TARGET_DAMPING = 0.01
 
 
 @dataclass
@@ -95,10 +117,16 @@ class _Statistics:
     ``columns`` > 0: at most that many output positions per sample (every k-th, so reruns are
     identical), multiplied in float32 and accumulated in float64 -- the cheap statistics
     second-order rounding uses; 0: every position in float64 (AdaRound). ``form`` is None for a
-    layer form the rounding does not support (module doc).
+    layer form the rounding does not support. ``target``: module doc.
     """
 
-    def __init__(self, layer: Layer, w_float: np.ndarray, bias: np.ndarray, columns: int = 0):
+    def __init__(
+        self, layer: Layer, w_float: np.ndarray, bias: np.ndarray, columns: int = 0,
+        target: str = "float",
+    ):  # fmt: skip
+        if target not in TARGETS:
+            raise ValueError(f"unknown rounding target {target!r}; known: {', '.join(TARGETS)}")
+        self.target = target
         self.columns = columns
         self.dtype = np.float32 if columns else np.float64
         self.bias = bias
@@ -134,6 +162,8 @@ class _Statistics:
         g, o, k = self.wg.shape
         self.gram = np.zeros((g, k, k))
         self.cross = np.zeros((g, k, o))
+        # debiased target: sums over positions of the inputs, of T - b and of its square
+        self.sums = (np.zeros((g, k)), np.zeros((g, o)), np.zeros((g, o)))
 
     @property
     def supported(self) -> bool:
@@ -146,12 +176,16 @@ class _Statistics:
         if self.geo is None:  # Gemm
             k = self.wg.shape[2]
             a = np.asarray(x, dtype=np.float64).reshape(-1, k)
-            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
             self.gram[0] += a.T @ a
-            self.cross[0] += a.T @ tt
-            self.const += float(np.sum(tt * tt))
             self.rows += a.shape[0]
             self.available += a.shape[0]
+            if self.target == "weights":
+                return
+            tt = np.asarray(t, dtype=np.float64).reshape(a.shape[0], -1) - self.bias.reshape(1, -1)
+            self.cross[0] += a.T @ tt
+            self.const += float(np.sum(tt * tt))
+            if self.target == "debiased":
+                self._add_sums(a.T[None], tt.T[None])
             return
         dtype, geo = self.dtype, self.geo
         g, o = self.wg.shape[:2]
@@ -165,25 +199,66 @@ class _Statistics:
         every = -(-(oh * ow) // self.columns) if self.columns and oh * ow > self.columns else 1
         # every k-th output position of each sample, gathered before anything is copied whole
         cols = im2col(x, geo, every)
-        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
-        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
-        tg = np.ascontiguousarray(
-            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
-        )
         if g == 1:  # c @ c.T of a 2-D array is one symmetric rank-k update (half the products)
             c = cols[0]
             self.gram[0] += c @ c.T
         else:
             self.gram += np.matmul(cols, np.swapaxes(cols, 1, 2))
+        self.rows += cols.shape[2]
+        if self.target == "weights":
+            return
+        tt = t.reshape(t.shape[0], t.shape[1], -1)[:, :, ::every].astype(dtype)
+        tt -= self.bias.reshape(1, -1, 1).astype(dtype)
+        tg = np.ascontiguousarray(
+            np.transpose(tt.reshape(tt.shape[0], g, o, -1), (1, 2, 0, 3)).reshape(g, o, -1)
+        )
         self.cross += np.matmul(cols, np.swapaxes(tg, 1, 2))
         self.const += float(np.sum(np.square(tg, dtype=np.float64)))
-        self.rows += cols.shape[2]
+        if self.target == "debiased":
+            self._add_sums(cols, tg)
+
+    def _add_sums(self, cols: np.ndarray, tg: np.ndarray) -> None:
+        """Sums over positions of (g, K, P) input columns and (g, O, P) targets ``T - b``."""
+        self.sums[0][:] += np.sum(cols, axis=2, dtype=np.float64)
+        self.sums[1][:] += np.sum(tg, axis=2, dtype=np.float64)
+        self.sums[2][:] += np.sum(np.square(tg, dtype=np.float64), axis=2)
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
-        """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported."""
+        """Grouped float weights, G, C, sum||T - b||^2 and how to ungroup; None: unsupported.
+        For the ``"weights"`` and ``"debiased"`` targets ``C = G V*^T`` and the constant is
+        ``tr(V* G V*^T)``, ``V*`` the target weights (module doc)."""
         if not self.supported:
             return None
-        return self.wg, self.gram, self.cross, self.const, self.form
+        if self.target == "float":
+            return self.wg, self.gram, self.cross, self.const, self.form
+        wt = np.swapaxes(self.wg, 1, 2)  # (g, K, O)
+        if self.target == "debiased":
+            wt = self._debiased(wt)
+        cross = np.matmul(self.gram, wt)
+        return self.wg, self.gram, cross, float(np.sum(wt * cross)), self.form
+
+    def _debiased(self, wt: np.ndarray) -> np.ndarray:
+        """``V*^T`` of the debiased target: the damped least-squares fit ``(G + mu I)^-1
+        (C + mu W^T)``, each output channel ``c`` then multiplied by ``var(t_c) / cov(v_c,
+        t_c)`` (centered over positions), so that the fitted output regressed on the float one
+        has slope 1; a channel whose fitted output does not covary with its target keeps the
+        fit."""
+        diag = np.diagonal(self.gram, axis1=1, axis2=2)
+        mu = TARGET_DAMPING * np.maximum(np.mean(diag, axis=1), 1e-12)
+        eye = np.eye(self.gram.shape[1])[None]
+        try:
+            fit = np.linalg.solve(self.gram + mu[:, None, None] * eye,
+                                  self.cross + mu[:, None, None] * wt)  # fmt: skip
+        except np.linalg.LinAlgError:
+            return wt
+        n = max(self.rows, 1)
+        sum_x, sum_t, sum_t2 = self.sums
+        centred = self.cross - np.einsum("gk,go->gko", sum_x, sum_t) / n
+        cov = np.sum(fit * centred, axis=1)  # (g, O)
+        var = sum_t2 - sum_t * sum_t / n
+        ok = (cov > 0) & (var > 0)
+        gain = np.where(ok, var / np.where(ok, cov, 1.0), 1.0)
+        return fit * gain[:, None, :]
 
 
 def _statistics(
@@ -193,9 +268,10 @@ def _statistics(
     xs: Sequence[np.ndarray],
     ts: Sequence[np.ndarray],
     columns: int = 0,
+    target: str = "float",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, Any] | None:
     """:class:`_Statistics` over the samples ``xs``/``ts``; None for an unsupported layer."""
-    stats = _Statistics(layer, w_float, bias, columns)
+    stats = _Statistics(layer, w_float, bias, columns, target)
     for x, t in zip(xs, ts, strict=True):
         stats.add(x, t)
     return stats.result()

@@ -86,7 +86,8 @@ class SequentialRounding:
             return
         w_float = onnx.numpy_helper.to_array(self.float_weights[w_name]).astype(np.float32)
         bias = _dequantized_bias(layer, w_float)
-        fit = _Statistics(layer, w_float, bias, GPTQ_COLUMNS)
+        target = self.settings.Target
+        fit = _Statistics(layer, w_float, bias, GPTQ_COLUMNS, target)
         if not fit.supported:
             self.skipped.append({"node": layer.name, "reason": f"unsupported {layer.op_type} form"})
             return
@@ -103,7 +104,7 @@ class SequentialRounding:
         fit.columns = -(-wanted // self.cut)
         n_held = self.num_samples - self.cut
         groups = [
-            _Statistics(layer, w_float, bias, fit.columns)
+            _Statistics(layer, w_float, bias, fit.columns, target)
             for _ in range(min(GPTQ_HELD_OUT_GROUPS, n_held) if self.gated else 0)
         ]
         pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.input]), strict=True)

@@ -380,9 +380,10 @@ def test_rounding_skips_layers_with_too_few_positions():
         assert np.array_equal(lay.weight_codes, codes)
 
 
-def test_xint8_rounds_inside_bias_correction(tmp_path):
-    """XINT8 with second-order rounding: it runs in bias correction's walk (no separate stage,
-    no second replay); the quantized model stays NPU-ready."""
+@pytest.mark.parametrize("target", ["float", "weights", "debiased"])
+def test_xint8_rounds_inside_bias_correction(tmp_path, target):
+    """XINT8 with second-order rounding, whatever its target: it runs in bias correction's walk
+    (no separate stage, no second replay); the quantized model stays NPU-ready."""
     from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 
     rng = np.random.default_rng(22)
@@ -392,12 +393,13 @@ def test_xint8_rounds_inside_bias_correction(tmp_path):
     samples = _wide_tied_samples(rng, 16, 1.0)
     qc = get_default_config("XINT8")
     qc.include_fast_ft = True
-    qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+    qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq", "Target": target}
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     quantizer.quantize_model(str(src), str(out), ArrayDataReader(samples))
     report = quantizer.report
     assert "adaround" not in report.timings
     assert report.adaround["shared_walk"] and report.adaround["layers"] == 2
+    assert report.adaround["settings"]["Target"] == target
     assert "rounding" not in report.bias_correction
     assert check(onnx.load(out)).ready
 
