@@ -235,7 +235,9 @@ class ExtraOptions:
     FastFinetune: dict = _opt(
         {},
         "Rounding settings: OptimAlgorithm (adaround or gptq), NumIterations, NumBatches, "
-        "LearningRate, TimeBudgetPerLayer.",
+        "LearningRate, TimeBudgetPerLayer, Target (gptq in bias correction's walk: what each "
+        "layer is fitted to: float (the float output), weights (the float weights on the "
+        "quantized inputs) or debiased).",
     )
 
     # --- fidelity guard (quark_onnx.fidelity) ---------------------------------------------------
