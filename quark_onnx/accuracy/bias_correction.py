@@ -36,11 +36,12 @@ weights, and no second replay of either model runs.
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
 samples and kept only where it also shrinks the second half's mean error.
 
-Memory and time: both replays run under a memory budget (:data:`REPLAY_BUDGET` each, see
-:class:`~.layerwise.Replay`): per layer, the layer's output is computed one sample at a time in
-both models, its channel sums accumulated (:func:`channel_sums`, both halves in one pass) and the
-sample dropped, so ``y_q``/``y_f`` are never held for all samples; between layers each replay
-keeps at most the budget (int8 codes where the quantized model has them) and recomputes the rest
+Memory and time: both replays run under a memory budget (:data:`REPLAY_BUDGET`, and
+:data:`FLOAT_REPLAY_BUDGET` for the float one; see :class:`~.layerwise.Replay`): per layer, the
+layer's output is computed one sample at a time in both models, its channel sums accumulated
+(:func:`channel_sums`, both halves in one pass) and the sample dropped, so ``y_q``/``y_f`` are
+never held for all samples; between layers each replay keeps at most the budget (int8 codes
+where the quantized model has them) and recomputes the rest
 from its checkpoint. The float replay stays float32: storing it in float16 between segments cost
 MobileNetV2 a point of top-1 (0.772 -> 0.762 on 500 val images). Peak resident memory of the
 stage with 32 samples (whole XINT8 run, 2 cores, over the resident set before it): SqueezeNet 1.1
@@ -52,7 +53,8 @@ the budget, where the rerun allowance moves it to a 96x56x56 float32 state), the
 up to 14 MB of int8 codes, one sample's tensors along both replays' segments (15-25 MB at
 112x112), and the live sessions. The stage takes about
 1.2-1.5x a single walk (reruns): 2.6-2.9 s on MobileNetV2 with or without the shared arena
-(medians of alternate runs). A larger :data:`REPLAY_BUDGET` trades memory back for time. Where
+(medians of alternate runs; before the float budget was doubled). A larger budget trades
+memory back for time. Where
 no boundary fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the
 recomputation to about one extra pass: 8.7 s instead of 50 s for ResNet-50 with random weights.
 
@@ -91,8 +93,14 @@ from quark_onnx.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-#: Bytes each replay may keep between layers for all samples (:class:`~.layerwise.Replay`).
+#: Bytes the quantized replay may keep between layers for all samples (:class:`Replay`).
 REPLAY_BUDGET = 16 * 2**20
+#: The same for the float replay. Its live tensors are float32 (4x the quantized replay's int8
+#: codes): under 16 MiB its checkpoint stayed behind MobileNetV2's 112x112 layers until the
+#: rerun allowance moved it past the budget to a 37 MB state anyway, rerunning those layers for
+#: every request meanwhile. 32 MiB lets it move earlier, for fewer reruns and no higher stage
+#: peak (benchmarks/results/perf21_time.md).
+FLOAT_REPLAY_BUDGET = 32 * 2**20
 
 
 def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tuple[np.ndarray, int]:
@@ -305,7 +313,10 @@ def correct_bias(
             model, samples, "bias correction (quantized model)", memory_budget=REPLAY_BUDGET
         ) as quant,
         Replay(
-            prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET
+            prepared,
+            samples,
+            "bias correction (float model)",
+            memory_budget=FLOAT_REPLAY_BUDGET,
         ) as flt,
     ):
         rounder = None if rounding is None else SequentialRounding(prepared, samples, rounding)
