@@ -38,7 +38,8 @@ samples and kept only where it also shrinks the second half's mean error.
 
 Memory and time: both replays run under a memory budget (:data:`REPLAY_BUDGET`, and
 :data:`FLOAT_REPLAY_BUDGET` for the float one; see :class:`~.layerwise.Replay`): per layer, the
-layer's output is computed one sample at a time in both models, its channel sums accumulated
+layer's output is computed one sample at a time in both models (the float model's next sample on
+a helper thread meanwhile, :func:`~.ahead.ahead`), its channel sums accumulated
 (:func:`channel_sums`, both halves in one pass) and the sample dropped, so ``y_q``/``y_f`` are
 never held for all samples; between layers each replay keeps at most the budget (int8 codes
 where the quantized model has them) and recomputes the rest
@@ -66,6 +67,7 @@ the constraint solver, not this stage, chooses.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -78,6 +80,7 @@ import onnx_ir as ir
 
 from quark_onnx import npu_rules
 from quark_onnx.accuracy.adaround import AdaRoundSettings
+from quark_onnx.accuracy.ahead import ahead
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -318,10 +321,12 @@ def correct_bias(
             "bias correction (float model)",
             memory_budget=FLOAT_REPLAY_BUDGET,
         ) as flt,
+        # the float replay's next sample runs here while the quantized one runs (module ahead)
+        concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool,
     ):
         rounder = None if rounding is None else SequentialRounding(prepared, samples, rounding)
         per_layer = _correct_layers(
-            layers, skipped, quant, flt, len(samples) // 2, summary, windows, moved, rounder
+            layers, skipped, quant, (flt, pool), len(samples) // 2, summary, windows, moved, rounder
         )
     if rounder is not None:
         summary["rounding"] = rounder.summary()
@@ -347,14 +352,18 @@ def _correct_layers(
     layers: list[Layer],
     skipped: list[dict[str, Any]],
     quant: Replay,
-    flt: Replay,
+    float_side: tuple[Replay, concurrent.futures.Executor],
     half: int,
     summary: dict[str, Any],
     windows: dict[str, tuple[tuple[int, int], str]],
     moved: dict[str, int],
     rounder: SequentialRounding | None = None,
 ) -> list[dict[str, Any]]:
-    """The per-layer walk of :func:`correct_bias`; returns the per-layer report."""
+    """The per-layer walk of :func:`correct_bias`; returns the per-layer report.
+
+    ``float_side``: the float replay and the one-worker pool its samples are computed ahead in.
+    """
+    flt, pool = float_side
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
         for layer in layers:
@@ -373,7 +382,8 @@ def _correct_layers(
             num = den = None
             ndim = 0
             # one sample of each model at a time: the layer's outputs are never all held
-            pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.output]), strict=True)
+            floats = ahead(flt.stream([layer.float_output]), pool)
+            pairs = zip(floats, quant.stream([layer.output]), strict=True)
             for (i, (f,)), (_, (q,)) in pairs:
                 n, d = channel_sums(f, q, bounds)
                 if num is None or den is None:
