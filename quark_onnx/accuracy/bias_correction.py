@@ -104,6 +104,9 @@ REPLAY_BUDGET = 16 * 2**20
 #: every request meanwhile. 32 MiB lets it move earlier, for fewer reruns and no higher stage
 #: peak (benchmarks/results/perf21_time.md).
 FLOAT_REPLAY_BUDGET = 32 * 2**20
+#: onnxruntime intra-op threads of each replay while the float and the quantized replay run side
+#: by side (benchmarks/results/perf21_time.md).
+SIDE_BY_SIDE_THREADS = 1
 
 
 def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tuple[np.ndarray, int]:
@@ -309,17 +312,26 @@ def correct_bias(
             summary["rounding"] = SequentialRounding(prepared, samples, rounding).summary()
         summary["seconds"] = round(time.perf_counter() - start, 3)
         return summary
+    # the two replays run side by side (module ahead), one core each: onnxruntime's own threads
+    # would split every small one-sample segment run and wake each other for it, which cost more
+    # CPU than it saved. The rounder's walk runs them one after the other: its own threads then.
+    threads = SIDE_BY_SIDE_THREADS if rounding is None else None
     # closing the replays hands their arena regions and heap pages back before the next stage
     with (
         # the quantized replay reads the working model itself (segments serialized as built)
         Replay(
-            model, samples, "bias correction (quantized model)", memory_budget=REPLAY_BUDGET
+            model,
+            samples,
+            "bias correction (quantized model)",
+            memory_budget=REPLAY_BUDGET,
+            threads=threads,
         ) as quant,
         Replay(
             prepared,
             samples,
             "bias correction (float model)",
             memory_budget=FLOAT_REPLAY_BUDGET,
+            threads=threads,
         ) as flt,
         # the float replay's next sample runs here while the quantized one runs (module ahead)
         concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool,
