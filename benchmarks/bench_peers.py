@@ -504,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"data preparation FAILED:\n{prep.stderr[-2000:]}")
         return 2
     prep_info = json.loads(prep.stdout.strip().splitlines()[-1])
-    decoder = prep_info.get("decoder") or _pillow_version(bench_python)
+    decoder = prep_info.get("decoder") or _pillow_version(prep_python)
 
     import onnxruntime
 

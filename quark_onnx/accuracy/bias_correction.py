@@ -36,11 +36,13 @@ weights, and no second replay of either model runs.
 Held-out gate (per channel, :func:`gated_shift`): the shift is fitted on the first half of the
 samples and kept only where it also shrinks the second half's mean error.
 
-Memory and time: both replays run under a memory budget (:data:`REPLAY_BUDGET` each, see
-:class:`~.layerwise.Replay`): per layer, the layer's output is computed one sample at a time in
-both models, its channel sums accumulated (:func:`channel_sums`, both halves in one pass) and the
-sample dropped, so ``y_q``/``y_f`` are never held for all samples; between layers each replay
-keeps at most the budget (int8 codes where the quantized model has them) and recomputes the rest
+Memory and time: both replays run under a memory budget (:data:`REPLAY_BUDGET`, and
+:data:`FLOAT_REPLAY_BUDGET` for the float one; see :class:`~.layerwise.Replay`): per layer, the
+layer's output is computed one sample at a time in both models (the float model's next sample on
+a helper thread meanwhile, :func:`~.ahead.ahead`), its channel sums accumulated
+(:func:`channel_sums`, both halves in one pass) and the sample dropped, so ``y_q``/``y_f`` are
+never held for all samples; between layers each replay keeps at most the budget (int8 codes
+where the quantized model has them) and recomputes the rest
 from its checkpoint. The float replay stays float32: storing it in float16 between segments cost
 MobileNetV2 a point of top-1 (0.772 -> 0.762 on 500 val images). Peak resident memory of the
 stage with 32 samples (whole XINT8 run, 2 cores, over the resident set before it): SqueezeNet 1.1
@@ -52,7 +54,8 @@ the budget, where the rerun allowance moves it to a 96x56x56 float32 state), the
 up to 14 MB of int8 codes, one sample's tensors along both replays' segments (15-25 MB at
 112x112), and the live sessions. The stage takes about
 1.2-1.5x a single walk (reruns): 2.6-2.9 s on MobileNetV2 with or without the shared arena
-(medians of alternate runs). A larger :data:`REPLAY_BUDGET` trades memory back for time. Where
+(medians of alternate runs; before the float budget was doubled). A larger budget trades
+memory back for time. Where
 no boundary fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the
 recomputation to about one extra pass: 8.7 s instead of 50 s for ResNet-50 with random weights.
 
@@ -64,6 +67,7 @@ the constraint solver, not this stage, chooses.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -76,6 +80,7 @@ import onnx_ir as ir
 
 from quark_onnx import npu_rules
 from quark_onnx.accuracy.adaround import AdaRoundSettings
+from quark_onnx.accuracy.ahead import ahead
 from quark_onnx.accuracy.layerwise import (
     Layer,
     Replay,
@@ -91,8 +96,17 @@ from quark_onnx.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-#: Bytes each replay may keep between layers for all samples (:class:`~.layerwise.Replay`).
+#: Bytes the quantized replay may keep between layers for all samples (:class:`Replay`).
 REPLAY_BUDGET = 16 * 2**20
+#: The same for the float replay. Its live tensors are float32 (4x the quantized replay's int8
+#: codes): under 16 MiB its checkpoint stayed behind MobileNetV2's 112x112 layers until the
+#: rerun allowance moved it past the budget to a 37 MB state anyway, rerunning those layers for
+#: every request meanwhile. 32 MiB lets it move earlier, for fewer reruns and no higher stage
+#: peak (benchmarks/results/perf21_time.md).
+FLOAT_REPLAY_BUDGET = 32 * 2**20
+#: onnxruntime intra-op threads of each replay while the float and the quantized replay run side
+#: by side (benchmarks/results/perf21_time.md).
+SIDE_BY_SIDE_THREADS = 1
 
 
 def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tuple[np.ndarray, int]:
@@ -298,19 +312,33 @@ def correct_bias(
             summary["rounding"] = SequentialRounding(prepared, samples, rounding).summary()
         summary["seconds"] = round(time.perf_counter() - start, 3)
         return summary
+    # the two replays run side by side (module ahead), one core each: onnxruntime's own threads
+    # would split every small one-sample segment run and wake each other for it, which cost more
+    # CPU than it saved. The rounder's walk runs them one after the other: its own threads then.
+    threads = SIDE_BY_SIDE_THREADS if rounding is None else None
     # closing the replays hands their arena regions and heap pages back before the next stage
     with (
         # the quantized replay reads the working model itself (segments serialized as built)
         Replay(
-            model, samples, "bias correction (quantized model)", memory_budget=REPLAY_BUDGET
+            model,
+            samples,
+            "bias correction (quantized model)",
+            memory_budget=REPLAY_BUDGET,
+            threads=threads,
         ) as quant,
         Replay(
-            prepared, samples, "bias correction (float model)", memory_budget=REPLAY_BUDGET
+            prepared,
+            samples,
+            "bias correction (float model)",
+            memory_budget=FLOAT_REPLAY_BUDGET,
+            threads=threads,
         ) as flt,
+        # the float replay's next sample runs here while the quantized one runs (module ahead)
+        concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool,
     ):
         rounder = None if rounding is None else SequentialRounding(prepared, samples, rounding)
         per_layer = _correct_layers(
-            layers, skipped, quant, flt, len(samples) // 2, summary, windows, moved, rounder
+            layers, skipped, quant, (flt, pool), len(samples) // 2, summary, windows, moved, rounder
         )
     if rounder is not None:
         summary["rounding"] = rounder.summary()
@@ -336,14 +364,18 @@ def _correct_layers(
     layers: list[Layer],
     skipped: list[dict[str, Any]],
     quant: Replay,
-    flt: Replay,
+    float_side: tuple[Replay, concurrent.futures.Executor],
     half: int,
     summary: dict[str, Any],
     windows: dict[str, tuple[tuple[int, int], str]],
     moved: dict[str, int],
     rounder: SequentialRounding | None = None,
 ) -> list[dict[str, Any]]:
-    """The per-layer walk of :func:`correct_bias`; returns the per-layer report."""
+    """The per-layer walk of :func:`correct_bias`; returns the per-layer report.
+
+    ``float_side``: the float replay and the one-worker pool its samples are computed ahead in.
+    """
+    flt, pool = float_side
     per_layer: list[dict[str, Any]] = []
     with Progress(len(layers), desc="bias correction", unit="layers", logger=logger) as progress:
         for layer in layers:
@@ -362,7 +394,8 @@ def _correct_layers(
             num = den = None
             ndim = 0
             # one sample of each model at a time: the layer's outputs are never all held
-            pairs = zip(flt.stream([layer.float_output]), quant.stream([layer.output]), strict=True)
+            floats = ahead(flt.stream([layer.float_output]), pool)
+            pairs = zip(floats, quant.stream([layer.output]), strict=True)
             for (i, (f,)), (_, (q,)) in pairs:
                 n, d = channel_sums(f, q, bounds)
                 if num is None or den is None:

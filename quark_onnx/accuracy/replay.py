@@ -122,6 +122,7 @@ class Replay:
             samples themselves are the caller's and not counted); None: no limit, no recompute.
         rerun_allowance: node runs beyond one pass allowed, as a fraction of one pass, before
             the checkpoint moves past the budget; None: never past it.
+        threads: onnxruntime intra-op threads of the segments' sessions (None: its default).
     """
 
     def __init__(
@@ -131,12 +132,14 @@ class Replay:
         label: str,
         memory_budget: int | None = None,
         rerun_allowance: float | None = 1.0,
+        threads: int | None = None,
     ) -> None:
         if not samples:
             raise QuantizationError(f"{label}: no samples to replay the model on")
         self.label = label
         self.memory_budget = memory_budget
         self.rerun_allowance = rerun_allowance
+        self.threads = threads
         self._nodes_run = 0  # node executions per sample, reruns included
         # freed pages go back to the OS once the process holds this much more than at the start
         now = memory.resident_mb()
@@ -522,7 +525,9 @@ class Replay:
         # the proto holds a copy of the segment's weights: gone before onnxruntime makes its own
         del model, graph
         try:
-            return ort.InferenceSession(data, session_options(), providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(
+                data, session_options(self.threads), providers=["CPUExecutionProvider"]
+            )
         except Exception as exc:  # onnxruntime raises its own exception types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QuantizationError(

@@ -26,11 +26,17 @@ import onnx
 logger = logging.getLogger(__name__)
 
 
-def session_options() -> Any:
-    """onnxruntime options of every accuracy-stage session (module doc: Q/DQ simulated in float)."""
+def session_options(threads: int | None = None) -> Any:
+    """onnxruntime options of every accuracy-stage session (module doc: Q/DQ simulated in float).
+
+    ``threads``: onnxruntime's intra-op threads (None: its default, one per core). A kernel
+    computes the same values on any number of threads; the number only splits the work.
+    """
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if threads is not None:
+        opts.intra_op_num_threads = threads
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.add_session_config_entry("session.disable_quant_qdq", "1")
     # a segment runs one sample at a time and may be kept for a later rerun: an arena per

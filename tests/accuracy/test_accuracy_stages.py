@@ -628,6 +628,7 @@ def test_bias_correction_is_identical_with_and_without_the_memory_budget(monkeyp
     results = []
     for budget in (None, 0):
         monkeypatch.setattr(bc, "REPLAY_BUDGET", budget)
+        monkeypatch.setattr(bc, "FLOAT_REPLAY_BUDGET", budget)
         prepared, model, plan, positions, options = _quantize(proto, calib)
         summary = correct_bias(prepared, model, calib, plan, positions, options)
         assert summary["changed_channels"] > 0
