@@ -135,6 +135,10 @@ class FidelityResult:
             "worst_layers": list(self.worst_layers),
         }
 
+    def describe(self) -> str:
+        """Every output's fidelity on one line."""
+        return "; ".join(f"{o.name}: {o.describe()}" for o in self.outputs)
+
     def message(self, model: str) -> str:
         """One warning text naming each unfaithful output, its fidelity and the worst layers."""
         bad = "; ".join(f"output {o.name!r}: {o.describe()}" for o in self.unfaithful)

@@ -76,12 +76,7 @@ def guard_fidelity(
         result.worst_layers = worst_layers(report, samples, model, *stages)
     report.fidelity = result.to_dict()
     if result.faithful:
-        logger.info(
-            "%s: faithful on %d sample(s): %s",
-            source,
-            result.samples,
-            "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs),
-        )
+        logger.info("%s: faithful on %d sample(s): %s", source, result.samples, result.describe())
         return model
     message = result.message(source)
     if options.RequireFidelity:

@@ -159,8 +159,8 @@ def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
         run.source,
         cand.label,
         ", ".join(f"{k}={v}" for k, v in cand.settings().items()),
-        _outputs_text(result),
-        _outputs_text(first),
+        result.describe(),
+        first.describe(),
     )
     return model, params, result
 
@@ -212,10 +212,6 @@ def _fidelity_row(result: Any) -> dict[str, Any]:
             for o in result.outputs
         ],
     }
-
-
-def _outputs_text(result: Any) -> str:
-    return "; ".join(f"{o.name}: {o.describe()}" for o in result.outputs)
 
 
 class _DropWarnings(logging.Filter):
