@@ -8,8 +8,10 @@ person/OCR calibration arrays under ``benchmarks/.work/fidelity/``)::
 For every shared model and stress variant, the XINT8 preset quantizes it on its calibration data
 (as ``bench_fidelity.py`` loads it) and the guard's verdict is printed as one JSON line: faithful
 or not, each output's SQNR and top-1 agreement on the guard's samples, and the layer that loses the
-most. Stress variants run twice, the second time with the range repairs off
-(``FoldConstantChannels``, ``include_cle`` and ``EqualizeGatedActivations``: "repairs off").
+most. Stress variants run three times: as the preset, with the range repairs off
+(``FoldConstantChannels``, ``include_cle``, ``EqualizeGatedActivations`` and the fidelity
+repair: "repairs off", the guard's verdict on the unrepaired model), and with the range repairs
+off but ``FidelityRepair`` on (what the fidelity repair then keeps).
 Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
 """
 
@@ -58,12 +60,15 @@ def calibration(data: str) -> np.ndarray:
     return dataset(data)[0]
 
 
-def verdict(path: Path, x: np.ndarray, repairs_off: bool) -> dict:
+def verdict(path: Path, x: np.ndarray, repairs_off: bool, fidelity_repair: bool = False) -> dict:
     config = get_default_config("XINT8")
     if repairs_off:
         config.extra_options["FoldConstantChannels"] = False
         config.extra_options["EqualizeGatedActivations"] = False
         config.include_cle = False
+        # the guard's own verdict on the unrepaired model; the second row per variant lets the
+        # fidelity repair (weights never clipped, no bias correction) try after it fires
+        config.extra_options["FidelityRepair"] = fidelity_repair
     quantizer = ModelQuantizer(Config(global_quant_config=config))
     name = onnx.load(str(path), load_external_data=False).graph.input[0].name
     quantizer.quantize_model(str(path), None, ArrayDataReader({name: x}))
@@ -72,6 +77,7 @@ def verdict(path: Path, x: np.ndarray, repairs_off: bool) -> dict:
         "faithful": fid["faithful"],
         "outputs": [(o["name"], o["sqnr_db"], o["top1_agreement"]) for o in fid["outputs"]],
         "worst_layer": next((w["node"] for w in fid.get("worst_layers", [])), None),
+        "repair_kept": next((r["repair"] for r in quantizer.report.repairs if r["kept"]), None),
     }
 
 
@@ -84,8 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"model": name, "missing": str(path)}))
             continue
         x = data.setdefault(source, calibration(source))
-        for repairs_off in (False, True) if name.endswith(VARIANTS) else (False,):
-            row = {"model": name, "repairs_off": repairs_off, **verdict(path, x, repairs_off)}
+        modes = [(False, False)]
+        if name.endswith(VARIANTS):
+            modes += [(True, False), (True, True)]
+        for repairs_off, fidelity_repair in modes:
+            row = {
+                "model": name,
+                "repairs_off": repairs_off,
+                "fidelity_repair": fidelity_repair or not repairs_off,
+                **verdict(path, x, repairs_off, fidelity_repair),
+            }
             print(json.dumps(row, default=float), flush=True)
     return 0
 
