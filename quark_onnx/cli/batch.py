@@ -246,13 +246,24 @@ def stop_resource_tracker() -> None:
     reap them (a container's init) it stays behind as a defunct process. Called once the pool is
     garbage: its semaphores are unregistered first, so the tracker has nothing left to clean.
     Python < 3.11 has no ``_stop``: nothing is done there.
+
+    A semaphore still referenced when the batch ends (a frame of an interrupted wait can hold
+    the pool's queues past the collection) is unlinked here, before the tracker stops: stopped,
+    the tracker unlinks it itself, and the semaphore's own cleanup at exit then fails with a
+    traceback on stderr and starts a second tracker. Unlinking only removes the name; a holder
+    keeps a working semaphore.
     """
-    from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker, synchronize, util
 
     stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        with contextlib.suppress(Exception):
-            stop()
+    if stop is None:
+        return
+    for finalizer in list(util._finalizer_registry.values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            with contextlib.suppress(Exception):
+                finalizer()
+    with contextlib.suppress(Exception):
+        stop()
 
 
 def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) -> list[Outcome]:
