@@ -205,13 +205,9 @@ def _attempt(run: Any, plan: Any, cand: Repair) -> tuple[Any, Any, Any, Any] | N
 
 
 def _fidelity_row(result: Any) -> dict[str, Any]:
-    return {
-        "faithful": result.faithful,
-        "outputs": [
-            {k: o.to_dict()[k] for k in ("name", "sqnr_db", "cosine", "top1_agreement", "faithful")}
-            for o in result.outputs
-        ],
-    }
+    keys = ("name", "sqnr_db", "cosine", "top1_agreement", "faithful")
+    outputs = [o.to_dict() for o in result.outputs]
+    return {"faithful": result.faithful, "outputs": [{k: o[k] for k in keys} for o in outputs]}
 
 
 class _DropWarnings(logging.Filter):
@@ -221,9 +217,14 @@ class _DropWarnings(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Warnings of the quantizer's stages are not repeated for each attempt."""
+    """Warnings of the stages are not repeated for each attempt. A logger's filter sees only
+    what is logged on that logger itself, so every ``quark_onnx`` logger gets one."""
     drop = _DropWarnings()
-    loggers = [logging.getLogger(n) for n in ("quark_onnx.quantizer", "quark_onnx")]
+    loggers = [
+        log
+        for name, log in logging.Logger.manager.loggerDict.items()
+        if isinstance(log, logging.Logger) and name.split(".")[0] == "quark_onnx"
+    ]
     for log in loggers:
         log.addFilter(drop)
     try:

@@ -394,7 +394,8 @@ class _Run(sequencer.Stages):
             logger.info(
                 "%s: %s quantization needs no calibration data", self.source, plan.strategy.value
             )
-        self.calibration = result  # a fidelity repair positions again from it
+        if self.power_of_two and self.options.FidelityRepair and self.options.FidelityCheck:
+            self.calibration = result  # a fidelity repair positions again from it
         kept = self.reader.kept if self.reader is not None else []
         self.samples = kept[: self.q._samples_to_keep()]
         self.q.kept_samples = kept[: self.q.keep_samples]
