@@ -127,6 +127,10 @@ def temp_file_beside(final: Path) -> tuple[int, Path]:
         except FileExistsError:
             _LIVE_TEMPS.discard(tmp)
         except BaseException:
+            # an interrupt may land after the file was created and before the return: the name
+            # holds this process's id, so whatever is there is ours
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             _LIVE_TEMPS.discard(tmp)
             raise
     raise ModelSaveError(f"{final}: could not create a temporary file in {folder}")

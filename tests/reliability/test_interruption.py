@@ -181,3 +181,22 @@ def test_report_and_calibration_files_are_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(model_io.os, "replace", real)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["calib.json", "m.onnx", "q.onnx", "report.json"]
+
+
+def test_interrupt_right_after_the_temporary_file_is_created_removes_it(tmp_path, monkeypatch):
+    """A signal landing between the creation of the temporary file and the return of the call
+    that created it (seen once under load in the kill loop above) leaves nothing behind."""
+    from quark_onnx.model_files import files
+
+    real_open = files.os.open
+
+    def open_then_interrupt(*args, **kwargs):
+        real_open(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "open", open_then_interrupt)
+    target = tmp_path / "out.onnx"
+    with pytest.raises(KeyboardInterrupt):
+        files.atomic_write_bytes(target, b"data")
+    assert list(tmp_path.iterdir()) == []
+    assert not files._LIVE_TEMPS
