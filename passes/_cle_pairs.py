@@ -48,7 +48,7 @@ def _is_homogeneous_bound(node: ir.Node, index: int, attr: str) -> bool | None:
     return bound == 0.0 or math.isinf(bound)
 
 
-def _homogeneity_problem(node: ir.Node) -> str | None:
+def homogeneity_problem(node: ir.Node) -> str | None:
     """None if ``node`` is per-channel and positively homogeneous in input 0, else the reason."""
     if node.domain not in ("", "ai.onnx"):
         return f"{node.op_type} {_label(node)!r} is not a known positively homogeneous op"
@@ -168,7 +168,7 @@ def _follow(first: ir.Node) -> tuple[list, tuple[str, ...], tuple] | str:
                     )
                 readers.append((consumer, idx, arrays))
                 continue
-            problem = _homogeneity_problem(consumer)
+            problem = homogeneity_problem(consumer)
             if problem is not None:
                 return problem
             if consumer.op_type not in through:

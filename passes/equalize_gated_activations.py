@@ -54,19 +54,22 @@ anything but Convs: the same values would need two scales), or when the gate rea
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._channels import (
-    channel_statistics,
-    input_channel_ranges,
-    output_channel_ranges,
+from quark_onnx.passes._channel_scaling import (
+    ConvReader,
+    conv_reader,
+    conv_weight,
+    float_constant,
+    power_of_two_scales,
+    store_constant,
 )
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.passes._channels import channel_statistics, output_channel_ranges
+from quark_onnx.passes._graph import NameGenerator, add_initializer, is_standard
 from quark_onnx.passes.base import QuarkPass
 
 if TYPE_CHECKING:
@@ -80,19 +83,6 @@ GATE_OPS = frozenset(
 )
 #: Longest gate chain followed (hardswish as Add, Clip, Div is 3 nodes).
 MAX_GATE_NODES = 6
-#: Per-channel scales are powers of two in ``2^-MAX_LOG2 ... 2^MAX_LOG2`` (see module doc).
-MAX_LOG2 = 3
-#: A channel whose weight range is at most this times the layer's widest is ~0: it keeps s = 1.
-NEGLIGIBLE_RANGE = 1e-6
-
-
-def _float_constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.is_graph_input():
-        return None
-    array = constant_array(value)
-    if array is None or array.dtype not in (np.float32, np.float64, np.float16):
-        return None
-    return array
 
 
 def _gate_end(head: ir.Node, x: ir.Value, mul: ir.Node) -> ir.Value | None:
@@ -101,7 +91,7 @@ def _gate_end(head: ir.Node, x: ir.Value, mul: ir.Node) -> ir.Value | None:
     for _ in range(MAX_GATE_NODES):
         if node.op_type not in GATE_OPS or node.domain not in ("", "ai.onnx"):
             return None
-        variable = [i for i in node.inputs if i is not None and _float_constant(i) is None]
+        variable = [i for i in node.inputs if i is not None and float_constant(i) is None]
         if variable != [current] or len(node.outputs) != 1:
             return None
         out = node.outputs[0]
@@ -121,53 +111,11 @@ def _scalar_rescale(node: ir.Node, value: ir.Value) -> bool:
     others = [i for i in node.inputs if i is not value]
     if len(others) != 1 or (node.op_type == "Div" and node.inputs[0] is not value):
         return False
-    k = _float_constant(others[0])
+    k = float_constant(others[0])
     return k is not None and k.size == 1
 
 
-def _conv_weight(node: ir.Node) -> np.ndarray | None:
-    if not is_standard(node, "Conv") or len(node.inputs) < 2:
-        return None
-    w = _float_constant(node.inputs[1])
-    return w if w is not None and w.ndim >= 3 else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Reader:
-    """A Conv reading the gated output as input channels ``offset ... offset + C - 1``."""
-
-    node: ir.Node
-    weight: np.ndarray
-    group: int
-    offset: int
-
-    def ranges(self, channels: int) -> np.ndarray:
-        r = input_channel_ranges(self.weight.astype(np.float64), self.group)
-        return r[self.offset : self.offset + channels]
-
-    def scaled(self, s: np.ndarray) -> np.ndarray:
-        """The weight with input channel ``offset + c`` multiplied by ``s_c``."""
-        w = self.weight
-        cpg = w.shape[1]
-        factors = np.ones(cpg * self.group, dtype=w.dtype)
-        factors[self.offset : self.offset + len(s)] = s.astype(w.dtype)
-        # input channel i of a grouped conv: column i mod (C/g) of the rows of group i div (C/g)
-        view = w.reshape(self.group, w.shape[0] // self.group, cpg, -1)
-        return (view * factors.reshape(self.group, 1, cpg, 1)).reshape(w.shape)
-
-
-def _conv_reader(node: ir.Node, index: int, offset: int, width: int) -> _Reader | None:
-    """``node`` as a reader of channels ``offset ...`` of a ``width``-channel input, or None."""
-    w2 = _conv_weight(node)
-    if w2 is None or index != 0 or w2.dtype not in (np.float32, np.float64):
-        return None
-    group = node.attributes.get_int("group", 1)
-    if group < 1 or w2.shape[1] * group != width or w2.shape[0] % group:
-        return None
-    return _Reader(node, w2, group, offset)
-
-
-def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[_Reader] | None:
+def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[ConvReader] | None:
     """The Conv readers of a channel Concat's output, at the offset of its input ``index``."""
     out = concat.outputs[0]
     rank = out.shape.rank() if out.shape is not None else None
@@ -185,22 +133,10 @@ def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[_Reader]
     if widths[index] != channels:
         return None
     offset = sum(widths[:index])
-    readers = [_conv_reader(u.node, u.idx, offset, sum(widths)) for u in out.uses()]
+    readers = [conv_reader(u.node, u.idx, offset, sum(widths)) for u in out.uses()]
     if not readers or any(r is None for r in readers):
         return None
     return readers  # type: ignore[return-value]
-
-
-def power_of_two_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
-    """Per-channel ``s = 2^k`` (``|k| <= MAX_LOG2``) balancing producer ranges ``r1 / s``
-    against reader ranges ``r2 * s``; ~0 channels on either side get ``k = 0``."""
-    usable = (r1 > NEGLIGIBLE_RANGE * r1.max()) & (r2 > NEGLIGIBLE_RANGE * r2.max())
-    k = np.zeros(r1.shape, dtype=np.float64)
-    if not usable.any():
-        return np.ones_like(k)
-    k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]))
-    k[usable] -= np.round(np.median(k[usable]))
-    return np.exp2(np.clip(k, -MAX_LOG2, MAX_LOG2))
 
 
 class EqualizeGatedActivations(QuarkPass):
@@ -261,11 +197,11 @@ class EqualizeGatedActivations(QuarkPass):
     ) -> bool:
         """Equalize the gated activation ``conv`` produces, if it has the pattern (with
         ``dry_run``: only say whether it has it; scales may still all come out 1)."""
-        w1 = _conv_weight(conv)
+        w1 = conv_weight(conv)
         if w1 is None or len(conv.outputs) != 1:
             return False
         bias_value = conv.inputs[2] if len(conv.inputs) > 2 else None
-        b1 = _float_constant(bias_value) if bias_value is not None else None
+        b1 = float_constant(bias_value) if bias_value is not None else None
         if bias_value is not None and (b1 is None or b1.shape != (w1.shape[0],)):
             return False
         x = conv.outputs[0]
@@ -276,7 +212,7 @@ class EqualizeGatedActivations(QuarkPass):
             if mul is head or not is_standard(mul, "Mul") or len(mul.inputs) != 2:
                 continue
             if is_standard(head, "Mul") and any(
-                (k := _float_constant(i)) is not None and k.size > 1 for i in head.inputs
+                (k := float_constant(i)) is not None and k.size > 1 for i in head.inputs
             ):
                 return False  # the gate reads x through a per-channel Mul: equalized already
             gate = _gate_end(head, x, mul)
@@ -294,7 +230,7 @@ class EqualizeGatedActivations(QuarkPass):
         return False
 
     @staticmethod
-    def _readers(y: ir.Value, channels: int) -> list[_Reader] | None:
+    def _readers(y: ir.Value, channels: int) -> list[ConvReader] | None:
         """The Conv readers of ``y`` (past scalar Mul/Div, and through a channel Concat read
         only by Convs), each with the input channels that are ``y``'s."""
         while True:
@@ -305,7 +241,7 @@ class EqualizeGatedActivations(QuarkPass):
                 y = uses[0].node.outputs[0]
                 continue
             break
-        readers: list[_Reader] = []
+        readers: list[ConvReader] = []
         for use in uses:
             if is_standard(use.node, "Concat"):
                 found = _concat_readers(use.node, use.idx, channels)
@@ -313,7 +249,7 @@ class EqualizeGatedActivations(QuarkPass):
                     return None
                 readers += found
                 continue
-            reader = _conv_reader(use.node, use.idx, 0, channels)
+            reader = conv_reader(use.node, use.idx, 0, channels)
             if reader is None:
                 return None
             readers.append(reader)
@@ -328,7 +264,7 @@ class EqualizeGatedActivations(QuarkPass):
         r1: np.ndarray,
         head: ir.Node,
         x: ir.Value,
-        readers: list[_Reader],
+        readers: list[ConvReader],
         names: NameGenerator,
     ) -> bool:
         r2 = np.max(
@@ -339,11 +275,11 @@ class EqualizeGatedActivations(QuarkPass):
         if np.all(s == 1.0):
             return False
         shape = (-1,) + (1,) * (w1.ndim - 1)
-        _store(graph, conv, 1, w1 / s.reshape(shape).astype(w1.dtype), names)
+        store_constant(graph, conv, 1, w1 / s.reshape(shape).astype(w1.dtype), names)
         if b1 is not None:
-            _store(graph, conv, 2, b1 / s.astype(b1.dtype), names)
+            store_constant(graph, conv, 2, b1 / s.astype(b1.dtype), names)
         for reader in readers:
-            _store(graph, reader.node, 1, reader.scaled(s), names)
+            store_constant(graph, reader.node, 1, reader.scaled(s), names)
         base = x.name or "gated"
         constant = add_initializer(
             graph,
@@ -359,17 +295,3 @@ class EqualizeGatedActivations(QuarkPass):
             if value is x:
                 head.replace_input_with(index, restored)
         return True
-
-
-def _store(
-    graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, names: NameGenerator
-) -> None:
-    """Give ``node`` input ``index`` the constant ``array``: in place when nothing else reads
-    the initializer, else as a new initializer (the other readers keep the old values)."""
-    value = node.inputs[index]
-    assert value is not None
-    if value.const_value is not None and len(list(value.uses())) == 1:
-        value.const_value = ir.tensor(array, name=value.name)
-        return
-    fresh = add_initializer(graph, names(f"{value.name or 'weight'}_equalized"), array)
-    node.replace_input_with(index, fresh)
