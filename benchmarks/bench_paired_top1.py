@@ -9,6 +9,12 @@ For each model and variant (``benchmarks/.work/fidelity/out/<model>.preset.<vari
 top-1 and float-argmax agreement of both, the images only the variant gets right / only the
 shipped model gets right, the exact McNemar p-value of that split, and the same split for
 agreement with the float model. Prints JSON lines.
+
+``--pattern`` and ``--base`` name other files of that folder: the preset against the preset with
+one technique off as ``bench_fidelity.py --techniques`` writes them::
+
+    python benchmarks/bench_paired_top1.py --models mobilenetv2 --pattern '{model}.{variant}.onnx' \
+        --base preset --variants preset.no-EqualizeResidualStreams
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="squeezenet,mobilenetv2")
     parser.add_argument("--variants", default="gptq,gptq_weights")
+    parser.add_argument("--pattern", default="{model}.preset.{variant}.onnx")
+    parser.add_argument("--base", default="shipped", help="the variant the others are paired with")
     args = parser.parse_args(argv)
     for model in args.models.split(","):
         entry = bf.load_entry(model)
@@ -40,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         f = next(iter(bf.run_all(bf.load_entry(entry.base).float_path, entry.test).values()))
         fa = f.reshape(len(f), -1).argmax(1)
 
-        base = _argmax(out / f"{model}.preset.shipped.onnx", entry.test)
+        base = _argmax(out / args.pattern.format(model=model, variant=args.base), entry.test)
         for variant in args.variants.split(","):
-            q = _argmax(out / f"{model}.preset.{variant}.onnx", entry.test)
+            q = _argmax(out / args.pattern.format(model=model, variant=variant), entry.test)
             gained, lost, p = bench_accuracy.mcnemar(q == entry.labels, base == entry.labels)
             ag, al, ap = bench_accuracy.mcnemar(q == fa, base == fa)
             row = {

@@ -36,6 +36,14 @@ quantization must survive on real models it has never seen:
 ``both``
     ``deadconst`` then ``rescale`` on its output.
 
+``streams``
+    Every residual stream (values joined by Adds, each written by a Conv with constant weights
+    or by such an Add, read only by such Adds and by Convs as their data input) has its channel
+    ``c`` multiplied by ``s_c`` (log-uniform in [1/100, 100] as above): every writer's weight row
+    and bias times ``s_c``, every reader's weights for the channel divided by it. Exact because an
+    Add is linear. A stream with any other writer or reader (a graph output, a Relu, a pool) is
+    left alone. Not part of ``both``.
+
 Seeded and deterministic: the same model, kind and seed give the same bytes.
 
 Check: onnxruntime (graph optimisations off) runs the original and the variant on real inputs
@@ -58,7 +66,7 @@ import onnx
 from onnx import numpy_helper
 
 BENCH = Path(__file__).resolve().parent
-KINDS = ("rescale", "deadconst", "both")
+KINDS = ("rescale", "deadconst", "both", "streams")
 TOLERANCE = 1e-4
 # Log-uniform range of the per-channel rescaling factors.
 SCALE_LOW, SCALE_HIGH = 1.0 / 100.0, 100.0
@@ -300,6 +308,80 @@ def rescale(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, int]:
     return {"rescaled_convs": len(carriers), "compensated_convs": columns}
 
 
+def _divide_columns(g: _Graph, conv: onnx.NodeProto, s: np.ndarray) -> None:
+    """Divide the weights of ``conv`` reading input channel ``c`` by ``s_c`` (grouped layout)."""
+    w = g.array(conv.input[1]).astype(np.float64)
+    group = _attr(conv, "group", 1)
+    cin_g, cout_g = w.shape[1], w.shape[0] // group
+    for c in range(len(s)):
+        grp, j = divmod(c, cin_g)
+        w[grp * cout_g : (grp + 1) * cout_g, j] /= s[c]
+    g.set_array(conv.input[1], w)
+
+
+def _stream(g: _Graph, add: onnx.NodeProto) -> tuple[set, list, list] | None:
+    """(values, writer Convs, reader Convs) of the residual stream through ``add``, or None."""
+    values: set[str] = set()
+    writers: dict[str, onnx.NodeProto] = {}
+    readers: dict[str, onnx.NodeProto] = {}
+    todo = [add.output[0]]
+    while todo:
+        value = todo.pop()
+        if value in values:
+            continue
+        if value in g.outputs or value not in g.producer:
+            return None
+        values.add(value)
+        node = g.producer[value]
+        if node.op_type == "Add":
+            todo.extend(node.input)
+        elif (
+            node.op_type == "Conv"
+            and node.input[1] in g.inits
+            and (len(node.input) < 3 or not node.input[2] or node.input[2] in g.inits)
+        ):
+            writers[node.name or value] = node
+        else:
+            return None
+        for user in g.consumers.get(value, []):
+            if user.op_type == "Add":
+                todo.append(user.output[0])
+                todo.extend(user.input)
+            elif user.op_type == "Conv" and user.input[0] == value and user.input[1] in g.inits:
+                readers[user.name or user.output[0]] = user
+            else:
+                return None
+    if set(writers) & set(readers):
+        return None
+    return values, list(writers.values()), list(readers.values())
+
+
+def rescale_streams(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, int]:
+    """Per-channel log-uniform rescaling of every residual stream (module doc)."""
+    g = _Graph(model)
+    seen: set[str] = set()
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "Add" or node.output[0] in seen:
+            continue
+        found = _stream(g, node)
+        if found is None:
+            continue
+        values, writers, readers = found
+        seen |= values
+        channels = g.inits[writers[0].input[1]].dims[0]
+        s = np.exp(rng.uniform(np.log(SCALE_LOW), np.log(SCALE_HIGH), channels))
+        for conv in writers:
+            w = g.array(conv.input[1]).astype(np.float64)
+            g.set_array(conv.input[1], w * s.reshape(-1, *([1] * (w.ndim - 1))))
+            if len(conv.input) > 2 and conv.input[2]:
+                g.set_array(conv.input[2], g.array(conv.input[2]).astype(np.float64) * s)
+        for conv in readers:
+            _divide_columns(g, conv, s)
+        count += 1
+    return {"rescaled_streams": count}
+
+
 # -- dead and constant channels -------------------------------------------------------------------
 
 
@@ -522,6 +604,8 @@ def make_variant(model: onnx.ModelProto, kind: str, seed: int) -> tuple[onnx.Mod
         stats.update(deadconst(variant, rng))
     if kind in ("rescale", "both"):
         stats.update(rescale(variant, rng))
+    if kind == "streams":
+        stats.update(rescale_streams(variant, rng))
     onnx.checker.check_model(variant)
     return variant, stats
 

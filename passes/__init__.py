@@ -27,6 +27,7 @@ _PASSES = {
     "CrossLayerEqualization": "cross_layer_equalization",
     "FoldConstantChannels": "fold_constant_channels",
     "EqualizeGatedActivations": "equalize_gated_activations",
+    "EqualizeResidualStreams": "equalize_residual_streams",
     # hardware simulation and legalization
     "ConvertLeakyReluToDPUVersion": "convert_leaky_relu_to_dpu_version",
     "ConvertHardSigmoidToDPUVersion": "convert_hard_sigmoid_to_dpu_version",

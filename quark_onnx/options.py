@@ -65,6 +65,14 @@ class ExtraOptions:
         "readers' multiplied, and the gate reads x through a new Mul restoring the scale, so it "
         "computes what it computed. Float-exact (bit-identical outputs).",
     )
+    EqualizeResidualStreams: bool = _opt(
+        False,
+        "Equalize the per-channel ranges of each residual stream (the values the skip "
+        "connections add: written by Convs, joined by Adds, read by Convs) against the Convs "
+        "reading it, measured on the first calibration samples: the writers' channels are "
+        "divided by powers of two, the readers' multiplied; kept only where the predicted "
+        "quantization noise at the readers at least halves. Float-exact (bit-identical outputs).",
+    )
     ReplaceClip6Relu: bool = _opt(
         False,
         "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "

@@ -17,6 +17,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  4    ReplaceClip6Relu *                    ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization                ``qconfig.include_cle``
  4c   EqualizeGatedActivations              ``ExtraOptions.EqualizeGatedActivations``
+ 4d   EqualizeResidualStreams               ``ExtraOptions.EqualizeResidualStreams``
  5    ConvertClipToRelu *                   ``ExtraOptions.ConvertClipToRelu``
  6    ConvertReduceMeanToGlobalAvgPool      ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
  7    SplitLargeKernelPool                  ``ExtraOptions.SplitLargeKernelPool``
@@ -79,6 +80,7 @@ from quark_onnx.passes import (
     ConvertSplitToSlice,
     CrossLayerEqualization,
     EqualizeGatedActivations,
+    EqualizeResidualStreams,
     FixInputShapes,
     FoldConstantChannels,
     MakeConvAttributesExplicit,
@@ -138,7 +140,7 @@ def prepare_passes(
     also fold channels the samples show clamped to one value with a wide margin, and lets
     CrossLayerEqualization's component gate weigh the activations it rescales.
     ``range_samples`` (the first calibration samples; default ``[sample_feeds]``) give
-    EqualizeGatedActivations the activations' channel ranges.
+    EqualizeGatedActivations and EqualizeResidualStreams the activations' channel ranges.
 
     Cross-layer equalization (``include_cle``) runs after ReplaceClip6Relu and before
     ConvertClipToRelu: a ReLU6, or the range cap either pass leaves, blocks a pair (the cap holds
@@ -151,6 +153,7 @@ def prepare_passes(
         gate="component",
         sample_feeds=sample_feeds,
     )
+    ranges = [sample_feeds] if range_samples is None and sample_feeds else range_samples
     chosen: list[tuple[bool, QuarkPass | type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),
         (True, RemoveInferenceDropout),
@@ -166,12 +169,9 @@ def prepare_passes(
         (qconfig.include_cle, cle),
         (
             options.EqualizeGatedActivations,
-            EqualizeGatedActivations(
-                range_samples
-                if range_samples is not None
-                else ([sample_feeds] if sample_feeds else None)
-            ),
+            EqualizeGatedActivations(ranges),
         ),
+        (options.EqualizeResidualStreams, EqualizeResidualStreams(ranges)),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),
@@ -557,8 +557,8 @@ def run_passes(
     return report
 
 
-#: Calibration samples whose activation ranges the prepare passes read (EqualizeGatedActivations):
-#: each is one onnxruntime run of the float model before calibration.
+#: Calibration samples whose activation ranges the equalization passes read: each is one
+#: onnxruntime run of the float model before calibration.
 RANGE_SAMPLES = 8
 
 
@@ -587,7 +587,7 @@ def prepare(
 
     # FoldConstantChannels reads the first sample's ranges
     first = samples[0] if samples else None
-    # EqualizeGatedActivations reads the channel ranges of the first few samples
+    # the equalization passes read the channel ranges of the first few samples
     passes = quantize_passes(qconfig, options, first, samples[:RANGE_SAMPLES])
     pipeline = run_passes(
         model,
