@@ -9,9 +9,11 @@ For every shared model and stress variant, the XINT8 preset quantizes it on its 
 (as ``bench_fidelity.py`` loads it) and the guard's verdict is printed as one JSON line: faithful
 or not, each output's SQNR and top-1 agreement on the guard's samples, and the layer that loses the
 most. Stress variants run three times: as the preset, with the range repairs off
-(``FoldConstantChannels``, ``include_cle``, ``EqualizeGatedActivations`` and the fidelity
-repair: "repairs off", the guard's verdict on the unrepaired model), and with the range repairs
-off but ``FidelityRepair`` on (what the fidelity repair then keeps).
+(``FoldConstantChannels``, ``include_cle``, ``EqualizeGatedActivations``,
+``EqualizeResidualStreams`` and the fidelity repair: "repairs off", the guard's verdict on the
+unrepaired model), and with the range repairs off but ``FidelityRepair`` on (what the fidelity
+repair then keeps). MobileNetV2 also runs as its ``streams`` variant (residual streams
+rescaled; the other models have no stream).
 Compare with the measured top-1 and SQNR in ``results/fidelity.txt``.
 """
 
@@ -40,6 +42,8 @@ ORIGINALS = {
     "mobilenetv2": "mobilenetv2_rebuilt.onnx",
 }
 VARIANTS = ("rescale", "deadconst", "both")
+#: models with residual streams, also run as their ``streams`` variant
+STREAM_MODELS = ("mobilenetv2",)
 
 
 def cases() -> dict[str, tuple[str, Path]]:
@@ -47,7 +51,7 @@ def cases() -> dict[str, tuple[str, Path]]:
     out: dict[str, tuple[str, Path]] = {}
     for model, file in ORIGINALS.items():
         out[model] = (model, SHARED / "models" / file)
-        for kind in VARIANTS:
+        for kind in VARIANTS + (("streams",) if model in STREAM_MODELS else ()):
             out[f"{model}_{kind}"] = (model, WORK / f"{model}_{kind}_seed0.onnx")
     out["person"] = ("person", SHARED / "models" / "person_detector_192.onnx")
     out["ppocr"] = ("ppocr", WORK / "ppocr_direction_cls_1x3x48x192.onnx")
@@ -65,6 +69,7 @@ def verdict(path: Path, x: np.ndarray, repairs_off: bool, fidelity_repair: bool 
     if repairs_off:
         config.extra_options["FoldConstantChannels"] = False
         config.extra_options["EqualizeGatedActivations"] = False
+        config.extra_options["EqualizeResidualStreams"] = False
         config.include_cle = False
         # the guard's own verdict on the unrepaired model; the second row per variant lets the
         # fidelity repair (weights never clipped, no bias correction) try after it fires
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         x = data.setdefault(source, calibration(source))
         modes = [(False, False)]
-        if name.endswith(VARIANTS):
+        if name.endswith((*VARIANTS, "streams")):
             modes += [(True, False), (True, True)]
         for repairs_off, fidelity_repair in modes:
             row = {

@@ -26,7 +26,8 @@ from a fixed seed): scenes of 2-6 lines for the detectors, one line per crop for
 recognizers and classifiers (half of them upside down for the orientation classifiers). They are
 written as PNG folders under ``benchmarks/.work/unseen`` and quantization reads them as a user
 would (``ImageFolderDataReader`` with the model's pre-processing). Every model is quantized with
-the XINT8 preset (``repair``) and with ``FidelityRepair = False`` (``no_repair``); measured on
+the XINT8 preset (``repair``), with ``FidelityRepair = False`` (``no_repair``) and with
+``EqualizeResidualStreams = False`` (``no_streams``); measured on
 ``--images`` test images against the float model: output SQNR, the task measure, the guard's
 verdict on its own samples and the repairs it tried. Results: ``results/<name>.{txt,json}``.
 """
@@ -100,7 +101,8 @@ MODELS = {
         "resize=stretch,size=224x224,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
     ),
 }
-CONFIGS = ("repair", "no_repair")
+#: the preset; without the fidelity repair; without residual-stream equalization
+CONFIGS = ("repair", "no_repair", "no_streams")
 WORDS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -258,7 +260,8 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
     calib = make_images(model.kind, "calib", 100)
     test = make_images(model.kind, "val", images)
     qc = get_default_config("XINT8")
-    qc.extra_options["FidelityRepair"] = config == "repair"
+    qc.extra_options["FidelityRepair"] = config != "no_repair"
+    qc.extra_options["EqualizeResidualStreams"] = config != "no_streams"
     # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
     qc.extra_options["FixShapes"] = f"x:[1,3,{model.size[0]},{model.size[1]}]"
     out = WORK / "out" / f"{key}_{config}.onnx"
@@ -324,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     results = BENCH / "results"
     header = (
         f"bench_unseen.py --models {args.models} --configs {args.configs} --images {args.images}: "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; XINT8 preset with and without "
-        "FidelityRepair; SQNR and task measures against the float model on the test images; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; XINT8 preset (repair), without "
+        "FidelityRepair (no_repair), without EqualizeResidualStreams (no_streams); SQNR and "
+        "task measures against the float model on the test images; "
         "guard = the quantizer's own verdict on its 16 calibration samples"
     )
     (results / f"{args.name}.txt").write_text(

@@ -213,7 +213,7 @@ class EqualizeResidualStreams(QuarkPass):
         return ir.passes.PassResult(model, modified=bool(count))
 
     def _apply(
-        self, graph: ir.Graph, stream: _Stream, data: dict[str, np.ndarray], names: NameGenerator
+        self, graph: ir.Graph, stream: _Stream, data: _Samples, names: NameGenerator
     ) -> bool:
         values = list(stream.values.values())
         channels = {int(conv_weight(n).shape[0]) for n in stream.producers.values()}  # type: ignore[union-attr]
@@ -221,12 +221,12 @@ class EqualizeResidualStreams(QuarkPass):
         if len(channels) != 1 or None in channels:
             return False
         (c,) = channels
-        if any(data.get(v.name or "", _EMPTY).shape[1:2] != (c,) for v in values):
+        if any(data.values.get(v.name or "", _EMPTY).shape[1:2] != (c,) for v in values):
             return False
         readers = [conv_reader(n, 0, 0, c) for n in stream.readers.values()]
         if any(r is None for r in readers):
             return False
-        r1 = np.max([np.abs(data[v.name]).max(axis=(0, 2, 3)) for v in values], axis=0)  # type: ignore[index]
+        r1 = np.max([np.abs(data.values[v.name]).max(axis=(0, 2, 3)) for v in values], axis=0)  # type: ignore[index]
         r2 = np.max([r.ranges(c) for r in readers], axis=0)  # type: ignore[union-attr]
         s = power_of_two_scales(r1, r2, MAX_LOG2)
         if np.all(s == 1.0):
@@ -258,23 +258,39 @@ class EqualizeResidualStreams(QuarkPass):
 _EMPTY = np.zeros((0, 0), np.float32)
 
 
+class _Samples:
+    """The streams' values on the samples (concatenated on axis 0) and the mean square of each
+    writer's input (the only thing the prediction needs of it: not kept whole)."""
+
+    def __init__(self, values: dict[str, np.ndarray], power: dict[str, float]) -> None:
+        self.values = values
+        self.power = power
+
+
 def _sample_values(
     model: ir.Model, streams: list[_Stream], feeds: Sequence[dict[str, np.ndarray]]
-) -> dict[str, np.ndarray]:
-    """The streams' values and the writers' inputs on the samples, concatenated on axis 0."""
+) -> _Samples:
     from quark_onnx import runtime
 
-    names = {v.name for st in streams for v in st.values.values()}
-    names |= {n.inputs[0].name for st in streams for n in st.producers.values()}
-    wanted = sorted(n for n in names if n)
+    kept = sorted({v.name for st in streams for v in st.values.values() if v.name})
+    inputs = {n.inputs[0].name for st in streams for n in st.producers.values()}
+    powered = sorted(n for n in inputs if n)
+    wanted = sorted(set(kept) | set(powered))
     session = runtime.create_session(
         model, purpose="residual_streams", edit=lambda p: runtime.add_outputs(p, wanted)
     )
-    runs: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
+    runs: dict[str, list[np.ndarray]] = {n: [] for n in kept}
+    sums = dict.fromkeys(powered, 0.0)
+    counts = dict.fromkeys(powered, 0)
     for feed in feeds:
         for name, array in zip(wanted, session.run(wanted, dict(feed)), strict=True):
-            runs[name].append(np.asarray(array, np.float32))
-    return {n: np.concatenate(a) for n, a in runs.items() if a and a[0].ndim == 4}
+            if name in sums:
+                sums[name] += float(np.square(array, dtype=np.float64).sum())
+                counts[name] += array.size
+            if name in runs:
+                runs[name].append(np.asarray(array, np.float32))
+    values = {n: np.concatenate(a) for n, a in runs.items() if a and a[0].ndim == 4}
+    return _Samples(values, {n: sums[n] / max(counts[n], 1) for n in powered})
 
 
 def _column_energy(weight: np.ndarray, group: int) -> np.ndarray:
@@ -290,7 +306,7 @@ def _weight_error(weight: np.ndarray) -> np.ndarray:
 
 
 def _predicted_noise(
-    stream: _Stream, readers: list[ConvReader], data: dict[str, np.ndarray], s: np.ndarray
+    stream: _Stream, readers: list[ConvReader], data: _Samples, s: np.ndarray
 ) -> float:
     """First-order noise energy at the readers' outputs with the stream divided by ``s`` (module
     doc, Gate), in the stream's original units."""
@@ -299,13 +315,13 @@ def _predicted_noise(
     shape = (1, c, 1, 1)
     noise = 0.0
     for value in stream.values.values():
-        x = data[value.name]  # type: ignore[index]
+        x = data.values[value.name]  # type: ignore[index]
         y = x / s.reshape(shape).astype(np.float32)
         e = (pof2.fake_quant(y, pof2.minmse_position(y)) - y).astype(np.float64)
         e *= s.reshape(shape)
         noise += float(np.sum(np.square(e).mean(axis=(0, 2, 3)) * reads))
     for reader in readers:
-        x = data[reader.node.inputs[0].name]  # type: ignore[index]
+        x = data.values[reader.node.inputs[0].name]  # type: ignore[index]
         mean_square = np.square(x, dtype=np.float64).mean(axis=(0, 2, 3)) / np.square(s)
         error = _column_energy(_weight_error(reader.scaled(s)), reader.group)
         noise += float(np.sum(error * mean_square))
@@ -314,6 +330,5 @@ def _predicted_noise(
         assert w is not None
         rows = _weight_error(w / s.reshape((-1,) + (1,) * (w.ndim - 1)).astype(w.dtype))
         energy = np.square(rows).reshape(c, -1).sum(axis=1) * np.square(s)
-        x = data[node.inputs[0].name]  # type: ignore[index]
-        noise += float(np.sum(energy * reads)) * float(np.square(x, dtype=np.float64).mean())
+        noise += float(np.sum(energy * reads)) * data.power[node.inputs[0].name]  # type: ignore[index]
     return noise
