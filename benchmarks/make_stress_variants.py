@@ -285,14 +285,7 @@ def rescale(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, int]:
                     parts.append(np.ones(g.channels[t]))
             scales[node.output[0]] = np.concatenate(parts)
         elif node.op_type == "Conv" and node.input[0] in scales:
-            s = scales[node.input[0]]
-            w = g.array(node.input[1]).astype(np.float64)
-            group = _attr(node, "group", 1)
-            cin_g, cout_g = w.shape[1], w.shape[0] // group
-            for c in range(len(s)):
-                grp, j = divmod(c, cin_g)
-                w[grp * cout_g : (grp + 1) * cout_g, j] /= s[c]
-            g.set_array(node.input[1], w)
+            _divide_columns(g, node, scales[node.input[0]])
             columns += 1
         else:
             scales[node.output[0]] = scales[node.input[0]]
@@ -301,11 +294,16 @@ def rescale(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, int]:
             for name in bn.input[1:3]:  # scale and shift: BN(x) * s
                 g.set_array(name, g.array(name).astype(np.float64) * s)
         else:
-            w = g.array(conv.input[1]).astype(np.float64)
-            g.set_array(conv.input[1], w * s.reshape(-1, *([1] * (w.ndim - 1))))
-            if len(conv.input) > 2 and conv.input[2]:
-                g.set_array(conv.input[2], g.array(conv.input[2]).astype(np.float64) * s)
+            _multiply_rows(g, conv, s)
     return {"rescaled_convs": len(carriers), "compensated_convs": columns}
+
+
+def _multiply_rows(g: _Graph, conv: onnx.NodeProto, s: np.ndarray) -> None:
+    """Multiply output channel ``c`` of ``conv`` (weight row and bias) by ``s_c``."""
+    w = g.array(conv.input[1]).astype(np.float64)
+    g.set_array(conv.input[1], w * s.reshape(-1, *([1] * (w.ndim - 1))))
+    if len(conv.input) > 2 and conv.input[2]:
+        g.set_array(conv.input[2], g.array(conv.input[2]).astype(np.float64) * s)
 
 
 def _divide_columns(g: _Graph, conv: onnx.NodeProto, s: np.ndarray) -> None:
@@ -372,10 +370,7 @@ def rescale_streams(model: onnx.ModelProto, rng: np.random.Generator) -> dict[st
         channels = g.inits[writers[0].input[1]].dims[0]
         s = np.exp(rng.uniform(np.log(SCALE_LOW), np.log(SCALE_HIGH), channels))
         for conv in writers:
-            w = g.array(conv.input[1]).astype(np.float64)
-            g.set_array(conv.input[1], w * s.reshape(-1, *([1] * (w.ndim - 1))))
-            if len(conv.input) > 2 and conv.input[2]:
-                g.set_array(conv.input[2], g.array(conv.input[2]).astype(np.float64) * s)
+            _multiply_rows(g, conv, s)
         for conv in readers:
             _divide_columns(g, conv, s)
         count += 1
