@@ -63,7 +63,8 @@ class ExtraOptions:
         "Equalize per-channel ranges between a Conv and the Convs reading its gated activation "
         "x * g(x) (SiLU, hardswish): the Conv's channels are divided by powers of two, the "
         "readers' multiplied, and the gate reads x through a new Mul restoring the scale, so it "
-        "computes what it computed. Float-exact (bit-identical outputs).",
+        "computes what it computed. Float-exact (bit-identical outputs). A native HardSwish op is "
+        "first written as x * HardSigmoid(x) where it is equalized.",
     )
     EqualizeResidualStreams: bool = _opt(
         False,

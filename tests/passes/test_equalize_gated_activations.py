@@ -293,3 +293,54 @@ def test_samples_are_run_only_when_the_pattern_is_there(caplog):
     np.testing.assert_array_equal(
         _inits(out)["w1"], _weights()["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32)
     )
+
+
+def _native_hardswish_model(output_too: bool = False) -> onnx.ModelProto:
+    """Conv -> HardSwish (the op, as torch's nn.Hardswish exports it) -> depthwise and 1x1 Convs;
+    ``output_too``: the HardSwish output is also a graph output."""
+    w = _weights()
+    nodes = [
+        _conv("conv1", "x", "w1", "b1", "x1"),
+        helper.make_node("HardSwish", ["x1"], ["a"], name="hswish"),
+        _conv("dwconv", "a", "dw", None, "y_dw", group=C),
+        _conv("pwconv", "a", "pw", None, "y_pw", k=1),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y_dw", TensorProto.FLOAT, [1, C, 8, 8]),
+        helper.make_tensor_value_info("y_pw", TensorProto.FLOAT, [1, 4, 8, 8]),
+    ]
+    if output_too:
+        outputs.append(helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, C, 8, 8]))
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        outputs,
+        w,
+        opset=17,
+    )
+
+
+def test_native_hardswish_is_written_as_its_product_form_and_equalized():
+    model = _native_hardswish_model()
+    out, modified = _apply(model)
+    assert modified
+    ops = [n.op_type for n in out.graph.node]
+    assert "HardSwish" not in ops and ops.count("HardSigmoid") == 1
+    (hsig,) = [n for n in out.graph.node if n.op_type == "HardSigmoid"]
+    attrs = {a.name: a.f for a in hsig.attribute}
+    assert attrs == pytest.approx({"alpha": 1 / 6, "beta": 0.5})
+    feeds = _feeds(model)
+    for before, after in zip(run_ort(model, feeds), run_ort(out, feeds), strict=True):
+        np.testing.assert_array_equal(after, before)  # the same float operations
+    w, new = _weights(), _inits(out)
+    s = _expected_scales(w["w1"], [np.moveaxis(w["dw"], 0, 1), w["pw"]])
+    assert s.min() < 1 < s.max()
+    np.testing.assert_array_equal(new["w1"], w["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32))
+
+
+def test_native_hardswish_left_alone_where_nothing_is_equalized():
+    """Its output is also a graph output (the readers' scales cannot hold): the op stays."""
+    model = _native_hardswish_model(output_too=True)
+    out, modified = _apply(model)
+    assert not modified
+    assert [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node]
