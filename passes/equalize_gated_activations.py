@@ -57,6 +57,13 @@ HardSigmoid is an NPU op (simulated with the DPU's 2731/16384 by ConvertHardSigm
 a HardSwish left as it is keeps the op. Measured on the document orientation classifier
 (``benchmarks/results/unseen.md``): 6.4 -> 20.3 dB output SQNR, argmax agreement 0.72 -> 0.97.
 
+Constant shifts on either side are crossed too (PP-LCNetV3's learnable affine blocks: ``Conv ->
+Add(k1) -> HardSwish -> Mul(a) -> Add(k2) -> Conv``): an ``Add``/``Sub`` of one number or one per
+channel between the Conv and the gated value, or between the product and its readers, gets its
+constant divided by ``s`` per channel (``(v + k) / s = v / s + k / s``, exact with powers of two);
+a scalar ``Mul``/``Div`` after the product commutes with ``s``. Measured on the PP-OCRv5 text
+detector and recognizer (``benchmarks/results/unseen.md``).
+
 Does not fire when ``x`` or
 ``y`` is a graph output, when anything else reads them (an Add, a pool, a Concat read by
 anything but Convs: the same values would need two scales), or when the gate reads anything but
@@ -126,6 +133,47 @@ def _scalar_rescale(node: ir.Node, value: ir.Value) -> bool:
     return k is not None and k.size == 1
 
 
+def _constant_shift(node: ir.Node, value: ir.Value, channels: int) -> int | None:
+    """The input slot of the float constant ``node`` adds to (or subtracts from) ``value``: one
+    number, or one per channel (``C x 1 x 1``); None if ``node`` is not that. A per-channel
+    scaling passes it once the constant is scaled too (PP-LCNetV3's learnable affine blocks)."""
+    if not (is_standard(node, "Add") or is_standard(node, "Sub")) or len(node.inputs) != 2:
+        return None
+    slots = [i for i, v in enumerate(node.inputs) if v is not value]
+    if len(slots) != 1:
+        return None
+    k = float_constant(node.inputs[slots[0]])
+    if k is None:
+        return None
+    per_channel = k.ndim >= 3 and k.shape[-3:] == (channels, 1, 1) and k.size == channels
+    return slots[0] if k.size == 1 or per_channel else None
+
+
+def _through(
+    y: ir.Value, channels: int, *, rescales: bool = True
+) -> tuple[ir.Value, list[ir.Node]]:
+    """Follow ``y`` past single-reader constant ``Add``/``Sub`` nodes (and, with ``rescales``,
+    scalar ``Mul``/``Div``): the value reached and the constant shifts on the way."""
+    shifts: list[ir.Node] = []
+    while not y.is_graph_output():
+        uses = list(y.uses())
+        if len(uses) != 1:
+            break
+        node = uses[0].node
+        if _constant_shift(node, y, channels) is not None:
+            shifts.append(node)
+        elif not (rescales and _scalar_rescale(node, y)):
+            break
+        y = node.outputs[0]
+    return y, shifts
+
+
+def _gated_value(conv: ir.Node) -> tuple[ir.Value, list[ir.Node]]:
+    """The value a gate may read: ``conv``'s output past constant shifts (``x = W a + b + k``,
+    a bias added after the Conv), and those shifts."""
+    return _through(conv.outputs[0], _width(conv), rescales=False)
+
+
 def _concat_readers(concat: ir.Node, index: int, channels: int) -> list[ConvReader] | None:
     """The Conv readers of a channel Concat's output, at the offset of its input ``index``."""
     out = concat.outputs[0]
@@ -154,7 +202,7 @@ def _native_hardswish(conv: ir.Node) -> ir.Node | None:
     """The ``HardSwish`` node that is the only reader of ``conv``'s output, or None."""
     if conv_weight(conv) is None or len(conv.outputs) != 1:
         return None
-    x = conv.outputs[0]
+    x, _ = _gated_value(conv)
     uses = list(x.uses())
     if x.is_graph_output() or len(uses) != 1 or not is_standard(uses[0].node, "HardSwish"):
         return None
@@ -220,7 +268,7 @@ class EqualizeGatedActivations(QuarkPass):
         ]
         if not matched:
             return ir.passes.PassResult(model, modified=False)
-        self._ranges = self._measure(model, [c.outputs[0].name or "" for c in matched])
+        self._ranges = self._measure(model, [_gated_value(c)[0].name or "" for c in matched])
         count = 0
         for conv in convs:
             hardswish = native.get(id(conv))
@@ -264,7 +312,7 @@ class EqualizeGatedActivations(QuarkPass):
         b1 = float_constant(bias_value) if bias_value is not None else None
         if bias_value is not None and (b1 is None or b1.shape != (w1.shape[0],)):
             return False
-        x = conv.outputs[0]
+        x, pre = _gated_value(conv)
         uses = list(x.uses())
         if x.is_graph_output() or len(uses) != 2:
             return False
@@ -282,7 +330,8 @@ class EqualizeGatedActivations(QuarkPass):
             if readers is None or dry_run:
                 return readers is not None
             r1 = self._producer_ranges(x, w1)
-            return self._apply(graph, conv, w1, b1, r1, head, x, readers, names)
+            shifts = pre + _through(mul.outputs[0], w1.shape[0])[1]
+            return self._apply(graph, conv, w1, b1, r1, head, x, readers, shifts, names)
         return False
 
     def _producer_ranges(self, x: ir.Value, w1: np.ndarray) -> np.ndarray:
@@ -300,21 +349,17 @@ class EqualizeGatedActivations(QuarkPass):
         if w1 is None or readers is None:
             return None
         r2 = np.max([reader.ranges(w1.shape[0]) for reader in readers], axis=0)
-        s = power_of_two_scales(self._producer_ranges(conv.outputs[0], w1), r2)
+        s = power_of_two_scales(self._producer_ranges(_gated_value(conv)[0], w1), r2)
         return None if np.all(s == 1.0) else s
 
     @staticmethod
     def _readers(y: ir.Value, channels: int) -> list[ConvReader] | None:
-        """The Conv readers of ``y`` (past scalar Mul/Div, and through a channel Concat read
-        only by Convs), each with the input channels that are ``y``'s."""
-        while True:
-            if y.is_graph_output():
-                return None
-            uses = list(y.uses())
-            if len(uses) == 1 and _scalar_rescale(uses[0].node, y):
-                y = uses[0].node.outputs[0]
-                continue
-            break
+        """The Conv readers of ``y`` (past scalar Mul/Div and constant Add/Sub, and through a
+        channel Concat read only by Convs), each with the input channels that are ``y``'s."""
+        y, _ = _through(y, channels)
+        if y.is_graph_output():
+            return None
+        uses = list(y.uses())
         readers: list[ConvReader] = []
         for use in uses:
             if is_standard(use.node, "Concat"):
@@ -339,6 +384,7 @@ class EqualizeGatedActivations(QuarkPass):
         head: ir.Node,
         x: ir.Value,
         readers: list[ConvReader],
+        shifts: list[ir.Node],
         names: NameGenerator,
     ) -> bool:
         r2 = np.max(
@@ -354,6 +400,13 @@ class EqualizeGatedActivations(QuarkPass):
             store_constant(graph, conv, 2, b1 / s.astype(b1.dtype), names)
         for reader in readers:
             store_constant(graph, reader.node, 1, reader.scaled(s), names)
+        for node in shifts:  # (v + k) / s = v / s + k / s: the constant per channel
+            slot = next(i for i, v in enumerate(node.inputs) if float_constant(v) is not None)
+            k = float_constant(node.inputs[slot])
+            assert k is not None
+            per_channel = np.broadcast_to(k.reshape(-1), s.shape) / s.astype(k.dtype)
+            shape = (1,) * max(k.ndim - 3, 0) + (-1, 1, 1)
+            store_constant(graph, node, slot, per_channel.reshape(shape).astype(k.dtype), names)
         base = x.name or "gated"
         constant = add_initializer(
             graph,

@@ -64,7 +64,8 @@ class ExtraOptions:
         "x * g(x) (SiLU, hardswish): the Conv's channels are divided by powers of two, the "
         "readers' multiplied, and the gate reads x through a new Mul restoring the scale, so it "
         "computes what it computed. Float-exact (bit-identical outputs). A native HardSwish op is "
-        "first written as x * HardSigmoid(x) where it is equalized.",
+        "first written as x * HardSigmoid(x) where it is equalized; constant Add/Sub shifts on "
+        "either side (learnable affine blocks) get their constants scaled per channel.",
     )
     EqualizeResidualStreams: bool = _opt(
         False,

@@ -344,3 +344,45 @@ def test_native_hardswish_left_alone_where_nothing_is_equalized():
     out, modified = _apply(model)
     assert not modified
     assert [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_through_constant_shifts_on_both_sides_of_a_native_hardswish():
+    """PP-LCNetV3's learnable affine blocks: Conv -> Add(k1) -> HardSwish -> Mul(a) -> Add(k2)
+    -> Conv. The shifts' constants become one per channel (k / s), so the outputs stay
+    bit-identical while the Conv's and the reader's channels are equalized."""
+    w = _weights()
+    init = {
+        "w1": w["w1"],
+        "b1": w["b1"],
+        "pw": w["pw"],
+        "k1": np.array([0.75], np.float32),
+        "a": np.array([1.5], np.float32),
+        "k2": np.array([-0.25], np.float32),
+    }
+    model = make_model(
+        [
+            _conv("conv1", "x", "w1", "b1", "c1"),
+            helper.make_node("Add", ["c1", "k1"], ["x1"], name="shift_in"),
+            helper.make_node("HardSwish", ["x1"], ["h"], name="hswish"),
+            helper.make_node("Mul", ["h", "a"], ["m"], name="scale"),
+            helper.make_node("Add", ["m", "k2"], ["z"], name="shift_out"),
+            _conv("pwconv", "z", "pw", None, "y", k=1),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        init,
+    )
+    out, modified = _apply(model)
+    assert modified
+    feeds = _feeds(model)
+    np.testing.assert_array_equal(run_ort(model, feeds)[0], run_ort(out, feeds)[0])
+    s = _expected_scales(w["w1"], [w["pw"]])
+    assert s.min() < 1 < s.max()
+    new = _inits(out)
+    np.testing.assert_array_equal(new["w1"], w["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32))
+    for node_name, k in (("shift_in", 0.75), ("shift_out", -0.25)):
+        shift = next(n for n in out.graph.node if n.name == node_name)
+        constant = new[shift.input[1]]
+        assert constant.shape == (C, 1, 1)
+        np.testing.assert_array_equal(constant.reshape(-1), (k / s).astype(np.float32))
+    np.testing.assert_array_equal(new["a"], init["a"])  # a scalar scale commutes with s
