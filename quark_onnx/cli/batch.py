@@ -3,6 +3,7 @@ that quantizes jobs in this process or in spawned worker processes."""
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -253,17 +254,34 @@ def stop_resource_tracker() -> None:
     traceback on stderr and starts a second tracker. Unlinking only removes the name; a holder
     keeps a working semaphore.
     """
-    from multiprocessing import resource_tracker, synchronize, util
+    from multiprocessing import resource_tracker
 
     stop = getattr(resource_tracker._resource_tracker, "_stop", None)
     if stop is None:
         return
+    _release_semaphores()
+    with contextlib.suppress(Exception):
+        stop()
+    global _RELEASE_AT_EXIT
+    if not _RELEASE_AT_EXIT:
+        # a semaphore whose cleanup still runs at exit (seen once in the signal test: its
+        # unregister met the stopped tracker's closed pipe and printed a traceback) is released
+        # quietly first (atexit runs this before multiprocessing's own exit function)
+        atexit.register(_release_semaphores)
+        _RELEASE_AT_EXIT = True
+
+
+_RELEASE_AT_EXIT = False
+
+
+def _release_semaphores() -> None:
+    """Run the pending cleanups of this process's semaphores (unlink, unregister), quietly."""
+    from multiprocessing import synchronize, util
+
     for finalizer in list(util._finalizer_registry.values()):
         if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
             with contextlib.suppress(Exception):
                 finalizer()
-    with contextlib.suppress(Exception):
-        stop()
 
 
 def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) -> list[Outcome]:
