@@ -53,7 +53,7 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     return pof2.sse(weight, pof2.minmse_position(weight)) / energy
 
 
-def _quant_error(weight: np.ndarray) -> np.ndarray:
+def quant_error(weight: np.ndarray) -> np.ndarray:
     """``Q(W) - W`` in float64, ``Q`` the per-tensor power-of-two int8 quantizer at the MinMSE
     position."""
     from quark_onnx import pof2
@@ -63,6 +63,13 @@ def _quant_error(weight: np.ndarray) -> np.ndarray:
         return np.zeros_like(w64)
     p = pof2.minmse_position(weight)
     return pof2.fake_quant(w64, p).astype(np.float64) - w64
+
+
+def column_energy(weight: np.ndarray, group: int) -> np.ndarray:
+    """``||W[:, i]||^2`` per input channel ``i`` of a (grouped) conv weight ``C_out x C_in/g x
+    k...`` (float64, length ``C_in``)."""
+    view = _grouped_view(np.square(weight.astype(np.float64)), group)
+    return view.sum(axis=(1, 3)).reshape(-1)
 
 
 def propagated_noise(
@@ -92,15 +99,13 @@ def propagated_noise(
 
     def error(weight: np.ndarray) -> np.ndarray:
         if errors is None:
-            return _quant_error(weight)
+            return quant_error(weight)
         if id(weight) not in errors:
-            errors[id(weight)] = _quant_error(weight)
+            errors[id(weight)] = quant_error(weight)
         return errors[id(weight)]
 
     def columns(weight: np.ndarray, group: int, idx: np.ndarray) -> np.ndarray:
-        # squared norm of every input-channel column (grouped layout), picked at idx
-        view = _grouped_view(np.square(weight), group)
-        return view.sum(axis=(1, 3)).reshape(-1)[idx]
+        return column_energy(weight, group)[idx]
 
     e1 = error(first)
     row_w = np.square(first.astype(np.float64)).reshape(first.shape[0], -1).sum(axis=1)

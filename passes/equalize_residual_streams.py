@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx import pof2
 from quark_onnx.passes._channel_scaling import (
     ConvReader,
     conv_reader,
@@ -65,7 +64,8 @@ from quark_onnx.passes._channel_scaling import (
     power_of_two_scales,
     store_constant,
 )
-from quark_onnx.passes._channels import _grouped_view, value_channels
+from quark_onnx.passes._channels import value_channels
+from quark_onnx.passes._cle_noise import column_energy, quant_error
 from quark_onnx.passes._cle_pairs import homogeneity_problem
 from quark_onnx.passes._graph import NameGenerator, is_standard
 from quark_onnx.passes.base import QuarkPass
@@ -121,32 +121,36 @@ def _passes_channels(node: ir.Node, index: int) -> bool:
     return index == 0 and len(node.outputs) >= 1 and homogeneity_problem(node) is None
 
 
-def _collect(seed: ir.Value) -> _Stream | None:
-    """The stream holding ``seed``, or None if something blocks it (module doc)."""
+def _collect(seed: ir.Value) -> tuple[_Stream, bool]:
+    """The stream holding ``seed`` and whether something blocks it (module doc). The walk
+    always covers the whole stream, so each value is visited once however many Adds it has."""
     stream = _Stream()
+    blocked = False
     todo = [seed]
     while todo:
         value = todo.pop()
         if id(value) in stream.values:
             continue
-        if value.is_graph_input() or value.is_graph_output():
-            return None
-        if RANGE_MAX_KEY in value.metadata_props:
-            return None
         stream.values[id(value)] = value
+        if value.is_graph_input() or value.is_graph_output():
+            blocked = True
+        if RANGE_MAX_KEY in value.metadata_props:
+            blocked = True
         producer = value.producer()
         if producer is None:
-            return None
-        if _is_sum(producer):
+            blocked = True
+        elif _is_sum(producer):
             todo.extend(v for v in producer.inputs if v is not None)
         elif _writable_conv(producer) and producer.outputs[0] is value:
             stream.producers[id(producer)] = producer
-        elif homogeneity_problem(producer) is None and producer.inputs[0] is not None:
-            if value is not producer.outputs[0]:
-                return None
+        elif (
+            homogeneity_problem(producer) is None
+            and producer.inputs[0] is not None
+            and value is producer.outputs[0]
+        ):
             todo.append(producer.inputs[0])
         else:
-            return None
+            blocked = True
         for use in value.uses():
             node = use.node
             if is_standard(node, "Conv") and use.idx == 0 and conv_weight(node) is not None:
@@ -156,22 +160,20 @@ def _collect(seed: ir.Value) -> _Stream | None:
                 if _is_sum(node):
                     todo.extend(v for v in node.inputs if v is not None)
             else:
-                return None
-    return stream
+                blocked = True
+    return stream, blocked
 
 
 def _streams(graph: ir.Graph) -> list[_Stream]:
-    """Every unblocked stream, each found once (from its first Add in graph order)."""
+    """Every unblocked stream, each walked once (from its first Add in graph order)."""
     seen: set[int] = set()
     found: list[_Stream] = []
     for node in graph:
         if not _is_sum(node) or id(node.outputs[0]) in seen:
             continue
-        stream = _collect(node.outputs[0])
-        if stream is None:
-            continue
+        stream, blocked = _collect(node.outputs[0])
         seen.update(stream.values)
-        if stream.producers and stream.readers:
+        if not blocked and stream.producers and stream.readers:
             found.append(stream)
     return found
 
@@ -293,42 +295,28 @@ def _sample_values(
     return _Samples(values, {n: sums[n] / max(counts[n], 1) for n in powered})
 
 
-def _column_energy(weight: np.ndarray, group: int) -> np.ndarray:
-    """``sum ||W[:, i]||^2`` per input channel ``i`` of a (grouped) conv weight, float64."""
-    view = _grouped_view(np.square(weight.astype(np.float64)), group)
-    return view.sum(axis=(1, 3)).reshape(-1)
-
-
-def _weight_error(weight: np.ndarray) -> np.ndarray:
-    """Per-tensor power-of-two int8 rounding error at the MinMSE position, float64."""
-    w = weight.astype(np.float32)
-    return pof2.fake_quant(w, pof2.minmse_position(w)).astype(np.float64) - w
-
-
 def _predicted_noise(
     stream: _Stream, readers: list[ConvReader], data: _Samples, s: np.ndarray
 ) -> float:
     """First-order noise energy at the readers' outputs with the stream divided by ``s`` (module
     doc, Gate), in the stream's original units."""
     c = s.size
-    reads = np.sum([_column_energy(r.weight, r.group) for r in readers], axis=0)
+    reads = np.sum([column_energy(r.weight, r.group) for r in readers], axis=0)
     shape = (1, c, 1, 1)
     noise = 0.0
     for value in stream.values.values():
         x = data.values[value.name]  # type: ignore[index]
-        y = x / s.reshape(shape).astype(np.float32)
-        e = (pof2.fake_quant(y, pof2.minmse_position(y)) - y).astype(np.float64)
-        e *= s.reshape(shape)
+        e = quant_error(x / s.reshape(shape).astype(np.float32)) * s.reshape(shape)
         noise += float(np.sum(np.square(e).mean(axis=(0, 2, 3)) * reads))
     for reader in readers:
         x = data.values[reader.node.inputs[0].name]  # type: ignore[index]
         mean_square = np.square(x, dtype=np.float64).mean(axis=(0, 2, 3)) / np.square(s)
-        error = _column_energy(_weight_error(reader.scaled(s)), reader.group)
+        error = column_energy(quant_error(reader.scaled(s)), reader.group)
         noise += float(np.sum(error * mean_square))
     for node in stream.producers.values():
         w = conv_weight(node)
         assert w is not None
-        rows = _weight_error(w / s.reshape((-1,) + (1,) * (w.ndim - 1)).astype(w.dtype))
+        rows = quant_error(w / s.reshape((-1,) + (1,) * (w.ndim - 1)).astype(w.dtype))
         energy = np.square(rows).reshape(c, -1).sum(axis=1) * np.square(s)
         noise += float(np.sum(energy * reads)) * data.power[node.inputs[0].name]  # type: ignore[index]
     return noise

@@ -29,24 +29,27 @@ def _conv(name, x, w, b, y, k=1):
     return helper.make_node("Conv", inputs, [y], name=name, kernel_shape=[k, k], pads=[k // 2] * 4)
 
 
-def _weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """Stream writers whose channels range 1 ... 2^8 apart, readers' columns the inverse."""
+def _weights(seed: int = 0, spread: np.ndarray = SPREAD) -> dict[str, np.ndarray]:
+    """Stream writers whose channels range ``spread`` apart (1 ... 2^8), readers' columns the
+    inverse."""
     rng = np.random.default_rng(seed)
-    col = SPREAD.reshape(1, -1, 1, 1)
-    row = SPREAD.reshape(-1, 1, 1, 1)
+    col = spread.reshape(1, -1, 1, 1)
+    row = spread.reshape(-1, 1, 1, 1)
     return {
         "w0": rng.standard_normal((C, 3, 3, 3)).astype(np.float32) * row,
-        "b0": (rng.standard_normal(C) * SPREAD).astype(np.float32),
+        "b0": (rng.standard_normal(C) * spread).astype(np.float32),
         "we1": rng.standard_normal((2 * C, C, 1, 1)).astype(np.float32) / col,
         "wp1": rng.standard_normal((C, 2 * C, 1, 1)).astype(np.float32) * row / 4,
-        "bp1": (rng.standard_normal(C) * SPREAD / 4).astype(np.float32),
+        "bp1": (rng.standard_normal(C) * spread / 4).astype(np.float32),
         "we2": rng.standard_normal((2 * C, C, 1, 1)).astype(np.float32) / col,
         "wp2": rng.standard_normal((C, 2 * C, 1, 1)).astype(np.float32) * row / 4,
         "wout": rng.standard_normal((4, C, 1, 1)).astype(np.float32) / col,
     }
 
 
-def _stream_model(*, relu_after_add: bool = False, extra: str = "") -> onnx.ModelProto:
+def _stream_model(
+    *, relu_after_add: bool = False, extra: str = "", spread: np.ndarray = SPREAD
+) -> onnx.ModelProto:
     """MobileNetV2's shape: conv0 writes the stream v0; two blocks (expand, Relu, project) add
     to it (v1, v2); a 1x1 Conv reads v2 (output y). ``relu_after_add``: a Relu after each Add,
     as in a ResNet. ``extra``: "output" (v1 also a graph output), "sigmoid" (a Sigmoid also
@@ -68,7 +71,7 @@ def _stream_model(*, relu_after_add: bool = False, extra: str = "") -> onnx.Mode
         current = f"v{i}"
     nodes.append(_conv("out", "v2", "wout", None, "y"))
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])]
-    weights = _weights()
+    weights = _weights(spread=spread)
     x_channels = 3
     if extra == "output":
         outputs.append(helper.make_tensor_value_info("v1", TensorProto.FLOAT, [1, C, 8, 8]))
@@ -204,6 +207,23 @@ def test_does_not_fire_on_a_stream_it_cannot_rescale(extra):
     out, modified = _apply(model, _samples(model))
     assert not modified
     assert _inits(out).keys() == _inits(model).keys()
+    for name, array in _inits(model).items():
+        np.testing.assert_array_equal(_inits(out)[name], array)
+
+
+def test_the_gate_leaves_a_nearly_balanced_stream_alone():
+    """Channels within 2x of each other: the balancing rule still proposes scales (some 1/2,
+    some 2), but they only move values across power-of-two grid points and the predicted noise
+    does not halve, so nothing changes."""
+    model = _stream_model(spread=np.linspace(1.0, 2.0, C).astype(np.float32))
+    samples = _samples(model)
+    w = _weights(spread=np.linspace(1.0, 2.0, C).astype(np.float32))
+    r1 = _values(model, ["v0", "p1", "v1", "p2", "v2"], samples).max(axis=0)
+    r2 = np.max([np.abs(w[n]).max(axis=(0, 2, 3)) for n in ("we1", "we2", "wout")], axis=0)
+    k = np.round(0.5 * np.log2(r1 / r2))
+    assert np.any(k - np.round(np.median(k)) != 0)  # scales were proposed
+    out, modified = _apply(model, samples)
+    assert not modified
     for name, array in _inits(model).items():
         np.testing.assert_array_equal(_inits(out)[name], array)
 
