@@ -1,7 +1,8 @@
-"""EqualizeGatedActivations: float-exact channel equalization through SiLU and hardswish.
+"""EqualizeGatedActivations: float-exact channel equalization through SiLU, hardswish and GELU.
 
 Why. Networks with gated activations ``y = x * g(x)`` (SiLU ``x * Sigmoid(x)`` in YOLOX/YOLOv5-8
-and EfficientNet, hardswish ``x * Clip(x + 3, 0, 6) / 6`` in MobileNetV3 and PaddleOCR) come out
+and EfficientNet, hardswish ``x * Clip(x + 3, 0, 6) / 6`` in MobileNetV3 and PaddleOCR, GELU
+``x * (Erf(x / sqrt 2) + 1) * 0.5`` in ConvNeXt-style blocks such as PP-OCRv6's) come out
 of BatchNorm folding with the same per-channel range spread as Relu networks: in a YOLOX person
 detector the first SiLU output has channels reaching 0.5 next to channels reaching 130, and the
 depthwise layer reading it has weights of 12.9 on the small channels against 0.03 on the large
@@ -98,6 +99,7 @@ logger = logging.getLogger(__name__)
 #: Elementwise ops a gate may be built of (one variable input; the others constant).
 GATE_OPS = frozenset(
     {"Sigmoid", "HardSigmoid", "Add", "Sub", "Mul", "Div", "Clip", "Relu", "Tanh", "Softplus"}
+    | {"Erf"}  # GELU's Phi(x) = (Erf(x / sqrt 2) + 1) / 2
 )
 #: Longest gate chain followed (hardswish as Add, Clip, Div is 3 nodes).
 MAX_GATE_NODES = 6

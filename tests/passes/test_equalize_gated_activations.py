@@ -175,6 +175,52 @@ def test_hardswish_with_scalar_div_after_the_product():
     assert add.input[0] != "x1"  # the gate reads the restored x
 
 
+def _gelu_model() -> onnx.ModelProto:
+    """Conv -> GELU as torch and paddle export it, ``x * (Erf(x / sqrt 2) + 1) * 0.5`` -> 1x1
+    Conv."""
+    w = _weights()
+    init = {
+        "w1": w["w1"],
+        "b1": w["b1"],
+        "pw": w["pw"],
+        "sqrt2": np.array(np.sqrt(2.0), np.float32),
+        "one": np.array(1.0, np.float32),
+        "half": np.array(0.5, np.float32),
+    }
+    nodes = [
+        _conv("conv1", "x", "w1", "b1", "x1"),
+        helper.make_node("Div", ["x1", "sqrt2"], ["t"], name="div"),
+        helper.make_node("Erf", ["t"], ["e"], name="erf"),
+        helper.make_node("Add", ["e", "one"], ["g"], name="add"),
+        helper.make_node("Mul", ["x1", "g"], ["m"], name="mul"),
+        helper.make_node("Mul", ["m", "half"], ["a"], name="half_mul"),
+        _conv("pwconv", "a", "pw", None, "y", k=1),
+    ]
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        init,
+    )
+
+
+def test_gelu_outputs_bit_identical_and_scales_exact():
+    # GELU is x * Phi(x): the gate chain Div, Erf, Add reads x back through the restoring Mul
+    model = _gelu_model()
+    out, modified = _apply(model)
+    assert modified
+    feeds = _feeds(model)
+    np.testing.assert_array_equal(run_ort(model, feeds)[0], run_ort(out, feeds)[0])
+    w, new = _weights(), _inits(out)
+    s = _expected_scales(w["w1"], [w["pw"]])
+    assert s.min() < 1 < s.max()
+    np.testing.assert_array_equal(new["w1"], w["w1"] / s.reshape(-1, 1, 1, 1).astype(np.float32))
+    np.testing.assert_array_equal(new["pw"], w["pw"] * s.reshape(1, -1, 1, 1).astype(np.float32))
+    (div,) = [n for n in out.graph.node if n.op_type == "Div"]
+    (restore,) = [n for n in out.graph.node if n.output[0] == div.input[0]]
+    assert restore.op_type == "Mul" and restore.input[0] == "x1"
+
+
 def _concat_model(reader: str = "Conv") -> onnx.ModelProto:
     """SiLU output concatenated after 3 other channels (input z), read by a 1x1 Conv."""
     w = _weights()
