@@ -511,6 +511,8 @@ def _dequantized_bias(layer: Layer, w_float: np.ndarray) -> np.ndarray:
     cout = w_float.shape[0]
     if layer.op_type == "Gemm" and not layer.node.attributes.get_int("transB", 0):
         cout = w_float.shape[1]
+    elif layer.op_type == "ConvTranspose":  # weight C_in x C_out/group x k...
+        cout = w_float.shape[1] * layer.node.attributes.get_int("group", 1)
     codes = layer.bias_codes
     if codes is None or layer.bias_position is None:
         return np.zeros(cout)

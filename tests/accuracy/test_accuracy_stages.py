@@ -367,6 +367,43 @@ def test_adaround_single_conv_beats_nearest_on_held_out_data():
     assert check(learned).ready
 
 
+@pytest.mark.parametrize("algorithm", ["gptq", "adaround"])
+def test_rounding_skips_a_conv_transpose_with_bias(tmp_path, algorithm):
+    """A ConvTranspose's weight is C_in x C_out/g x k x k: its bias has C_out values, not C_in.
+    The rounding stages skip the layer (an unsupported form) instead of failing on the bias."""
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer
+
+    rng = np.random.default_rng(5)
+    inits = {
+        "w": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+        "b": rng.normal(0, 0.1, 4).astype(np.float32),
+        "wt": rng.normal(0, 0.3, (4, 1, 2, 2)).astype(np.float32),  # 4 in, 1 out
+        "bt": np.array([0.2], np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", **{**CONV, "group": 1}),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("ConvTranspose", ["r", "wt", "bt"], ["y"], name="up", strides=[2, 2]),
+    ]
+    model = make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 16, 16])],
+        inits,
+    )
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(model, src)
+    qc = get_default_config("XINT8")
+    qc.include_fast_ft = True
+    qc.extra_options["FastFinetune"] = {"OptimAlgorithm": algorithm, "NumIterations": 20}
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    data = rng.normal(0, 1, (8, 3, 8, 8)).astype(np.float32)
+    quantizer.quantize_model(str(src), str(out), ArrayDataReader({"x": data}))
+    skipped = {s["node"]: s["reason"] for s in quantizer.report.adaround["skipped"]}
+    assert skipped["up"] == "unsupported ConvTranspose form"
+    assert out.exists()
+
+
 def test_adaround_settings_are_validated():
     with pytest.raises(ConfigError, match="NumIterations"):
         AdaRoundSettings.from_options({"NumIteration": 10})
