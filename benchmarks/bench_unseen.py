@@ -27,7 +27,9 @@ recognizers and classifiers (half of them upside down for the orientation classi
 written as PNG folders under ``benchmarks/.work/unseen`` and quantization reads them as a user
 would (``ImageFolderDataReader`` with the model's pre-processing). Every model is quantized with
 the XINT8 preset (``repair``), with ``FidelityRepair = False`` (``no_repair``) and with
-``EqualizeResidualStreams = False`` (``no_streams``); measured on
+``EqualizeResidualStreams = False`` (``no_streams``), and on request with second-order
+rounding in the preset (``gptq``, ``gptq_weights``, ``gptq_debiased``: ``include_fast_ft`` with
+that ``FastFinetune.Target``); measured on
 ``--images`` test images against the float model: output SQNR, the task measure, the guard's
 verdict on its own samples and the repairs it tried. Results: ``results/<name>.{txt,json}``.
 """
@@ -262,6 +264,12 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
     qc = get_default_config("XINT8")
     qc.extra_options["FidelityRepair"] = config != "no_repair"
     qc.extra_options["EqualizeResidualStreams"] = config != "no_streams"
+    if config.startswith("gptq"):
+        qc.include_fast_ft = True
+        qc.extra_options["FastFinetune"] = {
+            "OptimAlgorithm": "gptq",
+            "Target": config.partition("_")[2] or "float",
+        }
     # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
     qc.extra_options["FixShapes"] = f"x:[1,3,{model.size[0]},{model.size[1]}]"
     out = WORK / "out" / f"{key}_{config}.onnx"

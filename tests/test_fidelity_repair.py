@@ -179,6 +179,48 @@ def test_candidates_are_the_ones_that_change_something():
     assert labels(include_bias_correction=False) == ["weights never clipped"]
 
 
+def test_second_order_rounding_is_tried_last_on_the_best_settings(tmp_path):
+    """No conservative repair reaches the (unreachable) threshold: one more attempt adds
+    second-order rounding to the best of them; the best-measuring attempt is written."""
+    model, out = _model(), tmp_path / "q.onnx"
+    quantizer = _quantizer(FidelityMinSQNR=90.0)
+    quantizer.quantize_model(model, out, ArrayDataReader(_samples()))
+    repairs = quantizer.report.repairs
+    conservative = [
+        "weights never clipped",
+        "no bias correction",
+        "weights never clipped, no bias correction",
+    ]
+    assert [r["repair"] for r in repairs[:3]] == conservative and len(repairs) == 4
+    # on top of the best-measuring conservative attempt (cosine, then SQNR: none is faithful
+    # and the output is not a score vector), unless the first attempt measured better still
+    measure = [(r["outputs"][0]["cosine"], r["outputs"][0]["sqnr_db"]) for r in repairs]
+    best = conservative[max(range(3), key=lambda i: measure[i])]
+    assert repairs[3]["repair"] in (f"{best}, second-order rounding", "second-order rounding")
+    settings = repairs[3]["settings"]
+    assert settings["include_fast_ft"] is True
+    assert settings["FastFinetune"]["OptimAlgorithm"] == "gptq"
+    # the attempt kept is the best-measuring one, and it is the model written
+    kept = [i for i, r in enumerate(repairs) if r["kept"]]
+    if kept:
+        assert measure[kept[0]] == max(measure)
+    written_sqnr = _sqnr(model, onnx.load(out), _samples()[:16])
+    assert quantizer.report.fidelity["outputs"][0]["sqnr_db"] == pytest.approx(
+        written_sqnr, abs=1e-6
+    )
+
+
+def test_no_rounding_attempt_when_the_settings_already_round(tmp_path):
+    config = get_default_config("XINT8")
+    config.include_cle = False
+    config.include_fast_ft = True
+    config.extra_options.update(FidelityMinSQNR=90.0, FastFinetune={"OptimAlgorithm": "gptq"})
+    quantizer = ModelQuantizer(Config(global_quant_config=config))
+    quantizer.quantize_model(_model(), tmp_path / "q.onnx", ArrayDataReader(_samples()))
+    labels = [r["repair"] for r in quantizer.report.repairs]
+    assert labels and not any("second-order" in label for label in labels)
+
+
 def _result(*outputs: tuple[float, float, float | None, bool]) -> FidelityResult:
     """Outputs as (SQNR, cosine, top-1 agreement, faithful)."""
     return FidelityResult(
