@@ -27,7 +27,8 @@ recognizers and classifiers (half of them upside down for the orientation classi
 written as PNG folders under ``benchmarks/.work/unseen`` and quantization reads them as a user
 would (``ImageFolderDataReader`` with the model's pre-processing). Every model is quantized with
 the XINT8 preset (``repair``), with ``FidelityRepair = False`` (``no_repair``) and with
-``EqualizeResidualStreams = False`` (``no_streams``), and on request with second-order
+``EqualizeResidualStreams = False`` (``no_streams``), and on request with the Vitis AI
+documentation's snippet as written (``seed``, ``bench_fidelity.py``'s) or with second-order
 rounding in the preset (``gptq``, ``gptq_weights``, ``gptq_debiased``: ``include_fast_ft`` with
 that ``FastFinetune.Target``); measured on
 ``--images`` test images against the float model: output SQNR, the task measure, the guard's
@@ -261,7 +262,13 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
     path = model_path(key)
     calib = make_images(model.kind, "calib", 100)
     test = make_images(model.kind, "val", images)
-    qc = get_default_config("XINT8")
+    if config == "seed":  # the Vitis AI documentation's snippet as written (bench_fidelity)
+        sys.path.insert(0, str(BENCH))
+        import bench_fidelity
+
+        qc = bench_fidelity.make_config("seed")
+    else:
+        qc = get_default_config("XINT8")
     qc.extra_options["FidelityRepair"] = config != "no_repair"
     qc.extra_options["EqualizeResidualStreams"] = config != "no_streams"
     if config.startswith("gptq"):
