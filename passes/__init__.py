@@ -16,6 +16,7 @@ _PASSES = {
     # float passes chosen by extra options (prepare stage)
     "SimplifyWithOnnxsim": "simplify_with_onnxsim",
     "ConvertBNToConv": "convert_bn_to_conv",
+    "FoldConvAffine": "fold_conv_affine",
     "ReplaceClip6Relu": "replace_clip6_relu",
     "ConvertClipToRelu": "convert_clip_to_relu",
     "ConvertSigmoidToHardSigmoid": "convert_sigmoid_to_hard_sigmoid",
@@ -24,6 +25,7 @@ _PASSES = {
     "ConvertGlobalAvgPoolToDepthwiseConv": "convert_global_avg_pool_to_depthwise_conv",
     "ConvertSplitToSlice": "convert_split_to_slice",
     "RemoveInferenceDropout": "remove_inference_dropout",
+    "RemoveIdentity": "remove_identity",
     "CrossLayerEqualization": "cross_layer_equalization",
     "FoldConstantChannels": "fold_constant_channels",
     "EqualizeGatedActivations": "equalize_gated_activations",

@@ -52,6 +52,13 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from quark_onnx.passes._affine_fold import (
+    Constants,
+    bypass,
+    folded_conv,
+    folded_gemm,
+    set_weight_and_bias,
+)
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, single_consumer
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
@@ -61,27 +68,7 @@ logger = logging.getLogger(__name__)
 _FOLD_TARGETS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 
 
-class _Constants:
-    """Constant data of values, built once per pass run.
-
-    An initializer also listed as a graph input can be overridden at run time, so it is not a
-    constant, except in IR version < 4 models, where every initializer had to be listed as an
-    input.
-    """
-
-    def __init__(self, model: ir.Model) -> None:
-        legacy = model.ir_version is not None and model.ir_version < 4
-        self._overridable: frozenset[ir.Value] = frozenset(
-            () if legacy else (v for graph in model.graphs() for v in graph.inputs)
-        )
-
-    def __call__(self, value: ir.Value | None) -> np.ndarray | None:
-        if value is None or value in self._overridable:
-            return None
-        return constant_array(value)
-
-
-def _bn_affine(node: ir.Node, const: _Constants) -> tuple[np.ndarray, np.ndarray] | None:
+def _bn_affine(node: ir.Node, const: Constants) -> tuple[np.ndarray, np.ndarray] | None:
     """``(m, b)`` in float64 with ``y = m x + b`` per channel, or None when not constant."""
     params = [const(v) for v in node.inputs[1:5]]
     if any(p is None for p in params):
@@ -126,7 +113,7 @@ class ConvertBNToConv(QuarkPass):
         if not bns:
             return ir.passes.PassResult(model, modified=False)
         self._names = NameGenerator(model.graph)
-        self._const = _Constants(model)
+        self._const = Constants(model)
         folded = 0
         rest: list[tuple[ir.Node, np.ndarray, np.ndarray]] = []
         for node in bns:
@@ -171,28 +158,18 @@ class ConvertBNToConv(QuarkPass):
         ):
             return False
         if producer.op_type == "Gemm":
-            new = _folded_gemm(producer, self._const, m, b)
+            new = folded_gemm(producer, self._const, m, b)
         else:
-            new = _folded_conv(producer, self._const, m, b)
+            new = folded_conv(producer, self._const, m, b)
         if new is None:
             return False
-        weight, bias = new
-        base = producer.name or producer.op_type
-        old_inputs = [v for v in producer.inputs[1:] if v is not None]
-        new_weight = add_initializer(graph, self._names(f"{base}.bn_weight"), weight)
-        new_bias = add_initializer(graph, self._names(f"{base}.bn_bias"), bias)
-        producer.replace_input_with(1, new_weight)
-        if len(producer.inputs) < 3:
-            producer.resize_inputs(3)
-        producer.replace_input_with(2, new_bias)
-        if producer.op_type == "Gemm":
-            producer.attributes.add(ir.AttrFloat32("beta", 1.0))
         bn_params = list(bn.inputs[1:])
-        _bypass(bn, x)
-        for value in [*old_inputs, *bn_params]:
+        set_weight_and_bias(producer, *new, self._names, "bn")
+        bypass(bn, x)
+        for value in bn_params:
             if value is not None:
                 remove_if_unused(graph, value)
-        logger.debug("BatchNormalization %s folded into %s %s", bn.name, producer.op_type, base)
+        logger.debug("BatchNormalization %s folded into %s %s", bn.name, producer.op_type, x.name)
         return True
 
     # -- standalone --------------------------------------------------------------------------
@@ -243,82 +220,3 @@ def _weight_dtype(x: ir.Value, bn: ir.Node) -> np.dtype | None:
         gamma = constant_array(bn.inputs[1])
         dtype = gamma.dtype if gamma is not None else np.dtype(np.float32)
     return dtype if np.issubdtype(dtype, np.floating) else None
-
-
-def _bias_or_zeros(node: ir.Node, const: _Constants, channels: int) -> np.ndarray | None:
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
-        bias = const(node.inputs[2])
-        return None if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
-    return np.zeros(channels, dtype=np.float64)
-
-
-def _folded_conv(
-    node: ir.Node, const: _Constants, m: np.ndarray, b: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
-    weight = const(node.inputs[1] if len(node.inputs) > 1 else None)
-    if weight is None or not np.issubdtype(weight.dtype, np.floating) or weight.ndim < 3:
-        return None
-    channels = m.size
-    spatial = (1,) * (weight.ndim - 2)
-    w = weight.astype(np.float64)
-    if node.op_type == "Conv":
-        if weight.shape[0] != channels:
-            return None
-        w = w * m.reshape(channels, 1, *spatial)
-    else:  # ConvTranspose: W[Cin, Cout/group, k...]
-        group = node.attributes.get_int("group", 1)
-        cin, cout_g = weight.shape[0], weight.shape[1]
-        if cout_g * group != channels or cin % group:
-            return None
-        view = w.reshape(group, cin // group, cout_g, *weight.shape[2:])
-        w = (view * m.reshape(group, 1, cout_g, *spatial)).reshape(weight.shape)
-    bias = _bias_or_zeros(node, const, channels)
-    if bias is None or bias.size != channels:
-        return None
-    return w.astype(weight.dtype), (bias * m + b).astype(weight.dtype)
-
-
-def _folded_gemm(
-    node: ir.Node, const: _Constants, m: np.ndarray, b: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
-    weight = const(node.inputs[1])
-    if weight is None or weight.ndim != 2 or not np.issubdtype(weight.dtype, np.floating):
-        return None
-    channels = m.size
-    if node.attributes.get_int("transB", 0):
-        if weight.shape[0] != channels:
-            return None
-        w = weight.astype(np.float64) * m[:, None]
-    else:
-        if weight.shape[1] != channels:
-            return None
-        w = weight.astype(np.float64) * m[None, :]
-    beta = node.attributes.get_float("beta", 1.0)
-    if len(node.inputs) > 2 and node.inputs[2] is not None and beta != 0.0:
-        c = const(node.inputs[2])
-        if c is None or c.ndim > 2:
-            return None
-        c = beta * c.astype(np.float64)
-    else:
-        c = np.zeros(channels, dtype=np.float64)
-    try:
-        bias = c * m + b
-    except ValueError:  # C does not broadcast against N
-        return None
-    return w.astype(weight.dtype), bias.astype(weight.dtype)
-
-
-def _bypass(bn: ir.Node, x: ir.Value) -> None:
-    """Make ``x`` take the place (readers, graph-output slot, name) of the BN's output."""
-    y = bn.outputs[0]
-    name = y.name
-    shape = y.shape if y.shape is not None else x.shape
-    value_type = y.type if y.type is not None else x.type
-    metadata = dict(y.metadata_props)
-    y.replace_all_uses_with(x, replace_graph_outputs=True)
-    bn.graph.remove(bn, safe=True)
-    y.name = None
-    x.name = name
-    x.type = value_type
-    x.shape = shape
-    x.metadata_props.update(metadata)

@@ -38,7 +38,8 @@ class ExtraOptions:
     ConvertBNToConv: bool = _opt(
         True,
         "Fold BatchNormalization into the preceding Conv/ConvTranspose/Gemm; a BatchNormalization "
-        "with no foldable producer becomes a depthwise 1x1 Conv. Float-preserving.",
+        "with no foldable producer becomes a depthwise 1x1 Conv. Also folds per-channel "
+        "scale/shift constants after a Conv into it (FoldConvAffine). Float-preserving.",
     )
     FoldConstantChannels: bool = _opt(
         False,

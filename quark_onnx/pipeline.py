@@ -11,8 +11,9 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
 ====  ====================================  ====================================================
  1    SimplifyWithOnnxsim                   ``qconfig.optimize_model``
  1b   RemoveInferenceDropout                always (inference Dropout is an identity)
+ 1c   RemoveIdentity                        always (Identity nodes block the patterns)
  2    ConvertSplitToSlice                   ``ExtraOptions.ConvertSplitToSlice``
- 3    ConvertBNToConv                       ``ExtraOptions.ConvertBNToConv``
+ 3    ConvertBNToConv, FoldConvAffine       ``ExtraOptions.ConvertBNToConv``
  3b   FoldConstantChannels                  ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                    ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization                ``qconfig.include_cle``
@@ -83,7 +84,9 @@ from quark_onnx.passes import (
     EqualizeResidualStreams,
     FixInputShapes,
     FoldConstantChannels,
+    FoldConvAffine,
     MakeConvAttributesExplicit,
+    RemoveIdentity,
     RemoveInferenceDropout,
     ReplaceClip6Relu,
     SimplifyWithOnnxsim,
@@ -157,8 +160,10 @@ def prepare_passes(
     chosen: list[tuple[bool, QuarkPass | type[QuarkPass]]] = [
         (qconfig.optimize_model, SimplifyWithOnnxsim),
         (True, RemoveInferenceDropout),
+        (True, RemoveIdentity),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
         (options.ConvertBNToConv, ConvertBNToConv),
+        (options.ConvertBNToConv, FoldConvAffine),
         (
             options.FoldConstantChannels,
             FoldConstantChannels(
@@ -167,10 +172,7 @@ def prepare_passes(
         ),
         (options.ReplaceClip6Relu, ReplaceClip6Relu),
         (qconfig.include_cle, cle),
-        (
-            options.EqualizeGatedActivations,
-            EqualizeGatedActivations(ranges),
-        ),
+        (options.EqualizeGatedActivations, EqualizeGatedActivations(ranges)),
         (options.EqualizeResidualStreams, EqualizeResidualStreams(ranges)),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
@@ -359,10 +361,7 @@ def _saturate_capped_relus(proto: onnx.ModelProto, saturation: Callable[[float],
 
 
 def _try_run(
-    model: ir.Model,
-    feeds: Sequence[Feeds],
-    when: str,
-    saturation: Callable[[float], float] | None,
+    model: ir.Model, feeds: Sequence[Feeds], when: str, saturation: Callable[[float], float] | None
 ) -> list[dict[str, np.ndarray]] | None:
     """:func:`run_model`, or None (with a warning) when onnxruntime cannot run the model."""
     try:

@@ -29,8 +29,10 @@ from quark_onnx.pipeline import (
 ALL_PREPARE = [
     "SimplifyWithOnnxsim",
     "RemoveInferenceDropout",
+    "RemoveIdentity",
     "ConvertSplitToSlice",
     "ConvertBNToConv",
+    "FoldConvAffine",
     "FoldConstantChannels",
     "ReplaceClip6Relu",
     "EqualizeGatedActivations",
@@ -61,8 +63,10 @@ def test_xint8_pipeline_order():
     assert _names(prepare_passes(qconfig, options)) == [
         "SimplifyWithOnnxsim",
         "RemoveInferenceDropout",
+        "RemoveIdentity",
         "ConvertSplitToSlice",
         "ConvertBNToConv",
+        "FoldConvAffine",
         "FoldConstantChannels",
         "CrossLayerEqualization",
         "EqualizeGatedActivations",
@@ -79,9 +83,15 @@ def test_every_switch_is_honoured():
     qconfig, options = _xint8(ReplaceClip6Relu=True, ConvertClipToRelu=True)
     qconfig.include_cle = False  # a QuantizationConfig field, not a switch: see the order test
     assert _names(prepare_passes(qconfig, options)) == ALL_PREPARE
-    for i, name in enumerate(ALL_PREPARE[2:-1], start=2):  # RemoveInferenceDropout: always on
-        _, off = _xint8(**{"ReplaceClip6Relu": True, "ConvertClipToRelu": True, name: False})
-        assert _names(prepare_passes(qconfig, off)) == ALL_PREPARE[:i] + ALL_PREPARE[i + 1 :]
+    always = {"RemoveInferenceDropout", "RemoveIdentity", "GraphCleanup"}
+    switch = {"FoldConvAffine": "ConvertBNToConv"}  # the option that turns it on, if not its own
+    for name in ALL_PREPARE[1:]:
+        if name in always:
+            continue
+        option = switch.get(name, name)
+        _, off = _xint8(**{"ReplaceClip6Relu": True, "ConvertClipToRelu": True, option: False})
+        expected = [p for p in ALL_PREPARE if p in always or switch.get(p, p) != option]
+        assert _names(prepare_passes(qconfig, off)) == expected
     qconfig.optimize_model = False
     assert _names(prepare_passes(qconfig, options)) == ALL_PREPARE[1:]
     assert all(isinstance(p, QuarkPass) for p in prepare_passes(qconfig, options))
