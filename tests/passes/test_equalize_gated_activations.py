@@ -54,32 +54,31 @@ def _silu_model(readers=("dw", "pw"), gate_input="x1") -> onnx.ModelProto:
     return make_model(nodes, inputs, outputs, _weights())
 
 
+def _product_model(nodes: list, constants: dict[str, float]) -> onnx.ModelProto:
+    """x -> Conv (x1) -> ``nodes`` (from x1 to the gated product ``a``) -> 1x1 Conv -> y."""
+    w = _weights()
+    return make_model(
+        [_conv("conv1", "x", "w1", "b1", "x1"), *nodes, _conv("pwconv", "a", "pw", None, "y", k=1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        {
+            "w1": w["w1"],
+            "b1": w["b1"],
+            "pw": w["pw"],
+            **{k: np.array(v, np.float32) for k, v in constants.items()},
+        },
+    )
+
+
 def _hardswish_model() -> onnx.ModelProto:
     """Conv -> x * Clip(x + 3, 0, 6) / 6 (PaddleOCR's form) -> 1x1 Conv."""
-    w = _weights()
-    init = {
-        "w1": w["w1"],
-        "b1": w["b1"],
-        "pw": w["pw"],
-        "three": np.array(3.0, np.float32),
-        "lo": np.array(0.0, np.float32),
-        "hi": np.array(6.0, np.float32),
-        "six": np.array(6.0, np.float32),
-    }
     nodes = [
-        _conv("conv1", "x", "w1", "b1", "x1"),
         helper.make_node("Add", ["x1", "three"], ["t"], name="add"),
         helper.make_node("Clip", ["t", "lo", "hi"], ["c"], name="clip"),
         helper.make_node("Mul", ["x1", "c"], ["m"], name="mul"),
         helper.make_node("Div", ["m", "six"], ["a"], name="div"),
-        _conv("pwconv", "a", "pw", None, "y", k=1),
     ]
-    return make_model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
-        init,
-    )
+    return _product_model(nodes, {"three": 3.0, "lo": 0.0, "hi": 6.0, "six": 6.0})
 
 
 def _apply(model: onnx.ModelProto, samples=None) -> tuple[onnx.ModelProto, bool]:
@@ -165,12 +164,17 @@ def test_silu_scales_from_the_samples_activation_ranges():
         np.testing.assert_array_equal(before, after)
 
 
-def test_hardswish_with_scalar_div_after_the_product():
-    model = _hardswish_model()
+def _equalized_bit_identically(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The pass's output for ``model``, checked to fire and to leave the float output's bits."""
     out, modified = _apply(model)
     assert modified
     feeds = _feeds(model)
     np.testing.assert_array_equal(run_ort(model, feeds)[0], run_ort(out, feeds)[0])
+    return out
+
+
+def test_hardswish_with_scalar_div_after_the_product():
+    out = _equalized_bit_identically(_hardswish_model())
     (add,) = [n for n in out.graph.node if n.op_type == "Add"]
     assert add.input[0] != "x1"  # the gate reads the restored x
 
@@ -178,39 +182,19 @@ def test_hardswish_with_scalar_div_after_the_product():
 def _gelu_model() -> onnx.ModelProto:
     """Conv -> GELU as torch and paddle export it, ``x * (Erf(x / sqrt 2) + 1) * 0.5`` -> 1x1
     Conv."""
-    w = _weights()
-    init = {
-        "w1": w["w1"],
-        "b1": w["b1"],
-        "pw": w["pw"],
-        "sqrt2": np.array(np.sqrt(2.0), np.float32),
-        "one": np.array(1.0, np.float32),
-        "half": np.array(0.5, np.float32),
-    }
     nodes = [
-        _conv("conv1", "x", "w1", "b1", "x1"),
         helper.make_node("Div", ["x1", "sqrt2"], ["t"], name="div"),
         helper.make_node("Erf", ["t"], ["e"], name="erf"),
         helper.make_node("Add", ["e", "one"], ["g"], name="add"),
         helper.make_node("Mul", ["x1", "g"], ["m"], name="mul"),
         helper.make_node("Mul", ["m", "half"], ["a"], name="half_mul"),
-        _conv("pwconv", "a", "pw", None, "y", k=1),
     ]
-    return make_model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
-        init,
-    )
+    return _product_model(nodes, {"sqrt2": np.sqrt(2.0), "one": 1.0, "half": 0.5})
 
 
 def test_gelu_outputs_bit_identical_and_scales_exact():
     # GELU is x * Phi(x): the gate chain Div, Erf, Add reads x back through the restoring Mul
-    model = _gelu_model()
-    out, modified = _apply(model)
-    assert modified
-    feeds = _feeds(model)
-    np.testing.assert_array_equal(run_ort(model, feeds)[0], run_ort(out, feeds)[0])
+    out = _equalized_bit_identically(_gelu_model())
     w, new = _weights(), _inits(out)
     s = _expected_scales(w["w1"], [w["pw"]])
     assert s.min() < 1 < s.max()
