@@ -188,17 +188,17 @@ def prepare_passes(
 
 
 def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[QuarkPass]:
-    """Passes run on the quantized model before it is written.
-
-    Static input shapes (``FixShapes``, ``FixDynamicBatch``) are applied here rather than before
-    calibration, so that calibration can run several samples per batch on a dynamic-batch model.
+    """Passes run on the quantized model before it is written: static input shapes (``FixShapes``,
+    ``FixDynamicBatch``; not before calibration, which may batch samples on a dynamic batch) and,
+    for NPU configs, explicit Conv attributes again (an ``auto_pad`` Conv's pads need the shapes).
     """
     from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
 
     shapes = parse_fix_shapes(options.FixShapes)
-    if shapes or options.FixDynamicBatch:
-        return [FixInputShapes(shapes, batch=options.FixDynamicBatch)]
-    return []
+    if not (shapes or options.FixDynamicBatch):
+        return []
+    fix = FixInputShapes(shapes, batch=options.FixDynamicBatch)
+    return [fix, MakeConvAttributesExplicit()] if qconfig.enable_npu_cnn else [fix]
 
 
 def quantize_passes(

@@ -279,3 +279,53 @@ def test_no_working_graph_is_alive_when_the_check_reads_the_written_model(tmp_pa
         progress=False,
     )
     assert alive == [before]
+
+
+def test_auto_pad_convs_of_a_dynamic_model_get_explicit_pads_once_shapes_are_fixed(tmp_path):
+    """A dynamic-shape model's ``auto_pad`` Conv cannot get explicit pads before calibration
+    (the shapes are unknown); with FixShapes the written model has them (the Vitis AI EP rejects
+    a Conv relying on defaults) and computes what it computed before."""
+    rng = np.random.default_rng(6)
+    same = {"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER"}
+    model = make_model(
+        [
+            onnx.helper.make_node("Conv", ["x", "w1", "b1"], ["c"], **same),
+            onnx.helper.make_node("Relu", ["c"], ["r"]),
+            onnx.helper.make_node("Conv", ["r", "w2"], ["y"], strides=[2, 2], **same),
+        ],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 3, "h", "w"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 2, "h2", "w2"])],
+        {
+            "w1": rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32),
+            "b1": rng.normal(0, 0.1, 4).astype(np.float32),
+            "w2": rng.normal(0, 0.3, (2, 4, 3, 3)).astype(np.float32),
+        },
+    )
+    x = rng.normal(0, 1, (8, 3, 9, 9)).astype(np.float32)
+    qc = get_default_config("XINT8")
+    qc.extra_options["FixShapes"] = "x:[1,3,9,9]"
+    out = tmp_path / "q.onnx"
+    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+        model, str(out), ArrayDataReader({"x": x})
+    )
+    written = onnx.load(out)
+    convs = [n for n in written.graph.node if n.op_type == "Conv"]
+    assert len(convs) == 2
+    for conv in convs:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in conv.attribute}
+        assert attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", "NOTSET")
+        assert attrs["pads"] == [1, 1, 1, 1]  # SAME_UPPER, 3x3 on 9x9 (stride 1 and 2)
+    assert not [f for f in check(str(out)).errors if f.rule == "conv_default_attributes"]
+    # the explicit pads compute what auto_pad computed: the same quantized model, run both ways
+    relaxed = onnx.load(out)
+    for node in relaxed.graph.node:
+        if node.op_type == "Conv":
+            kept = [a for a in node.attribute if a.name != "pads"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("auto_pad", "SAME_UPPER")])
+    feed = {"x": x[:1]}
+    a = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    b = ort.InferenceSession(relaxed.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feed
+    )[0]
+    np.testing.assert_array_equal(a, b)
