@@ -6,6 +6,9 @@ The NPU compiles static shapes only, and the Vitis AI flow expects batch 1. Two 
   ``"input_1:[1,224,224,3];input_2:[1,96,96,3]"`` (:func:`parse_fix_shapes`). A given shape must
   keep the input's rank and agree with its fixed dimensions.
 * ``batch``: every input whose first dimension is symbolic or unknown gets that size (``0``: off).
+* ``keep_batch``: a symbolic first dimension stays symbolic where ``shapes`` gives one (the
+  quantizer fixes the other dimensions before the prepare passes, which need spatial sizes to
+  legalize and simulate pools, and the batch after calibration, which may batch samples).
 
 The symbolic dimensions of outputs and intermediate values that carry an input's symbol take its
 size; where a value is still not static (or has no type), shapes are inferred again (onnx shape
@@ -96,17 +99,23 @@ def _small_initializers_first(graph: ir.Graph) -> None:
 class FixInputShapes(QuarkPass):
     """Make graph input shapes static (see the module docstring)."""
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]] | None = None, batch: int = 0) -> None:
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        batch: int = 0,
+        keep_batch: bool = False,
+    ) -> None:
         super().__init__()
         if not isinstance(batch, int) or batch < 0:
             raise ConfigError(f"FixInputShapes batch={batch!r}: use 0 (off) or a positive size")
         self.shapes = {k: [int(d) for d in v] for k, v in (shapes or {}).items()}
         self.batch = batch
+        self.keep_batch = keep_batch
 
-    def _new_shape(self, value: ir.Value) -> list[int] | None:
+    def _new_shape(self, value: ir.Value) -> list[int | ir.SymbolicDim] | None:
         shape = value.shape
         if value.name in self.shapes:
-            wanted = self.shapes[value.name]
+            wanted: list[int | ir.SymbolicDim] = list(self.shapes[value.name])
             if shape is not None:
                 if len(shape) != len(wanted):
                     raise PassError(
@@ -119,6 +128,8 @@ class FixInputShapes(QuarkPass):
                             f"FixShapes: input {value.name!r} has fixed size {have} at axis {i}, "
                             f"the given shape {wanted} says {want}"
                         )
+                if self.keep_batch and wanted and not isinstance(shape[0], int):
+                    wanted[0] = shape[0]  # the batch stays free (calibration may batch samples)
             return wanted
         if self.batch and shape is not None and len(shape) >= 1 and not isinstance(shape[0], int):
             return [self.batch, *shape[1:]]

@@ -118,7 +118,8 @@ class ExtraOptions:
     FixShapes: str = _opt(
         "",
         "Static shapes for graph inputs in the written model, AMD Quark's format "
-        "'input_1:[1,224,224,3];input_2:[1,96,96,3]'. Calibration runs before shapes are fixed.",
+        "'input_1:[1,224,224,3];input_2:[1,96,96,3]'. All but a dynamic batch are fixed before "
+        "the graph passes (pools need H and W); the batch after calibration.",
     )
     FixDynamicBatch: int = _opt(
         0,

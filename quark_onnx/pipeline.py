@@ -93,6 +93,7 @@ from quark_onnx.passes import (
     SplitLargeKernelPool,
 )
 from quark_onnx.passes.base import QuarkPass
+from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
 
 if TYPE_CHECKING:
     from quark_onnx.fidelity import OutputFidelity
@@ -192,8 +193,6 @@ def finalize_passes(qconfig: QuantizationConfig, options: ExtraOptions) -> list[
     ``FixDynamicBatch``; not before calibration, which may batch samples on a dynamic batch) and,
     for NPU configs, explicit Conv attributes again (an ``auto_pad`` Conv's pads need the shapes).
     """
-    from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
-
     shapes = parse_fix_shapes(options.FixShapes)
     if not (shapes or options.FixDynamicBatch):
         return []
@@ -216,6 +215,8 @@ def quantize_passes(
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """
     passes = prepare_passes(qconfig, options, sample_feeds, range_samples)
+    if shapes := parse_fix_shapes(options.FixShapes):  # pools need H and W; the batch waits
+        passes.insert(0, FixInputShapes(shapes, keep_batch=True))
     if qconfig.enable_npu_cnn:
         if options.SimulateDPU:
             if options.ConvertLeakyReluToDPUVersion:

@@ -46,6 +46,47 @@ def test_explicit_shapes_from_quark_string():
     assert list(model.graph.inputs[0].shape) == [1, 2, 4, 4]
 
 
+def _spatially_dynamic_model() -> onnx.ModelProto:
+    """x: N x 2 x H x W -> Conv 1x1 -> Relu -> GlobalAveragePool -> Flatten -> y."""
+    proto = _dynamic_model()
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    dims[2].dim_param, dims[3].dim_param = "H", "W"
+    return proto
+
+
+def test_keep_batch_fixes_the_other_dimensions_only():
+    model = to_ir(_spatially_dynamic_model())
+    assert FixInputShapes(parse_fix_shapes("x:[1,2,4,4]"), keep_batch=True)(model).modified
+    batch, *rest = model.graph.inputs[0].shape
+    assert not isinstance(batch, int) and batch.value == "N" and rest == [2, 4, 4]
+    # the spatial sizes reach the pool's input; the batch stays free for calibration
+    (pool,) = [n for n in model.graph if n.op_type == "GlobalAveragePool"]
+    assert list(pool.inputs[0].shape)[1:] == [2, 4, 4]
+    x = np.random.default_rng(2).normal(size=(3, 2, 4, 4)).astype(np.float32)
+    out = to_proto(model)
+    np.testing.assert_array_equal(
+        run_ort(out, {"x": x})[0], run_ort(_spatially_dynamic_model(), {"x": x})[0]
+    )
+
+
+def test_the_quantizer_fixes_h_and_w_before_the_pool_passes(tmp_path):
+    """With FixShapes the global pool of a model with dynamic H and W is legalized as in a static
+    one (it becomes a depthwise Conv, which needs its kernel size) and the batch is fixed last."""
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+
+    qc = get_default_config("XINT8")
+    qc.extra_options["FixShapes"] = "x:[1,2,4,4]"
+    out = tmp_path / "q.onnx"
+    x = np.random.default_rng(3).normal(size=(8, 2, 4, 4)).astype(np.float32)
+    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+        _spatially_dynamic_model(), str(out), ArrayDataReader({"x": x})
+    )
+    written = onnx.load(out)
+    assert "GlobalAveragePool" not in {n.op_type for n in written.graph.node}
+    dims = [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 2, 4, 4]
+
+
 def test_static_model_is_not_touched():
     model = to_ir(_dynamic_model(batch=1))
     assert not FixInputShapes(batch=1)(model).modified
