@@ -23,10 +23,10 @@ which may be the first.
 When none of them is faithful either, one more attempt adds **second-order rounding**
 (:func:`with_rounding`: GPTQ-style rounding of every Conv/Gemm weight, fitted to the float
 layer output from the quantized inputs; inside bias correction's walk where that runs) to the
-best settings so far. It costs about one more quantization and is off in the preset because it shrinks a
-detector's positive scores (``benchmarks/results/rounding_target.md``); on models the preset
-leaves unfaithful it raised every one measured (``benchmarks/results/unseen.md``). Nothing here
-runs for a faithful model, so it changes no output the guard accepts.
+best settings so far. It costs about one more quantization and is off in the preset because it
+shrinks a detector's positive scores (``benchmarks/results/rounding_target.md``); on models the
+preset leaves unfaithful it raised every one measured (``benchmarks/results/unseen.md``).
+Nothing here runs for a faithful model, so it changes no output the guard accepts.
 """
 
 from __future__ import annotations
