@@ -34,6 +34,30 @@ class Constants:
         return constant_array(value)
 
 
+def bn_affine(node: ir.Node, const: Constants) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(m, b)`` in float64 with ``y = m x + b`` per channel, or None when not constant."""
+    params = [const(v) for v in node.inputs[1:5]]
+    if any(p is None for p in params):
+        return None
+    gamma, beta, mean, var = (np.asarray(p, dtype=np.float64).reshape(-1) for p in params)
+    if not gamma.size == beta.size == mean.size == var.size:
+        return None
+    eps = node.attributes.get_float("epsilon", 1e-5)
+    m = gamma / np.sqrt(var + eps)
+    return m, beta - mean * m
+
+
+def is_inference_bn(node: ir.Node) -> bool:
+    """A BatchNormalization in inference mode (no training outputs in use, ``spatial=1``)."""
+    if len(node.inputs) < 5 or any(v is None for v in node.inputs[:5]):
+        return False
+    if node.attributes.get_int("training_mode", 0) != 0:
+        return False
+    if node.attributes.get_int("spatial", 1) != 1:
+        return False
+    return all(not (out.uses() or out.is_graph_output()) for out in node.outputs[1:])
+
+
 def bias_or_zeros(node: ir.Node, const: Constants, channels: int) -> np.ndarray | None:
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         bias = const(node.inputs[2])

@@ -54,9 +54,11 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from quark_onnx.passes._affine_fold import (
     Constants,
+    bn_affine,
     bypass,
     folded_conv,
     folded_gemm,
+    is_inference_bn,
     set_weight_and_bias,
 )
 from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, single_consumer
@@ -66,29 +68,6 @@ from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 logger = logging.getLogger(__name__)
 
 _FOLD_TARGETS = frozenset({"Conv", "ConvTranspose", "Gemm"})
-
-
-def _bn_affine(node: ir.Node, const: Constants) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(m, b)`` in float64 with ``y = m x + b`` per channel, or None when not constant."""
-    params = [const(v) for v in node.inputs[1:5]]
-    if any(p is None for p in params):
-        return None
-    gamma, beta, mean, var = (np.asarray(p, dtype=np.float64).reshape(-1) for p in params)
-    if not gamma.size == beta.size == mean.size == var.size:
-        return None
-    eps = node.attributes.get_float("epsilon", 1e-5)
-    m = gamma / np.sqrt(var + eps)
-    return m, beta - mean * m
-
-
-def _is_inference_bn(node: ir.Node) -> bool:
-    if len(node.inputs) < 5 or any(v is None for v in node.inputs[:5]):
-        return False
-    if node.attributes.get_int("training_mode", 0) != 0:
-        return False
-    if node.attributes.get_int("spatial", 1) != 1:
-        return False
-    return all(not (out.uses() or out.is_graph_output()) for out in node.outputs[1:])
 
 
 class ConvertBNToConv(QuarkPass):
@@ -108,7 +87,7 @@ class ConvertBNToConv(QuarkPass):
         bns = [
             node
             for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if node.op_type == "BatchNormalization" and node.domain == "" and _is_inference_bn(node)
+            if node.op_type == "BatchNormalization" and node.domain == "" and is_inference_bn(node)
         ]
         if not bns:
             return ir.passes.PassResult(model, modified=False)
@@ -117,7 +96,7 @@ class ConvertBNToConv(QuarkPass):
         folded = 0
         rest: list[tuple[ir.Node, np.ndarray, np.ndarray]] = []
         for node in bns:
-            affine = _bn_affine(node, self._const)
+            affine = bn_affine(node, self._const)
             if affine is None:
                 logger.debug("BatchNormalization %s: parameters are not constants", node.name)
                 continue

@@ -11,7 +11,8 @@ constant channel was folded, CLE found 1 pair instead of 15 and no gated activat
 equalized, and the output came out at -0.4 dB SQNR instead of 9.2 dB.
 
 Maths. Each node of the chain maps ``x`` to ``m x + b`` per channel (``Mul(x, k)``: ``m = k``;
-``Div(x, k)``: ``m = 1 / k``; ``Add(x, k)``: ``b = k``; ``Sub(x, k)``: ``b = -k``), so the chain
+``Div(x, k)``: ``m = 1 / k``; ``Add(x, k)``: ``b = k``; ``Sub(x, k)``: ``b = -k``; an inference
+BatchNormalization: its ``m`` and ``b``, so a BN after a bias ``Add`` folds too), so the chain
 composes to one ``(m, b)`` (in float64) and folds as a BatchNormalization does
 (:mod:`._affine_fold`): ``W'[o] = m[o] W[o]``, ``B'[o] = m[o] B[o] + b[o]``. The Conv's output
 takes the last node's place and name. Float-preserving: the result differs by float32 rounding
@@ -32,7 +33,14 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._affine_fold import Constants, bypass, folded_conv, set_weight_and_bias
+from quark_onnx.passes._affine_fold import (
+    Constants,
+    bn_affine,
+    bypass,
+    folded_conv,
+    is_inference_bn,
+    set_weight_and_bias,
+)
 from quark_onnx.passes._graph import NameGenerator, is_standard
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
@@ -66,6 +74,9 @@ def _affine_step(
     node: ir.Node, value: ir.Value, const: Constants, channels: int, rank: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """``(m, b)`` with ``node(value) = m value + b`` per channel, or None."""
+    if is_standard(node, "BatchNormalization") and is_inference_bn(node):
+        affine = bn_affine(node, const) if node.inputs[0] is value else None
+        return affine if affine is not None and affine[0].size == channels else None
     if not any(is_standard(node, op) for op in _AFFINE_OPS) or len(node.inputs) != 2:
         return None
     if len(node.outputs) != 1 or sum(v is value for v in node.inputs) != 1:
@@ -124,7 +135,8 @@ class FoldConvAffine(QuarkPass):
         new = folded_conv(conv, const, m, b)
         if new is None:
             return 0
-        set_weight_and_bias(conv, *new, names, "affine")
+        only_bn = all(node.op_type == "BatchNormalization" for node in chain)
+        set_weight_and_bias(conv, *new, names, "bn" if only_bn else "affine")
         x = conv.outputs[0]
         for node in chain:  # x takes each node's place; at the end the last one's name
             constants = [v for v in node.inputs if v is not None and v is not x]

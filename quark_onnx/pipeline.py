@@ -13,7 +13,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  1b   RemoveInferenceDropout                always (inference Dropout is an identity)
  1c   RemoveIdentity                        always (Identity nodes block the patterns)
  2    ConvertSplitToSlice                   ``ExtraOptions.ConvertSplitToSlice``
- 3    ConvertBNToConv, FoldConvAffine       ``ExtraOptions.ConvertBNToConv``
+ 3    FoldConvAffine, ConvertBNToConv       ``ExtraOptions.ConvertBNToConv``
  3b   FoldConstantChannels                  ``ExtraOptions.FoldConstantChannels``
  4    ReplaceClip6Relu *                    ``ExtraOptions.ReplaceClip6Relu``
  4b   CrossLayerEqualization                ``qconfig.include_cle``
@@ -163,8 +163,8 @@ def prepare_passes(
         (True, RemoveInferenceDropout),
         (True, RemoveIdentity),
         (options.ConvertSplitToSlice, ConvertSplitToSlice),
+        (options.ConvertBNToConv, FoldConvAffine),  # a BN after a bias Add too; then the rest
         (options.ConvertBNToConv, ConvertBNToConv),
-        (options.ConvertBNToConv, FoldConvAffine),
         (
             options.FoldConstantChannels,
             FoldConstantChannels(

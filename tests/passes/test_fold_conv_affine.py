@@ -97,3 +97,39 @@ def test_does_not_fire(case):
     out, modified = _apply(proto)
     assert not modified
     assert [n.op_type for n in out.graph.node] == [n.op_type for n in proto.graph.node]
+
+
+def _bn_chain_model(order: tuple[str, ...]) -> onnx.ModelProto:
+    """x -> Conv (no bias) -> the nodes of ``order`` ("add": bias Add, "bn": BatchNormalization,
+    "mul": scale) -> Relu -> y."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1] * 4)]
+    prev = "c"
+    for i, op in enumerate(order):
+        out = f"a{i}"
+        if op == "bn":
+            nodes.append(helper.make_node("BatchNormalization", [prev, "g", "b", "m", "v"], [out]))
+        else:
+            nodes.append(
+                helper.make_node(op.capitalize(), [prev, "bias" if op == "add" else "scale"], [out])
+            )
+        prev = out
+    nodes.append(helper.make_node("Relu", [prev], ["y"]))
+    bn = {
+        "g": RNG.uniform(0.5, 2, C).astype(np.float32),
+        "b": RNG.normal(0, 0.2, C).astype(np.float32),
+        "m": RNG.normal(0, 0.2, C).astype(np.float32),
+        "v": RNG.uniform(0.5, 2, C).astype(np.float32),
+    }
+    return make_model(nodes, [X], [Y], {"w": W, "bias": BIAS, "scale": SCALE, **bn})
+
+
+@pytest.mark.parametrize("order", [("add", "bn"), ("bn", "mul"), ("bn",)])
+def test_a_batch_normalization_in_the_chain_folds_too(order):
+    proto = _bn_chain_model(order)
+    out, modified = _apply(proto)
+    assert modified
+    assert [n.op_type for n in out.graph.node] == ["Conv", "Relu"]
+    x = RNG.normal(size=(1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        run_ort(out, {"x": x})[0], run_ort(proto, {"x": x})[0], rtol=1e-5, atol=1e-5
+    )
