@@ -21,7 +21,9 @@ only (about 1e-7 relative; a bias ``Add`` alone folds bit-identically in onnxrun
 Fires on: a Conv or ConvTranspose with constant float weights (and constant bias, if any) whose
 output is read only by a ``Mul``/``Add`` (either input order), ``Sub`` or ``Div`` (the Conv's value
 first) with a constant of one number or one per output channel (shape ``C``, ``C x 1 x 1`` or
-``1 x C x 1 x 1``), and so on along single readers. Does not fire when the Conv's output (or a
+``1 x C x 1 x 1``), or by an inference BatchNormalization with constant parameters, and so on
+along single readers (it runs before ConvertBNToConv, which folds the other BNs). Does not fire
+when the Conv's output (or a
 value in the chain) is also read elsewhere or is a graph output, when the constant would
 broadcast the value to a larger shape, or when it is a graph input (it may be overridden).
 """

@@ -209,8 +209,8 @@ def quantize_passes(
     """Every float pass that runs before calibration, in run order (``sample_feeds``: as for
     :func:`prepare_passes`).
 
-    The prepare passes (cross-layer equalization among them), then for NPU configs
-    (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU`` and the individual
+    With ``FixShapes``, FixInputShapes first (all but a dynamic batch); the prepare passes; for
+    NPU configs (``enable_npu_cnn``) the DPU simulation passes (``SimulateDPU``, the individual
     ``Convert*ToDPUVersion`` switches) — before calibration, so that the ranges are those of the
     hardware's arithmetic — and the explicit Conv attributes the Vitis AI EP requires.
     """

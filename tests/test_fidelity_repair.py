@@ -200,14 +200,14 @@ def test_second_order_rounding_is_tried_last_on_the_best_settings(tmp_path):
     settings = repairs[3]["settings"]
     assert settings["include_fast_ft"] is True
     assert settings["FastFinetune"]["OptimAlgorithm"] == "gptq"
-    # the attempt kept is the best-measuring one, and it is the model written
+    # what is written measures at least as well as every attempt (the first one included when
+    # no repair is kept), and it is the model the guard measured
+    written = quantizer.report.fidelity["outputs"][0]
+    assert (written["cosine"], written["sqnr_db"]) >= max(measure)
     kept = [i for i, r in enumerate(repairs) if r["kept"]]
-    if kept:
-        assert measure[kept[0]] == max(measure)
+    assert len(kept) <= 1 and all(measure[i] == max(measure) for i in kept)
     written_sqnr = _sqnr(model, onnx.load(out), _samples()[:16])
-    assert quantizer.report.fidelity["outputs"][0]["sqnr_db"] == pytest.approx(
-        written_sqnr, abs=1e-6
-    )
+    assert written["sqnr_db"] == pytest.approx(written_sqnr, abs=1e-6)
 
 
 def test_no_rounding_attempt_when_the_settings_already_round(tmp_path):
