@@ -264,6 +264,40 @@ def test_sigterm_as_interrupt_raises_and_restores():
     assert issubclass(Terminated, KeyboardInterrupt)
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_masked_by_c_code_still_leaves_as_the_interrupt(signame):
+    """numpy reports a KeyboardInterrupt raised while it converts a shape as a TypeError (seen
+    when a test interrupted the quantizer); after a stop signal the block still ends as the
+    interrupt, chained to what C code made of it."""
+    import signal
+
+    signum = getattr(signal, signame)
+
+    class Shape:  # a sequence whose conversion runs Python code, where the signal lands
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            if i:
+                raise IndexError
+            os.kill(os.getpid(), signum)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+            return 4
+
+    wanted = Terminated if signame == "SIGTERM" else KeyboardInterrupt
+    with pytest.raises(wanted) as info, sigterm_as_interrupt():
+        np.zeros(4).reshape(Shape())
+    assert isinstance(info.value.__cause__, TypeError)  # numpy's, without the handling
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_without_a_signal_leaves_the_block_as_itself():
+    with pytest.raises(ValueError, match="no signal"), sigterm_as_interrupt():
+        raise ValueError("no signal")
+
+
 def test_written_files_get_the_usual_mode_not_a_private_one(tmp_path) -> None:
     """Atomic writes go through mkstemp (mode 0600); the renamed output must get the mode a
     plainly created file would have (0666 less the umask)."""

@@ -198,17 +198,34 @@ class Terminated(KeyboardInterrupt):
     :func:`sigterm_as_interrupt`; unwinds ``finally`` blocks like Ctrl-C does."""
 
 
+#: Stop signals received while :func:`sigterm_as_interrupt`'s handlers are installed.
+_RECEIVED: list[int] = []
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
     raise Terminated(f"received signal {signum}")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block, ``SIGTERM`` raises :class:`Terminated` so temporary files are removed.
 
+    A stop signal lands wherever Python next checks for signals, and C code can turn the
+    exception raised there into another one (numpy converting a shape reports the
+    ``KeyboardInterrupt`` raised during the conversion as a ``TypeError``). So the handlers
+    record the signal, and an ordinary exception leaving the block after one was received is
+    raised as the interrupt it stands for (chained to it): the run was stopped, not broken.
+    ``SIGINT`` gets such a recording handler only where Python's own is installed.
+
     Only the main thread can install signal handlers: elsewhere (and where ``SIGTERM`` does not
     exist) this does nothing. A handler other than the default one (set by an embedding
-    application) is left alone. The previous handler is restored on exit.
+    application) is left alone. The previous handlers are restored on exit.
     """
     if (
         threading.current_thread() is not threading.main_thread()
@@ -217,11 +234,23 @@ def sigterm_as_interrupt() -> Iterator[None]:
     ):
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    first = len(_RECEIVED)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         yield
+    except Exception as exc:
+        remove_temporary_files()
+        received = _RECEIVED[first:]
+        if not received:
+            raise
+        if received[-1] == signal.SIGTERM:
+            raise Terminated(f"received signal {received[-1]}") from exc
+        raise KeyboardInterrupt from exc
     except BaseException:
         remove_temporary_files()
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
