@@ -322,7 +322,7 @@ def _line(row: dict[str, Any]) -> str:
         f"{row['model']:7s} {row['config']:10s} SQNR {row['sqnr_db']:7.2f} dB  {task:44s} "
         f"guard {'faithful' if row['guard_faithful'] else 'NOT faithful':12s} "
         f"repair kept: {kept:42s} "
-        f"{row['seconds']:6.1f} s"
+        f"ready {'yes' if row.get('ready') else 'no ':3s} {row['seconds']:6.1f} s"
     )
 
 

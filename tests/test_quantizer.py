@@ -329,3 +329,48 @@ def test_auto_pad_convs_of_a_dynamic_model_get_explicit_pads_once_shapes_are_fix
         None, feed
     )[0]
     np.testing.assert_array_equal(a, b)
+
+
+def _gelu_model() -> onnx.ModelProto:
+    """Conv -> GELU as torch and paddle export it, ``x * (Erf(x / sqrt 2) + 1) * 0.5`` -> Conv."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w1", "b1"], ["x1"], pads=[1] * 4),
+        onnx.helper.make_node("Div", ["x1", "sqrt2"], ["t"]),
+        onnx.helper.make_node("Erf", ["t"], ["e"]),
+        onnx.helper.make_node("Add", ["e", "one"], ["g"]),
+        onnx.helper.make_node("Mul", ["x1", "g"], ["m"]),
+        onnx.helper.make_node("Mul", ["m", "half"], ["a"]),
+        onnx.helper.make_node("Conv", ["a", "w2"], ["y"]),
+    ]
+    consts = {"sqrt2": np.sqrt(2.0), "one": 1.0, "half": 0.5}
+    return make_model(
+        nodes,
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        {
+            "w1": rng.normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32),
+            "b1": rng.normal(0, 0.2, 8).astype(np.float32),
+            "w2": rng.normal(0, 0.5, (4, 8, 1, 1)).astype(np.float32),
+            **{k: np.array(v, np.float32) for k, v in consts.items()},
+        },
+    )
+
+
+def test_xint8_gelu_quantizes_the_erf_and_is_vitis_ai_ready(tmp_path):
+    # XINT8 leaves GELU's Div float; with the Erf after it unquantized nothing quantized the
+    # Div's output, and check reported one-sided Q/DQ on the Div and the Erf
+    x = np.random.default_rng(1).normal(0, 1, (8, 3, 8, 8)).astype(np.float32)
+    out = tmp_path / "q.onnx"
+    qc = get_default_config("XINT8")
+    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+        _gelu_model(), str(out), ArrayDataReader({"x": x})
+    )
+    verdict = check(str(out))
+    assert verdict.ready, [f.message for f in verdict.errors]
+    written = onnx.load(out)
+    (erf,) = [n for n in written.graph.node if n.op_type == "Erf"]
+    producers = {o: n.op_type for n in written.graph.node for o in n.output}
+    assert producers[erf.input[0]] == "DequantizeLinear"
+    readers = [n.op_type for n in written.graph.node if erf.output[0] in n.input]
+    assert readers == ["QuantizeLinear"]

@@ -206,6 +206,10 @@ _OPS: dict[str, OpSpec] = {
     # the rule below): limits that only exist for an op the hardware computes.
     "HardSigmoid": OpSpec(dpu_scale_mul=True, shift_rules=("hard_sigmoid",)),
     "HardSwish": OpSpec(),
+    # In the XINT8 column of the Ryzen AI 1.5 table. Quantized at its input and output like the
+    # other activations it computes: in GELU (``x * (Erf(x / sqrt 2) + 1) / 2``) it reads a Div,
+    # which XINT8 leaves float, so unquantized it would read a tensor nothing quantizes.
+    "Erf": OpSpec(),
     "Softmax": OpSpec(),
     # --- embedding lookups: the table per row with float scales; in XINT8 per tensor with a ----
     # power-of-two scale like every XINT8 weight (the Gather runs on the CPU there, but a float
@@ -280,7 +284,6 @@ _NPU_ONLY_OPS = (
     "DepthToSpace",
     "Elu",
     "Equal",
-    "Erf",
     "Expand",
     "Floor",
     "GlobalMaxPool",
