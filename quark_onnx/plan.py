@@ -49,6 +49,7 @@ import onnx_ir as ir
 from quark_onnx.config import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.masks import find_saturating
+from quark_onnx.npu.placement import cpu_side_arithmetic
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
 from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
@@ -282,6 +283,8 @@ class _Planner:
             reason = f"its output is mask-like ({why}); masks stay float"
         if reason is None and id(node) in self.gelu_inner:
             reason = "inside an Erf-based Gelu (quantized at its input and output)"
+        if reason is None and self.qconfig.enable_npu_cnn and cpu_side_arithmetic(node):
+            reason = "constant arithmetic read only by CPU ops: it runs on the CPU with them"
         if reason is None and policy is not None and policy.embedding:
             reason = _embedding_float_reason(node, self.qconfig)
         if (

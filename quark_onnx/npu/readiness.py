@@ -60,6 +60,7 @@ from quark_onnx.model_io import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.findings import CheckResult, Finding, node_label
+from quark_onnx.npu.placement import cpu_side_arithmetic
 from quark_onnx.npu.rules import Pos, Site
 from quark_onnx.npu.structure import model_findings
 from quark_onnx.passes._graph import constant_array, single_consumer
@@ -382,7 +383,8 @@ class _Checker:
                 continue
             label = node_label(node)
             if not self._on_npu(node):
-                if self._computes_on_tensors(node):
+                # constant arithmetic on the CPU side: its readers' findings name the split
+                if self._computes_on_tensors(node) and not cpu_side_arithmetic(node):
                     op = (
                         node.op_type
                         if node.domain in _STANDARD_DOMAINS
@@ -401,13 +403,14 @@ class _Checker:
                 self._quantization_coverage(node, label)
 
     def _on_npu(self, node: ir.Node) -> bool:
-        """The op's row places it on the NPU (a FUSED row: when fused into its producer)."""
+        """The op's row places it on the NPU (a FUSED row: when fused into its producer), unless
+        it is float constant arithmetic read only by CPU ops (:mod:`quark_onnx.npu.placement`)."""
         row = _row(node)
         if row is None or row.placement is npu_ops.Placement.CPU:
             return False
         if row.placement is npu_ops.Placement.FUSED:
             return self._fused_chain(node)
-        return True
+        return not cpu_side_arithmetic(node)
 
     def _computes_on_tensors(self, node: ir.Node) -> bool:
         values = [v for v in (*node.inputs, *node.outputs) if v is not None]

@@ -1,0 +1,112 @@
+"""Constant arithmetic read only by CPU ops runs on the CPU with them: the predicate, the plan
+that leaves it float in XINT8, and the readiness check that accepts it there."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper
+
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+from quark_onnx.check import check
+from quark_onnx.model_io import to_ir
+from quark_onnx.npu.placement import cpu_side_arithmetic
+
+X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+Z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])
+
+
+def _scaled_then(readers: list[str], *, computed_scale: bool = False, output: bool = False):
+    """``t = x * s`` read by one node of each op type in ``readers``."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["t"], name="scale")]
+    outputs = []
+    for i, op in enumerate(readers):
+        nodes.append(helper.make_node(op, ["t"], [f"r{i}"], name=f"reader{i}"))
+        outputs.append(helper.make_tensor_value_info(f"r{i}", TensorProto.FLOAT, [1, 4]))
+    if output:
+        outputs.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 4]))
+    inputs = [X, helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 4])]
+    inits = {} if computed_scale else {"s": np.full((1, 4), 2.0, np.float32)}
+    if not computed_scale:
+        inputs = [X]
+    model = to_ir(make_model(nodes, inputs, outputs, inits))
+    (scale,) = [n for n in model.graph if n.name == "scale"]
+    return scale
+
+
+def test_constant_arithmetic_read_by_cpu_ops_only_runs_on_the_cpu():
+    assert cpu_side_arithmetic(_scaled_then(["Sigmoid"]))
+    assert cpu_side_arithmetic(_scaled_then(["Sigmoid", "Sigmoid"]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(readers=["Relu"]),  # an NPU reader
+        dict(readers=["Sigmoid", "Relu"]),  # one NPU reader among CPU ones
+        dict(readers=["Sigmoid"], computed_scale=True),  # two computed operands
+        dict(readers=["Sigmoid"], output=True),  # a graph output leaves the model quantized
+        dict(readers=[]),  # read by nothing
+    ],
+)
+def test_stays_on_the_npu(case):
+    readers = case.pop("readers")
+    assert not cpu_side_arithmetic(_scaled_then(readers, **case))
+
+
+def _silu_model() -> onnx.ModelProto:
+    """Conv -> SiLU with a per-channel gate input (``x1 * s`` before the Sigmoid, as
+    EqualizeGatedActivations writes it) -> 1x1 Conv."""
+    rng = np.random.default_rng(0)
+    s = np.exp2(np.array([-3, -1, 0, 2], np.float32)).reshape(1, 4, 1, 1)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["x1"], pads=[1] * 4),
+        helper.make_node("Mul", ["x1", "s"], ["gate_input"], name="restore"),
+        helper.make_node("Sigmoid", ["gate_input"], ["g"]),
+        helper.make_node("Mul", ["x1", "g"], ["a"]),
+        helper.make_node("Conv", ["a", "w2"], ["y"]),
+    ]
+    return make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])],
+        {
+            "w1": (rng.normal(0, 0.5, (4, 3, 3, 3)) / s.reshape(4, 1, 1, 1)).astype(np.float32),
+            "b1": rng.normal(0, 0.2, 4).astype(np.float32),
+            "s": s,
+            "w2": rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32),
+        },
+    )
+
+
+def test_xint8_gate_input_is_computed_in_float_from_the_int8_codes(tmp_path):
+    x = np.random.default_rng(1).normal(0, 1, (8, 3, 8, 8)).astype(np.float32)
+    out = tmp_path / "q.onnx"
+    qc = get_default_config("XINT8")
+    qc.extra_options["EqualizeGatedActivations"] = False  # the gate input is already written
+    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+        _silu_model(), str(out), ArrayDataReader({"x": x})
+    )
+    verdict = check(str(out))
+    assert verdict.ready, [f.message for f in verdict.errors]
+    assert not [f for f in verdict.findings if f.node and "restore" in f.node]
+    written = onnx.load(out)
+    producers = {o: n for n in written.graph.node for o in n.output}
+    (restore,) = [n for n in written.graph.node if n.name == "restore"]
+    assert producers[restore.input[0]].op_type == "DequantizeLinear"  # x1's int8 codes
+    assert restore.input[1] == "s"  # the scale stays a float constant
+    (sigmoid,) = [n for n in written.graph.node if n.op_type == "Sigmoid"]
+    assert sigmoid.input[0] == restore.output[0]  # no requantization between them
+    # oracle: the Sigmoid reads exactly dequantized x1 times s
+    probe = onnx.load(out)
+    probe.graph.output.extend(
+        [
+            helper.make_tensor_value_info(restore.input[0], TensorProto.FLOAT, None),
+            helper.make_tensor_value_info(restore.output[0], TensorProto.FLOAT, None),
+        ]
+    )
+    _, x1q, gate = run_ort(probe, {"x": x[:1]})
+    s = onnx.numpy_helper.to_array({i.name: i for i in written.graph.initializer}["s"])
+    np.testing.assert_array_equal(gate, x1q * s)
