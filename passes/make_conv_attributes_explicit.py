@@ -7,14 +7,15 @@ are the ones ONNX uses when the attribute is absent, so the pass is float-preser
 
 * ``kernel_shape`` = ``W.shape[2:]`` (the weight's spatial dims; needs a known weight shape);
 * ``strides``, ``dilations`` = 1 per spatial axis; ``group`` = 1; ``pads`` = 0 (begins then ends);
-* ``auto_pad``: ``VALID`` -> pads 0. ``SAME_UPPER``/``SAME_LOWER`` on a Conv with a static input
-  shape: per spatial axis of size ``i``, stride ``s``, kernel ``k`` and dilation ``d``::
+* ``auto_pad``: ``VALID`` -> pads 0. ``SAME_UPPER``/``SAME_LOWER`` on a Conv whose input has
+  static spatial dims (the batch and channels may be symbolic): per spatial axis of size ``i``,
+  stride ``s``, kernel ``k`` and dilation ``d``::
 
       o = ceil(i / s);  total = max(0, (o - 1) s + (k - 1) d + 1 - i)
       SAME_UPPER: begin = total // 2,       end = total - begin   (extra padding at the end)
       SAME_LOWER: begin = total - total // 2, end = total // 2    (extra padding at the start)
 
-  and ``auto_pad`` is removed (``NOTSET``). With a dynamic input shape, or ``SAME_*`` on a
+  and ``auto_pad`` is removed (``NOTSET``). With a dynamic H or W, or ``SAME_*`` on a
   ConvTranspose (whose padding also depends on ``output_padding``/``output_shape``), the node is
   left as it is and logged.
 
@@ -84,9 +85,11 @@ class MakeConvAttributesExplicit(QuarkPass):
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             x = node.inputs[0]
             shape = x.shape if x is not None else None
-            if node.op_type != "Conv" or shape is None or not shape.is_static():
+            spatial = list(shape[2:]) if shape is not None else []
+            static = bool(spatial) and all(isinstance(d, int) for d in spatial)
+            if node.op_type != "Conv" or not static:
                 logger.warning(
-                    "%s %s: auto_pad=%s needs a static input shape on a Conv; left as it is",
+                    "%s %s: auto_pad=%s needs static spatial input dims on a Conv; left as it is",
                     node.op_type,
                     label,
                     auto_pad,

@@ -86,6 +86,16 @@ def test_dynamic_shape_with_same_padding_is_left_alone():
     assert attrs(out.graph.node[0])["auto_pad"] == b"SAME_UPPER"
 
 
+def test_dynamic_batch_with_static_spatial_dims_is_resolved():
+    # pads depend on H and W only: a symbolic batch must not keep auto_pad
+    proto = conv_proto(["n", 2, 7, 8], (3, 2, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2])
+    out, modified = run_pass(proto)
+    assert modified
+    a = attrs(out.graph.node[0])
+    assert "auto_pad" not in a and a["pads"] == [1, 0, 1, 1]
+    check_same_outputs(proto, out, [2, 2, 7, 8])
+
+
 def test_conv_transpose_gets_explicit_attributes():
     proto = conv_proto([1, 2, 4, 4], (2, 3, 3, 3), op="ConvTranspose", strides=[2, 2])
     out, modified = run_pass(proto)
