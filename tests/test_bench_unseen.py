@@ -52,3 +52,18 @@ def test_classifier_agreement_and_sqnr():
     expected = 10 * np.log10(np.sum(r**2) / np.sum((r - o) ** 2))
     assert bu._sqnr(ref, out) == pytest.approx(expected)
     assert bu._sqnr(ref, ref) == float("inf")
+
+
+def test_yolox_detector_measure_reads_the_input_size_from_the_output_rows():
+    # 416 x 416: 52^2 + 26^2 + 13^2 = 3549 rows; stride-32 cell x 4, y 5 of the 13 x 13 grid
+    def raw(cell: int) -> np.ndarray:
+        out = np.zeros((1, 3549, 6), np.float32)
+        out[..., 2:4] = -5.0
+        out[0, cell] = (0.0, 0.0, np.log(2.0), np.log(2.0), 0.9, 0.9)
+        return out
+
+    cell = 2704 + 676 + 13 * 5 + 4
+    got = bu.task_measures("yolox", [raw(cell)], [raw(cell)])
+    assert got["float_boxes"] == 1 and got["matched"] == 1
+    # the next cell is 32 px away at stride 32: a 64 px box keeps IoU 1/3 < 0.5
+    assert bu.task_measures("yolox", [raw(cell)], [raw(cell + 1)])["matched"] == 0
