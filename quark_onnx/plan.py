@@ -49,7 +49,7 @@ import onnx_ir as ir
 from quark_onnx.config import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.masks import find_saturating
-from quark_onnx.npu.placement import cpu_side_arithmetic
+from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
 from quark_onnx.options import ExtraOptions
 from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
 from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
@@ -253,6 +253,7 @@ class _Planner:
 
         # masks and other fill-dominated tensors never set a scale (quark_onnx.masks)
         self.saturating = find_saturating(graph)
+        self.layer_norm = layer_norm_members(graph) if self.power_of_two else set()
         self.policies: dict[int, OpPolicy] = {}
         self.float_nodes: list[FloatNode] = []
         self.fused_by_value: dict[int, FusedPair] = {}
@@ -283,6 +284,8 @@ class _Planner:
             reason = f"its output is mask-like ({why}); masks stay float"
         if reason is None and id(node) in self.gelu_inner:
             reason = "inside an Erf-based Gelu (quantized at its input and output)"
+        if reason is None and id(node) in self.layer_norm:
+            reason = "inside a LayerNorm written op by op (float, like the LayerNormalization op)"
         if reason is None and self.qconfig.enable_npu_cnn and cpu_side_arithmetic(node):
             reason = "constant arithmetic read only by CPU ops: it runs on the CPU with them"
         if reason is None and policy is not None and policy.embedding:

@@ -1,8 +1,10 @@
 """Graph patterns the planner recognises: constants (an initializer or a ``Constant`` node's
-output) and the Erf-based Gelu.
+output), the Erf-based Gelu and the LayerNorm written op by op.
 
 :func:`erf_gelu` matches ``x * 0.5 * (1 + Erf(x / sqrt 2))`` in the arrangements exporters write;
 the planner then quantizes such a Gelu at its input and output only, like the Gelu op.
+:func:`decomposed_layer_norm` matches ``(x - mean) / sqrt(var + eps)``; XINT8 computes it on the
+CPU (:mod:`quark_onnx.npu.placement`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import onnx_ir as ir
 
 from quark_onnx.passes._graph import constant_array, is_standard, single_consumer
 
-__all__ = ["erf_gelu", "is_constant"]
+__all__ = ["decomposed_layer_norm", "erf_gelu", "is_constant"]
 
 
 def is_constant(value: ir.Value) -> bool:
@@ -101,3 +103,53 @@ def erf_gelu(erf: ir.Node) -> tuple[ir.Value, list[ir.Node], ir.Node] | None:
     ):
         return x, [*inner, half], m1
     return None
+
+
+def _reduce_axes(node: ir.Node) -> tuple[int, ...] | None:
+    """The axes of a ReduceMean that keeps its dims (attribute, or input 1 from opset 18)."""
+    if node.attributes.get_int("keepdims", 1) != 1:
+        return None
+    if "axes" in node.attributes:
+        return tuple(node.attributes.get_ints("axes"))
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = constant_array(node.inputs[1])
+        return None if array is None else tuple(int(a) for a in array.reshape(-1))
+    return None
+
+
+def _only_reader(value: ir.Value, op: str) -> ir.Node | None:
+    node = single_consumer(value)
+    return node if is_standard(node, op) else None
+
+
+def decomposed_layer_norm(pow_node: ir.Node) -> list[ir.Node] | None:
+    """Match the LayerNorm exporters write op by op around its ``Pow``: its nodes, or None.
+
+    ``m = ReduceMean(x, A)``, ``d = Sub(x, m)``, ``Pow(d, 2)``, ``ReduceMean(., A)``,
+    ``Add(., eps)``, ``Sqrt``, ``Div(d, .)`` (both ReduceMeans keep their dims and reduce the same
+    axes ``A``; ``d`` is read by the Pow and the Div only, the rest by one node each). The scale
+    and shift after it are ordinary ``Mul``/``Add`` and not part of the match.
+    """
+    if not is_standard(pow_node, "Pow") or len(pow_node.inputs) != 2:
+        return None
+    d = pow_node.inputs[0]
+    sub = d.producer() if d is not None else None
+    if not is_standard(sub, "Sub") or _scalar(pow_node.inputs[1]) != 2.0:
+        return None
+    x, m = sub.inputs
+    mean = m.producer() if m is not None else None
+    if not is_standard(mean, "ReduceMean") or mean.inputs[0] is not x:
+        return None
+    if single_consumer(m) is not sub or d.is_graph_output() or len(d.uses()) != 2:
+        return None
+    var = _only_reader(pow_node.outputs[0], "ReduceMean")
+    if var is None or _reduce_axes(var) is None or _reduce_axes(var) != _reduce_axes(mean):
+        return None
+    add = _only_reader(var.outputs[0], "Add")
+    if add is None or _scalar(_other(add, var.outputs[0])) is None:
+        return None
+    sqrt = _only_reader(add.outputs[0], "Sqrt")
+    div = _only_reader(sqrt.outputs[0], "Div") if sqrt is not None else None
+    if div is None or div.inputs[0] is not d or div.inputs[1] is not sqrt.outputs[0]:
+        return None
+    return [mean, sub, pow_node, var, add, sqrt, div]

@@ -1,14 +1,21 @@
-"""Which side of the NPU/CPU boundary a node runs on, beyond its op's row.
+"""Where a node runs and how it is checked, beyond its op's row: two cases decided here, in one
+place for the planner and the readiness checker.
 
-A node runs where its op's row places it (:mod:`quark_onnx.npu.ops`), with one exception decided
-here, in one place for the planner and the readiness checker: element-wise arithmetic on one
-computed tensor and a constant (``Mul``, ``Add``, ``Sub``, ``Div``), whose result is read only by
-ops the NPU does not run (``Placement.CPU``), runs on the CPU with its readers. The graph is split
-before those readers anyway; computing the arithmetic on the NPU would only requantize its
-result to int8 on the way. The case that matters: the gate input ``x * s`` that
-EqualizeGatedActivations writes before a SiLU's ``Sigmoid`` (a CPU op in XINT8) rescales each
-channel by its own power of two, which one per-tensor int8 position cannot hold for every
-channel; read in float from ``x``'s int8 codes it is exact.
+* **Constant arithmetic read only by CPU ops** (``Mul``, ``Add``, ``Sub``, ``Div`` of one computed
+  tensor and a constant, every reader placed on the CPU) runs on the CPU with its readers: the
+  planner leaves it float, the checker does not count it as an NPU node missing a Q/DQ. The
+  graph is split before those readers anyway; on the NPU the result would only be requantized to
+  int8 on the way. The case that matters: the gate input ``x * s`` EqualizeGatedActivations
+  writes before a SiLU's ``Sigmoid`` (a CPU op in XINT8) rescales each channel by its own power
+  of two, which one per-tensor int8 position cannot hold for every channel; read in float from
+  ``x``'s int8 codes it is exact.
+* **A LayerNorm written op by op** (:func:`~quark_onnx.plan_patterns.decomposed_layer_norm`:
+  ``(x - mean) / sqrt(var + eps)``) is the ``LayerNormalization`` op and is treated as its row
+  says for XINT8: float inside, quantized at its input and output (by its neighbours), checked
+  as one node. Node by node, XINT8 had no rule for its ``Div`` and left its ``Pow`` and ``Sqrt``
+  results unquantized between NPU ops (a model ``check`` rejects); quantizing those as well made
+  the PP-OCRv6 small recognizer's squared deviations int8 and took it from 8.2 to 1.2 dB output
+  SQNR (``benchmarks/results/unseen.md``).
 """
 
 from __future__ import annotations
@@ -16,11 +23,10 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from quark_onnx.npu import ops as npu_ops
-from quark_onnx.plan_patterns import is_constant
+from quark_onnx.plan_patterns import decomposed_layer_norm, is_constant
 
 _STANDARD = ("", "ai.onnx")
 _CONSTANT_ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div"})
-
 
 def _runs_on_cpu(node: ir.Node) -> bool:
     row = npu_ops.spec(node.op_type) if node.domain in _STANDARD else None
@@ -40,3 +46,12 @@ def cpu_side_arithmetic(node: ir.Node) -> bool:
     if out.is_graph_output() or not uses:
         return False
     return all(_runs_on_cpu(use.node) for use in uses)
+
+
+def layer_norm_members(graph: ir.Graph) -> set[int]:
+    """``id(node)`` of every top-level node of ``graph`` inside a LayerNorm written op by op."""
+    members: set[int] = set()
+    for node in graph:
+        if node.op_type == "Pow":
+            members.update(id(n) for n in decomposed_layer_norm(node) or ())
+    return members

@@ -60,7 +60,7 @@ from quark_onnx.model_io import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.findings import CheckResult, Finding, node_label
-from quark_onnx.npu.placement import cpu_side_arithmetic
+from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
 from quark_onnx.npu.rules import Pos, Site
 from quark_onnx.npu.structure import model_findings
 from quark_onnx.passes._graph import constant_array, single_consumer
@@ -185,6 +185,7 @@ class _Checker:
         self.findings: list[Finding] = []
         self.qdq_pos: dict[int, _Pos] = {}  # id(Q or DQ node) -> its position
         self.has_qdq = any(_is_q(n) or _is_dq(n) for n in self.nodes)
+        self.layer_norm = layer_norm_members(graph)  # checked as one LayerNormalization
 
     def add(self, rule: str, node: str | None, message: str) -> None:
         self.findings.append(Finding(rule, node, message))
@@ -379,12 +380,16 @@ class _Checker:
     # ---------------------------------------------------------------- ops
     def _ops(self) -> None:
         for node in self.nodes:
-            if _is_q(node) or _is_dq(node):
+            # a decomposed LayerNorm is one LayerNormalization: float inside, its input's and
+            # output's Q/DQ are its neighbours' (npu.placement)
+            if _is_q(node) or _is_dq(node) or id(node) in self.layer_norm:
                 continue
             label = node_label(node)
             if not self._on_npu(node):
                 # constant arithmetic on the CPU side: its readers' findings name the split
-                if self._computes_on_tensors(node) and not cpu_side_arithmetic(node):
+                if cpu_side_arithmetic(node):
+                    continue
+                if self._computes_on_tensors(node):
                     op = (
                         node.op_type
                         if node.domain in _STANDARD_DOMAINS
