@@ -28,6 +28,7 @@ from quark_onnx.plan_patterns import decomposed_layer_norm, is_constant
 _STANDARD = ("", "ai.onnx")
 _CONSTANT_ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div"})
 
+
 def _runs_on_cpu(node: ir.Node) -> bool:
     row = npu_ops.spec(node.op_type) if node.domain in _STANDARD else None
     return row is not None and row.placement is npu_ops.Placement.CPU
