@@ -54,6 +54,23 @@ def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.nda
     return session.run(None, feeds)
 
 
+def quantize_xint8_and_check(model: onnx.ModelProto, x: np.ndarray, out: Path, **fields):
+    """Quantize ``model`` (input ``x``, samples on axis 0) with the XINT8 preset, its fields set
+    from ``fields``, to ``out``; the readiness verdict of the written model, asserted ready."""
+    from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+    from quark_onnx.check import check
+
+    config = get_default_config("XINT8")
+    for name, value in fields.items():
+        setattr(config, name, value)
+    ModelQuantizer(Config(global_quant_config=config)).quantize_model(
+        model, str(out), ArrayDataReader({model.graph.input[0].name: x})
+    )
+    verdict = check(str(out))
+    assert verdict.ready, [f.message for f in verdict.errors]
+    return verdict
+
+
 def box_and_score_model(gate: str, **gate_attrs) -> onnx.ModelProto:
     """Concat(box offsets in about +-4, ``gate(logit)`` scores in [0, 1]) -> the graph output:
     two differently ranged tensors that the NPU's Concat rule puts at one position."""

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import box_and_score_model, make_model, shared_path
+from conftest import box_and_score_model, make_model, quantize_xint8_and_check, shared_path
 
 from quark_onnx import (
     ArrayDataReader,
@@ -362,12 +362,7 @@ def test_xint8_gelu_quantizes_the_erf_and_is_vitis_ai_ready(tmp_path):
     # Div's output, and check reported one-sided Q/DQ on the Div and the Erf
     x = np.random.default_rng(1).normal(0, 1, (8, 3, 8, 8)).astype(np.float32)
     out = tmp_path / "q.onnx"
-    qc = get_default_config("XINT8")
-    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
-        _gelu_model(), str(out), ArrayDataReader({"x": x})
-    )
-    verdict = check(str(out))
-    assert verdict.ready, [f.message for f in verdict.errors]
+    quantize_xint8_and_check(_gelu_model(), x, out)
     written = onnx.load(out)
     (erf,) = [n for n in written.graph.node if n.op_type == "Erf"]
     producers = {o: n.op_type for n in written.graph.node for o in n.output}

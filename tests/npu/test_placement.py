@@ -6,11 +6,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import make_model, run_ort
+from conftest import make_model, quantize_xint8_and_check, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-from quark_onnx.check import check
 from quark_onnx.model_io import to_ir
 from quark_onnx.npu.placement import cpu_side_arithmetic
 
@@ -84,13 +82,7 @@ def _silu_model() -> onnx.ModelProto:
 def test_xint8_gate_input_is_computed_in_float_from_the_int8_codes(tmp_path):
     x = np.random.default_rng(1).normal(0, 1, (8, 3, 8, 8)).astype(np.float32)
     out = tmp_path / "q.onnx"
-    qc = get_default_config("XINT8")
-    qc.extra_options["EqualizeGatedActivations"] = False  # the gate input is already written
-    ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
-        _silu_model(), str(out), ArrayDataReader({"x": x})
-    )
-    verdict = check(str(out))
-    assert verdict.ready, [f.message for f in verdict.errors]
+    verdict = quantize_xint8_and_check(_silu_model(), x, out)
     assert not [f for f in verdict.findings if f.node and "restore" in f.node]
     written = onnx.load(out)
     producers = {o: n for n in written.graph.node for o in n.output}
@@ -203,13 +195,7 @@ def test_xint8_layer_norm_written_op_by_op_is_one_float_layer_norm(tmp_path):
     # the Vitis AI snippet runs (onnxsim would fuse this graph's LayerNorm into the op)
     x = np.random.default_rng(4).normal(0, 1, (8, 3, 4, 4)).astype(np.float32)
     out = tmp_path / "q.onnx"
-    config = get_default_config("XINT8")
-    config.optimize_model = False
-    ModelQuantizer(Config(global_quant_config=config)).quantize_model(
-        _ln_cnn(), str(out), ArrayDataReader({"x": x})
-    )
-    verdict = check(str(out))
-    assert verdict.ready, [f.message for f in verdict.errors]
+    quantize_xint8_and_check(_ln_cnn(), x, out, optimize_model=False)
     written = onnx.load(out)
     quantized = {n.input[0] for n in written.graph.node if n.op_type == "QuantizeLinear"}
     assert not quantized & {"ln_m", "ln_d", "ln_sq", "ln_var", "ln_v", "ln_s"}
