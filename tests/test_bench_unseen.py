@@ -67,3 +67,19 @@ def test_yolox_detector_measure_reads_the_input_size_from_the_output_rows():
     assert got["float_boxes"] == 1 and got["matched"] == 1
     # the next cell is 32 px away at stride 32: a 64 px box keeps IoU 1/3 < 0.5
     assert bu.task_measures("yolox", [raw(cell)], [raw(cell + 1)])["matched"] == 0
+
+
+def test_layout_measure_reads_the_score_maps_only():
+    # two strides: score maps (10 classes) and box distributions (32 bins), which are ignored
+    scores = [np.zeros((1, 4, 10), np.float32), np.zeros((1, 2, 10), np.float32)]
+    boxes = [np.full((1, 4, 32), 0.9, np.float32), np.full((1, 2, 32), 0.9, np.float32)]
+    ref = [s.copy() for s in scores] + boxes
+    out = [s.copy() for s in scores] + [np.zeros_like(b) for b in boxes]
+    ref[0][0, 1, 3] = ref[1][0, 0, 0] = 0.9  # two float cells above 0.5
+    out[0][0, 1, 3] = 0.8  # one kept
+    out[1][0, 1, 2] = 0.7  # one new
+    got = bu.task_measures("layout", ref, out)
+    assert got["score_cell_f1"] == pytest.approx(2 * 1 / (2 + 2))
+    # the SQNR is the worst output's: the second score map (0.9 lost, 0.7 new) measures
+    # 10 log10(0.81 / 1.30), below the zeroed box maps' 0 dB
+    assert bu._sqnr(ref, out, "layout") == pytest.approx(10 * np.log10(0.81 / 1.30), abs=1e-4)

@@ -179,6 +179,7 @@ def test_guard_warns_names_output_and_layer_and_measures_against_float(tmp_path,
     fid = quantizer.report.fidelity
     assert fid["faithful"] is False and out.exists()  # written, but not called faithful
     assert "does not follow the float model" in caplog.text and "output 'y'" in caplog.text
+    assert "16-bit activations (preset A16W8)" in caplog.text  # int8 activations: the advice
     assert fid["worst_layers"] and fid["worst_layers"][0]["op_type"] in ("Conv", "Relu")
     # the guard's SQNR is the float model's against the written model's, on the first 16 samples
     samples = _calibration()[:16]
@@ -188,6 +189,18 @@ def test_guard_warns_names_output_and_layer_and_measures_against_float(tmp_path,
     assert fid["outputs"][0]["sqnr_db"] == pytest.approx(sqnr, abs=1e-6)
     assert sqnr < 10
     assert "faithful to the float model: NO" in quantizer.report.summary()
+
+
+def test_no_16_bit_advice_when_the_activations_are_16_bit(tmp_path, caplog):
+    config = get_default_config("A16W8")
+    config.extra_options["FidelityMinSQNR"] = 200.0  # unreachable: the guard fires
+    quantizer = ModelQuantizer(Config(global_quant_config=config))
+    with caplog.at_level(logging.WARNING):
+        quantizer.quantize_model(
+            _two_channel_model(**GOOD), tmp_path / "q.onnx", ArrayDataReader(_calibration())
+        )
+    assert "does not follow the float model" in caplog.text
+    assert "A16W8" not in caplog.text
 
 
 def test_require_fidelity_raises_and_writes_nothing(tmp_path):
