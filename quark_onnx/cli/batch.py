@@ -328,6 +328,10 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
                     done[job.index] = outcome
             except BaseException:
                 _stop_pool(pool)
+                # the pool's semaphores are cleaned up now, quietly: left to the collector of
+                # the interrupted frames, a cleanup once met the tracker's pipe closed (EBADF)
+                # and printed a traceback under the summary (fresh-clone CI, SIGINT test)
+                _release_semaphores()
                 _remove_staging([j for j in jobs if j.index not in done])
                 raise
             finally:
