@@ -3,8 +3,8 @@ output), the Erf-based Gelu and the LayerNorm written op by op.
 
 :func:`erf_gelu` matches ``x * 0.5 * (1 + Erf(x / sqrt 2))`` in the arrangements exporters write;
 the planner then quantizes such a Gelu at its input and output only, like the Gelu op.
-:func:`decomposed_layer_norm` matches ``(x - mean) / sqrt(var + eps)``; XINT8 computes it on the
-CPU (:mod:`quark_onnx.npu.placement`).
+:func:`decomposed_layer_norm` matches ``(x - mean) / sqrt(var + eps)``; XINT8 treats it as the
+LayerNormalization op (:mod:`quark_onnx.npu.placement`).
 """
 
 from __future__ import annotations

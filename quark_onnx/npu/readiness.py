@@ -186,6 +186,7 @@ class _Checker:
         self.qdq_pos: dict[int, _Pos] = {}  # id(Q or DQ node) -> its position
         self.has_qdq = any(_is_q(n) or _is_dq(n) for n in self.nodes)
         self.layer_norm = layer_norm_members(graph)  # checked as one LayerNormalization
+        self.cpu_side = {id(n) for n in self.nodes if cpu_side_arithmetic(n)}  # npu.placement
 
     def add(self, rule: str, node: str | None, message: str) -> None:
         self.findings.append(Finding(rule, node, message))
@@ -387,9 +388,7 @@ class _Checker:
             label = node_label(node)
             if not self._on_npu(node):
                 # constant arithmetic on the CPU side: its readers' findings name the split
-                if cpu_side_arithmetic(node):
-                    continue
-                if self._computes_on_tensors(node):
+                if self._computes_on_tensors(node) and id(node) not in self.cpu_side:
                     op = (
                         node.op_type
                         if node.domain in _STANDARD_DOMAINS
@@ -415,7 +414,7 @@ class _Checker:
             return False
         if row.placement is npu_ops.Placement.FUSED:
             return self._fused_chain(node)
-        return not cpu_side_arithmetic(node)
+        return id(node) not in self.cpu_side
 
     def _computes_on_tensors(self, node: ir.Node) -> bool:
         values = [v for v in (*node.inputs, *node.outputs) if v is not None]
