@@ -138,6 +138,18 @@ def bypass(node: ir.Node, x: ir.Value) -> None:
     x.metadata_props.update(metadata)
 
 
+def set_weight(producer: ir.Node, weight: np.ndarray, names: NameGenerator, tag: str) -> None:
+    """Give ``producer`` the folded ``weight`` as a new initializer (the old one goes when
+    nothing else reads it; a weight another node shares stays for that node)."""
+    graph = producer.graph
+    assert graph is not None
+    old = producer.inputs[1]
+    base = producer.name or producer.op_type
+    producer.replace_input_with(1, add_initializer(graph, names(f"{base}.{tag}_weight"), weight))
+    if old is not None:
+        remove_if_unused(graph, old)
+
+
 def set_weight_and_bias(
     producer: ir.Node, weight: np.ndarray, bias: np.ndarray, names: NameGenerator, tag: str
 ) -> None:

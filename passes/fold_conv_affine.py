@@ -1,4 +1,5 @@
-"""FoldConvAffine: per-channel scale and shift constants after a Conv go into the Conv.
+"""FoldConvAffine: per-channel scale and shift constants after a Conv, and scale constants before
+one, go into the Conv.
 
 Why. Exporters often leave a per-channel affine map as separate nodes after a Conv: the bias as
 an ``Add`` of a ``1 x C x 1 x 1`` constant (paddle2onnx writes every Conv bias this way), a
@@ -26,6 +27,22 @@ along single readers (it runs before ConvertBNToConv, which folds the other BNs)
 when the Conv's output (or a
 value in the chain) is also read elsewhere or is a graph output, when the constant would
 broadcast the value to a larger shape, or when it is a graph input (it may be overridden).
+
+Before a Conv. A power-of-two scale that only Convs read, ``Conv(x * k)`` or ``Conv(x / k)``
+with ``k`` one number or one per input channel, each ``+-2^n``, is the Conv with its weights'
+input channels scaled, ``W'[o, c] = k[c] W[o, c]``: exact in float (zero padding stays zero, the
+bias is unchanged) and in the power-of-two int8 grid (the weights' position moves by ``n``).
+GELU is exported as ``x * (1 + erf(x / sqrt(2))) * 0.5``; simplification (``optimize_model``)
+folds the ``* 0.5`` into the next Conv, and without it the ``Mul`` stood between the gated
+product and its readers, so the equalization passes, which round per-channel scales against
+the readers' weight ranges, saw those ranges doubled and rounded differently: the PP-OCRv6 tiny
+recognizer quantized with the Vitis AI documentation's options (``optimize_model = False``)
+measured 7.2 dB output SQNR where the preset measured 9.5 (10.5 with the fold). A scale that is
+not a power of two (hardswish's ``/ 6``) is left alone: folded, it re-rounds the weights and moves
+the equalization's rounding the same way, and measured lower on both hardswish models tried
+(``benchmarks/results/input_scale_fold.md``). Fires when every reader of the scaled value is a
+Conv or ConvTranspose reading it as its data input, with constant float weights, and the value
+is not a graph output.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ from quark_onnx.passes._affine_fold import (
     bypass,
     folded_conv,
     is_inference_bn,
+    set_weight,
     set_weight_and_bias,
 )
 from quark_onnx.passes._graph import NameGenerator, is_standard
@@ -57,6 +75,33 @@ def _out_channels(node: ir.Node, weight: np.ndarray) -> int:
     if node.op_type == "Conv":
         return int(weight.shape[0])
     return int(weight.shape[1]) * node.attributes.get_int("group", 1)
+
+
+def _in_channels(node: ir.Node, weight: np.ndarray) -> int:
+    if node.op_type == "Conv":
+        return int(weight.shape[1]) * node.attributes.get_int("group", 1)
+    return int(weight.shape[0])
+
+
+def _input_scaled(node: ir.Node, weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``weight`` with its input channel ``c`` multiplied by ``scale[c]`` (float64 products)."""
+    spatial = (1,) * (weight.ndim - 2)
+    w = weight.astype(np.float64)
+    if node.op_type == "ConvTranspose":  # W[Cin, Cout/group, k...]
+        return (w * scale.reshape(-1, 1, *spatial)).astype(weight.dtype)
+    group = node.attributes.get_int("group", 1)  # W[Cout, Cin/group, k...]
+    cout, cin_g = weight.shape[0], weight.shape[1]
+    view = w.reshape(group, cout // group, cin_g, *weight.shape[2:])
+    scaled = view * scale.reshape(group, 1, cin_g, *spatial)
+    return scaled.reshape(weight.shape).astype(weight.dtype)
+
+
+def _powers_of_two(scale: np.ndarray) -> bool:
+    """Every entry is +-2^k: folded into weights it moves their power-of-two position by k and
+    rounds nothing anew."""
+    if not np.all(np.isfinite(scale)) or np.any(scale == 0):
+        return False
+    return bool(np.all(np.abs(np.frexp(scale)[0]) == 0.5))
 
 
 def _per_channel(k: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
@@ -109,9 +154,47 @@ class FoldConvAffine(QuarkPass):
         folded = 0
         for conv in [n for n in model.graph if any(is_standard(n, op) for op in _PRODUCERS)]:
             folded += self._fold(conv, const, names)
+        for node in [n for n in model.graph if is_standard(n, "Mul") or is_standard(n, "Div")]:
+            folded += self._fold_input_scale(node, const, names)
         if folded:
             logger.info("FoldConvAffine: %d scale/shift node(s) folded into Convs", folded)
         return ir.passes.PassResult(model, modified=bool(folded))
+
+    @staticmethod
+    def _fold_input_scale(node: ir.Node, const: Constants, names: NameGenerator) -> int:
+        """Fold ``node`` (``x * k`` or ``x / k``) into the weights of the Convs reading it."""
+        y = node.outputs[0]
+        readers = [use.node for use in y.uses()]
+        if y.is_graph_output() or not readers or len(node.inputs) != 2:
+            return 0
+        if any(
+            not any(is_standard(r, op) for op in _PRODUCERS) or r.inputs[0] is not y
+            for r in readers
+        ):
+            return 0
+        slot = 1 if const(node.inputs[1]) is not None else 0
+        if (slot == 0 and node.op_type == "Div") or const(node.inputs[1 - slot]) is not None:
+            return 0  # k / x is not a scale; both constant is left to constant folding
+        x, k = node.inputs[1 - slot], const(node.inputs[slot])
+        if x is None or k is None or not np.issubdtype(k.dtype, np.floating):
+            return 0
+        weights = []
+        for reader in readers:
+            w = const(reader.inputs[1]) if len(reader.inputs) > 1 else None
+            if w is None or w.ndim < 3 or not np.issubdtype(w.dtype, np.floating):
+                return 0
+            scale = _per_channel(k, _in_channels(reader, w), w.ndim)
+            if scale is None or not _powers_of_two(scale):
+                return 0
+            weights.append(_input_scaled(reader, w, scale if node.op_type == "Mul" else 1 / scale))
+        for reader, w in zip(readers, weights, strict=True):
+            set_weight(reader, w, names, "input_scaled")
+            reader.replace_input_with(0, x)
+        graph, constant = node.graph, node.inputs[slot]
+        assert graph is not None and constant is not None
+        graph.remove(node, safe=True)
+        remove_if_unused(graph, constant)
+        return 1
 
     @staticmethod
     def _fold(conv: ir.Node, const: Constants, names: NameGenerator) -> int:

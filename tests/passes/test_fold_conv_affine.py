@@ -1,6 +1,6 @@
-"""FoldConvAffine: per-channel scale/shift constants after a Conv folded into it; the float
-outputs within float32 rounding, the folded weights against a numpy reference, and where it
-must not fire."""
+"""FoldConvAffine: per-channel scale/shift constants after a Conv, and power-of-two scales
+before one, folded into it; the float outputs within float32 rounding, the folded weights
+against a numpy reference, and where it must not fire."""
 
 from __future__ import annotations
 
@@ -133,3 +133,78 @@ def test_a_batch_normalization_in_the_chain_folds_too(order):
     np.testing.assert_allclose(
         run_ort(out, {"x": x})[0], run_ort(proto, {"x": x})[0], rtol=1e-5, atol=1e-5
     )
+
+
+def _input_scale_model(k: np.ndarray, op: str = "Mul", other_reader: str = "") -> onnx.ModelProto:
+    """x -> Relu -> ``op``(., k) -> a grouped Conv (2 groups) and a ConvTranspose -> y, z;
+    ``other_reader``: an op that reads the scaled value as well."""
+    cin = 4
+    w_grouped = RNG.normal(0, 0.5, (6, cin // 2, 3, 3)).astype(np.float32)
+    w_transposed = RNG.normal(0, 0.5, (cin, 3, 2, 2)).astype(np.float32)
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node(op, ["r", "k"], ["s"]),
+        helper.make_node("Conv", ["s", "wg"], ["y"], kernel_shape=[3, 3], pads=[1] * 4, group=2),
+        helper.make_node("ConvTranspose", ["s", "wt"], ["z"], kernel_shape=[2, 2], strides=[2, 2]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 8, 8]),
+        helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 3, 16, 16]),
+    ]
+    if other_reader:
+        nodes.append(helper.make_node(other_reader, ["s"], ["o"]))
+        outputs.append(helper.make_tensor_value_info("o", TensorProto.FLOAT, [1, cin, 8, 8]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, cin, 8, 8])
+    return make_model(nodes, [x], outputs, {"k": k, "wg": w_grouped, "wt": w_transposed})
+
+
+@pytest.mark.parametrize(
+    ("k", "op"),
+    [
+        (np.array(0.5, np.float32), "Mul"),  # GELU's * 0.5
+        (np.array([2.0], np.float32), "Div"),
+        (np.array([0.25, -2.0, 1.0, 8.0], np.float32).reshape(4, 1, 1), "Mul"),  # per channel
+    ],
+)
+def test_a_power_of_two_scale_before_convs_folds_into_their_weights(k, op):
+    proto = _input_scale_model(k, op)
+    out, modified = _apply(proto)
+    assert modified
+    assert [n.op_type for n in out.graph.node] == ["Relu", "Conv", "ConvTranspose"]
+    assert all(n.input[0] == "r" for n in out.graph.node[1:])
+    # reference: input channel c of each reader's weights times the scale of channel c
+    factor = np.broadcast_to((k if op == "Mul" else 1 / k).reshape(-1), (4,))
+    before = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer}
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in out.graph.initializer}
+    conv, transposed = out.graph.node[1], out.graph.node[2]
+    wg = before["wg"].reshape(2, 3, 2, 3, 3) * factor.reshape(2, 1, 2, 1, 1)  # group g: c = 2g + j
+    np.testing.assert_array_equal(inits[conv.input[1]], wg.reshape(6, 2, 3, 3))
+    np.testing.assert_array_equal(
+        inits[transposed.input[1]], before["wt"] * factor.reshape(4, 1, 1, 1)
+    )
+    assert "k" not in inits
+    x = RNG.normal(size=(1, 4, 8, 8)).astype(np.float32)
+    for got, want in zip(run_ort(out, {"x": x}), run_ort(proto, {"x": x}), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case", ["not_a_power_of_two", "constant_over_value", "other_reader", "broadcasts_up"]
+)
+def test_an_input_scale_does_not_fold(case):
+    k, op, other = np.array(0.5, np.float32), "Mul", ""
+    if case == "not_a_power_of_two":
+        k, op = np.array(6.0, np.float32), "Div"  # hardswish's / 6 (measured lower folded)
+    elif case == "other_reader":
+        other = "Sigmoid"  # would need the unscaled and the scaled value at once
+    elif case == "broadcasts_up":
+        k = np.full((1, 1, 8, 8), 0.5, np.float32)  # one per position, not per channel
+        k[0, 0, 0, 0] = 2.0
+    proto = _input_scale_model(k, op, other)
+    if case == "constant_over_value":
+        for node in proto.graph.node:
+            if node.op_type == "Mul":
+                node.op_type, node.input[0], node.input[1] = "Div", "k", "r"  # k / r
+    out, modified = _apply(proto)
+    assert not modified
+    assert [n.op_type for n in out.graph.node] == [n.op_type for n in proto.graph.node]
