@@ -227,7 +227,7 @@ class _Graph:
             protos = dict(enumerate(self.nodes))
         for i, proto in protos.items():
             # a subgraph reads outer values by name: they are inputs of its node here
-            reads[i] = reads[i] + sorted(_captured(proto))
+            reads[i] = reads[i] + sorted(subgraph_reads(proto))
         self.reads, self.writes = reads, writes
         self.producer: dict[str, int] = {}
         self.last_use: dict[str, int] = {}
@@ -345,7 +345,7 @@ def _constant(value: Any) -> np.ndarray:
     return onnx.numpy_helper.to_array(value)
 
 
-def _captured(node: onnx.NodeProto) -> set[str]:
+def subgraph_reads(node: onnx.NodeProto) -> set[str]:
     """Names the subgraphs of ``node`` read from outside themselves."""
     names: set[str] = set()
     for attr in node.attribute:
@@ -355,7 +355,7 @@ def _captured(node: onnx.NodeProto) -> set[str]:
                 defined.update(n.output)
             for n in g.node:
                 names.update(x for x in n.input if x and x not in defined)
-                names.update(x for x in _captured(n) if x not in defined)
+                names.update(x for x in subgraph_reads(n) if x not in defined)
     return names
 
 

@@ -41,6 +41,7 @@ import onnx_ir as ir
 from quark_onnx import memory
 from quark_onnx.accuracy.layers import position_of_scale
 from quark_onnx.accuracy.replay_graph import (
+    IRNode,
     ReplayGraph,
     Tensor,
     node_proto,
@@ -49,6 +50,7 @@ from quark_onnx.accuracy.replay_graph import (
 )
 from quark_onnx.accuracy.runtime import release_arena, session_options
 from quark_onnx.errors import QuantizationError
+from quark_onnx.runtime import subgraph_reads
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,21 @@ class _Segment:
     inputs: list[str]
     outputs: list[str]
     session: Any = None
+
+
+def _reads(node: onnx.NodeProto | IRNode) -> list[str]:
+    """The names ``node`` reads: its inputs and, for If/Loop/Scan, what its subgraphs read from
+    the outer graph by name (a value only a branch reads must stay alive until the node runs,
+    and reach its segment as an input)."""
+    if isinstance(node, IRNode):
+        graphs = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        if not any(a.type in graphs for a in node.node.attributes.values()):
+            return list(node.input)
+        return [*node.input, *sorted(subgraph_reads(ir.serde.serialize_node(node.node)))]
+    graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    if not any(a.type in graph_types for a in node.attribute):
+        return list(node.input)
+    return [*node.input, *sorted(subgraph_reads(node))]
 
 
 class Replay:
@@ -158,10 +175,10 @@ class Replay:
             for o in node.output:
                 if o:
                     self.producer[o] = i
-            for x in node.input:
+            for x in _reads(node):
                 if x:
                     self.last_use[x] = i
-            if all(not x or x in constant for x in node.input):
+            if all(not x or x in constant for x in _reads(node)):
                 constant.update(o for o in node.output if o)
                 self.constant.update(o for o in node.output if o)
         for o in graph.outputs:
@@ -464,7 +481,7 @@ class Replay:
         produced: set[str] = set()
         inputs: list[str] = []
         for node in self.nodes[start:end]:
-            for x in node.input:
+            for x in _reads(node):
                 if not x or x in produced or x in inputs or x in self.initializers:
                     continue
                 known = x in self.graph_inputs or self.producer.get(x, end) < start

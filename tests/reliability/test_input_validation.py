@@ -17,6 +17,7 @@ from fuzz_models import conv_chain, quantizer
 from onnx import TensorProto
 from onnx import helper as h
 
+from quark_onnx import Config, ModelQuantizer, get_default_config
 from quark_onnx.errors import (
     ModelLoadError,
     QuantizationError,
@@ -190,6 +191,23 @@ def test_if_subgraph_stays_float_and_is_reported(tmp_path):
     assert any(f["rule"] == "control_flow" and f["node"] == "if" for f in findings)
     # the main graph around it is quantized
     assert sum(n.op_type == "QuantizeLinear" for n in quantized.graph.node) >= 2
+
+
+def test_a_value_only_a_branch_reads_stays_alive_for_the_layer_walk(tmp_path):
+    """The If's branches read the last layer's output ``y`` by name, not as a node input: the
+    layer walk of bias correction with second-order rounding reads ``y`` twice (the rounding,
+    then the bias) and must still have it, and the If's segment must get it as an input."""
+    config = get_default_config("XINT8")
+    config.optimize_model = False
+    config.include_fast_ft = True
+    config.extra_options.update(
+        UseRandomData=True, RandomDataSamples=2, FastFinetune={"OptimAlgorithm": "gptq"}
+    )
+    q = ModelQuantizer(Config(global_quant_config=config))
+    model = _if_model(True)
+    quantized = q.quantize_model(_save(model, tmp_path / "if.onnx"), tmp_path / "q.onnx")
+    assert q.report.bias_correction  # the walk ran over the layers
+    assert any(n.op_type == "If" for n in quantized.graph.node)
 
 
 def test_loop_subgraph_stays_float(tmp_path):
