@@ -71,7 +71,7 @@ def guard_fidelity(
     result = measure(report, source, model, samples, reference, options)
     if result is None:
         return model
-    if not result.faithful and repair is not None:
+    if repair is not None:  # a repair when not faithful, else a refinement (fidelity_repair)
         model, result = repair(result)
     if not result.faithful:
         result.worst_layers = worst_layers(report, samples, model, *stages)

@@ -293,6 +293,14 @@ class ExtraOptions:
         "one and keep whichever measures best on the guard's samples; the report lists every "
         "attempt (quark_onnx.fidelity_repair).",
     )
+    FidelityRefine: bool = _opt(
+        True,
+        "XINT8: when the fidelity guard finds every output faithful, quantize once more from "
+        "the same calibration with debiased second-order rounding (FastFinetune gptq, Target "
+        "debiased) and keep it only if it measures at least as well on every output and measure "
+        "and better on one (quark_onnx.fidelity_repair.dominates). Not when include_fast_ft is "
+        "set (the rounding chosen stands).",
+    )
     WeightPositionMethod: str = _opt(
         "",
         "XINT8 weight positions: 'MinMSE' (the least squared error over the weight's values; may "

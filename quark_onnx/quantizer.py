@@ -301,6 +301,10 @@ class _Run(sequencer.Stages):
         self.positions: dict[str, int] = {}  # XINT8: the solved positions
         self.quantized: dict[str, Any] = {}  # constant -> the initializer of its codes
 
+    def _attempts_again(self) -> bool:
+        """Whether the guard's measurement may have the stages after calibration run again."""
+        return self.options.FidelityRepair or self.options.FidelityRefine
+
     def load(self) -> Any:
         from quark_onnx import model_io
         from quark_onnx.calibration.sources import calibration_source
@@ -394,7 +398,7 @@ class _Run(sequencer.Stages):
             logger.info(
                 "%s: %s quantization needs no calibration data", self.source, plan.strategy.value
             )
-        if self.power_of_two and self.options.FidelityRepair and self.options.FidelityCheck:
+        if self.power_of_two and self.options.FidelityCheck and self._attempts_again():
             self.calibration = result  # a fidelity repair positions again from it
         kept = self.reader.kept if self.reader is not None else []
         self.samples = kept[: self.q._samples_to_keep()]
@@ -523,8 +527,10 @@ class _Run(sequencer.Stages):
                 report.layer_errors = layer_errors(self.prepared, model, self.samples, plan)
         if not self.reference:
             return model, params
-        fix = None  # XINT8: an unfaithful output is quantized again with conservative choices
-        if self.power_of_two and self.options.FidelityRepair:
+        # XINT8: an unfaithful output is quantized again with conservative choices, a faithful
+        # one offered a refinement (quark_onnx.fidelity_repair)
+        fix = None
+        if self.power_of_two and self._attempts_again():
             fix = fidelity_repair.Repairer(self, model, params, plan)
         # before finalize: fixing the batch dimension changes no value, and the samples'
         # own batch sizes still fit

@@ -38,9 +38,9 @@ class QuantizationReport:
     #: The fidelity guard's verdict (:meth:`quark_onnx.fidelity.FidelityResult.to_dict`): every
     #: output against the original float model; empty when it did not run.
     fidelity: dict[str, Any] = field(default_factory=dict)
-    #: What the fidelity repair tried when the guard found an output not faithful, one entry per
-    #: attempt (:func:`quark_onnx.fidelity_repair.repair`): its settings, fidelity and whether
-    #: it was kept.
+    #: What the fidelity repair tried when the guard found an output not faithful, or the
+    #: refinement offered to a faithful result, one entry per attempt
+    #: (:func:`quark_onnx.fidelity_repair.repair`): its settings, fidelity and whether it was kept.
     repairs: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     #: The process's peak RSS (MiB, ``getrusage`` ``ru_maxrss``) when each stage ended: a
@@ -153,8 +153,8 @@ class QuantizationReport:
         for entry in self.repairs:
             outputs = ", ".join(f"{o['name']} SQNR {_db(o['sqnr_db'])}" for o in entry["outputs"])
             lines.append(
-                f"  repair tried: {entry['repair']}: {outputs}"
-                + (" (kept)" if entry.get("kept") else "")
+                f"  {'refinement' if entry.get('refinement') else 'repair'} tried: "
+                f"{entry['repair']}: {outputs}" + (" (kept)" if entry.get("kept") else "")
             )
         for layer in fid.get("worst_layers", []):
             lines.append(

@@ -1,5 +1,6 @@
 """The fidelity repair: an unfaithful XINT8 output is quantized again with the conservative
-choices, and the best-measuring attempt is written; WeightPositionMethod."""
+choices, and the best-measuring attempt is written; a faithful one is offered the refinement,
+kept only where it measures better on every measure; WeightPositionMethod."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_conf
 from quark_onnx.enums import PowerOfTwoMethod
 from quark_onnx.errors import ConfigError
 from quark_onnx.fidelity import FidelityResult, OutputFidelity
-from quark_onnx.fidelity_repair import candidates, score
+from quark_onnx.fidelity_repair import candidates, dominates, score
 
 
 def _model() -> onnx.ModelProto:
@@ -143,10 +144,68 @@ def test_require_fidelity_is_met_by_a_repaired_model(tmp_path, clipping_minmse):
     assert out.exists()
 
 
-def test_a_faithful_model_is_not_repaired(tmp_path):
+def test_a_faithful_model_is_offered_only_the_refinement(tmp_path):
+    model, out = _model(), tmp_path / "q.onnx"
     quantizer = _quantizer()
-    quantizer.quantize_model(_model(), tmp_path / "q.onnx", ArrayDataReader(_samples()))
-    assert quantizer.report.fidelity["faithful"] is True and quantizer.report.repairs == []
+    quantizer.quantize_model(model, out, ArrayDataReader(_samples()))
+    report = quantizer.report
+    assert report.fidelity["faithful"] is True
+    (refined,) = report.repairs  # no conservative repair: only the refinement
+    assert refined["repair"] == "debiased second-order rounding" and refined["refinement"]
+    assert refined["settings"] == {
+        "include_fast_ft": True,
+        "FastFinetune": {"OptimAlgorithm": "gptq", "Target": "debiased"},
+    }
+    # kept exactly when it measures at least as well on every measure and better on one
+    new, first = refined["outputs"][0], _first_attempt(tmp_path)
+    better = (new["sqnr_db"], new["cosine"]) > (first["sqnr_db"], first["cosine"])
+    dominating = better and new["sqnr_db"] >= first["sqnr_db"] and new["cosine"] >= first["cosine"]
+    assert refined["kept"] is dominating
+    written = report.fidelity["outputs"][0]
+    assert written["sqnr_db"] == (new if dominating else first)["sqnr_db"]
+    # the written model is the one measured
+    assert written["sqnr_db"] == pytest.approx(_sqnr(model, onnx.load(out), _samples()[:16]))
+    assert "refinement tried: debiased second-order rounding" in report.summary()
+
+
+def _first_attempt(tmp_path) -> dict:
+    """The guard's measurement of the first attempt (the refinement off)."""
+    quantizer = _quantizer(FidelityRefine=False)
+    quantizer.quantize_model(_model(), tmp_path / "first.onnx", ArrayDataReader(_samples()))
+    assert quantizer.report.repairs == []
+    return quantizer.report.fidelity["outputs"][0]
+
+
+def test_a_refinement_that_measures_better_is_kept_and_written(tmp_path, monkeypatch):
+    """Whatever the rounding does on this tiny model, a result that dominates is kept: the
+    written model, the report's settings and the configuration in force are the refinement's."""
+    import quark_onnx.fidelity_repair as fr
+
+    monkeypatch.setattr(fr, "dominates", lambda result, first: True)
+    quantizer = _quantizer()
+    out = tmp_path / "q.onnx"
+    quantizer.quantize_model(_model(), out, ArrayDataReader(_samples()))
+    (refined,) = quantizer.report.repairs
+    assert refined["kept"]
+    assert quantizer.report.settings["include_fast_ft"] is True
+    assert quantizer.config_in_force.include_fast_ft is True
+    assert quantizer.config_in_force.extra_options["FastFinetune"]["Target"] == "debiased"
+    written = quantizer.report.fidelity["outputs"][0]["sqnr_db"]
+    assert written == refined["outputs"][0]["sqnr_db"]
+    assert written == pytest.approx(_sqnr(_model(), onnx.load(out), _samples()[:16]))
+
+
+def test_no_refinement_when_off_or_when_the_settings_already_round(tmp_path):
+    quantizer = _quantizer(FidelityRefine=False)
+    quantizer.quantize_model(_model(), tmp_path / "a.onnx", ArrayDataReader(_samples()))
+    assert quantizer.report.repairs == []
+    config = get_default_config("XINT8")
+    config.include_cle = False
+    config.include_fast_ft = True
+    config.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+    quantizer = ModelQuantizer(Config(global_quant_config=config))
+    quantizer.quantize_model(_model(), tmp_path / "b.onnx", ArrayDataReader(_samples()))
+    assert quantizer.report.fidelity["faithful"] and quantizer.report.repairs == []
 
 
 def test_weight_position_method_nonoverflow_never_clips(tmp_path):
@@ -254,3 +313,27 @@ def test_score_orders_faithful_outputs_then_agreement_then_cosine_then_sqnr():
     assert score(_result((float("nan"), float("nan"), None, False))) == score(
         _result((-1e9, -1.0, None, False))
     )
+
+
+def test_dominates_needs_every_measure_at_least_as_good_and_one_better():
+    first = _result((12.0, 0.95, 0.9, True), (20.0, 0.99, None, True))
+    assert dominates(_result((12.5, 0.95, 0.9, True), (20.0, 0.99, None, True)), first)
+    assert not dominates(first, first)  # nothing better
+    # better SQNR and cosine on one output, one image of agreement lost: not kept
+    assert not dominates(_result((15.0, 0.97, 0.85, True), (20.0, 0.99, None, True)), first)
+    # better everywhere but one output's SQNR
+    assert not dominates(_result((15.0, 0.97, 0.95, True), (19.9, 0.995, None, True)), first)
+    nan = float("nan")
+    assert not dominates(_result((nan, 0.97, 0.95, True), (21.0, 0.995, None, True)), first)
+
+
+def test_a_refinement_not_kept_leaves_the_written_bytes_as_without_it(tmp_path, monkeypatch):
+    import quark_onnx.fidelity_repair as fr
+
+    monkeypatch.setattr(fr, "dominates", lambda result, first: False)
+    refined, plain = tmp_path / "refined.onnx", tmp_path / "plain.onnx"
+    quantizer = _quantizer()
+    quantizer.quantize_model(_model(), refined, ArrayDataReader(_samples()))
+    assert [r["kept"] for r in quantizer.report.repairs] == [False]
+    _quantizer(FidelityRefine=False).quantize_model(_model(), plain, ArrayDataReader(_samples()))
+    assert refined.read_bytes() == plain.read_bytes()
