@@ -47,7 +47,7 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,7 +198,7 @@ def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
     report = run.report
     kept = (score(first), model, params, first, None)
 
-    def attempt(cand: Repair, better: Any = None) -> bool:
+    def attempt(cand: Repair, better: Callable[[Any], bool] | None = None) -> bool:
         """Try ``cand``, keep it if it measures best so far (or, with ``better``, if
         ``better(result)``); whether it is faithful."""
         nonlocal kept
