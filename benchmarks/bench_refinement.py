@@ -12,6 +12,11 @@ the output SQNR and cosine on calibration samples nothing was fitted on (the sec
 calibration set, at least from sample 32 on), the test images' SQNR and task measure, and
 whether :func:`quark_onnx.fidelity_repair.dominates` keeps the rounding. Output:
 ``results/refinement_probe.{txt,json}``.
+
+``--unseen det6t:seed`` (a ``bench_unseen`` model and option set) instead compares the two
+versions image by image: each one's output SQNR and on how many images the rounding's error is
+the smaller, on the guard's 16 calibration images (which the rounding was fitted on) and on the
+32 test images.
 """
 
 from __future__ import annotations
@@ -110,6 +115,47 @@ def measure(name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def per_image(key: str, config: str) -> list[str]:
+    """Image-by-image comparison on a ``bench_unseen`` model (module doc)."""
+    import bench_unseen as bu
+
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+    from quark_onnx.calibration.image_reader import ImageFolderDataReader
+    from quark_onnx.calibration.image_spec import PreprocessSpec
+
+    model, path = bu.MODELS[key], bu.model_path(key)
+    calib, test = bu.make_images(model.kind, "calib", 100), bu.make_images(model.kind, "val", 32)
+    outs = []
+    for rounding in (False, True):
+        qc = bf.make_config("seed") if config == "seed" else get_default_config("XINT8")
+        qc.extra_options.update(FidelityRefine=False, FixShapes=bu._fixed_input(path, model.size))
+        if rounding:
+            qc.include_fast_ft = True
+            qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq", "Target": "debiased"}
+        out = bf.WORK / "out" / f"{key}.{config}.refinement_probe.{int(rounding)}.onnx"
+        spec = PreprocessSpec.parse(model.preprocess)
+        reader = ImageFolderDataReader(calib, path, spec, limit=32)
+        quantizer = ModelQuantizer(Config(global_quant_config=qc))
+        quantizer.quantize_model(str(path), str(out), reader, overwrite=True)
+        outs.append(out)
+    lines = []
+    for label, folder, count in (("guard's 16", calib, 16), ("test 32", test, 32)):
+        feeds = bu._feeds(path, model, folder, count)
+        f = bu._run(path, feeds)
+        errors = []
+        for out in outs:
+            q = bu._run(out, feeds)
+            pairs = zip(f, q, strict=True)
+            errors.append(np.array([np.sum((a.astype(np.float64) - b) ** 2) for a, b in pairs]))
+        signal = sum(float(np.sum(np.square(a, dtype=np.float64))) for a in f)
+        sqnr = [10 * np.log10(signal / e.sum()) for e in errors]
+        lines.append(
+            f"{key} {config} {label}: SQNR {sqnr[0]:.2f} -> {sqnr[1]:.2f} dB with the rounding, "
+            f"its error smaller on {int(np.sum(errors[1] < errors[0]))} of {len(errors[0])} images"
+        )
+    return lines
+
+
 def _line(row: dict[str, Any]) -> str:
     guard = row["guard"][0]
     agree = guard["top1_agreement"]
@@ -131,9 +177,17 @@ def _line(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--unseen", default="", help="MODEL:CONFIG of bench_unseen (module doc)")
     parser.add_argument("--name", default="refinement_probe")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    if args.unseen:
+        key, _, config = args.unseen.partition(":")
+        lines = per_image(key, config or "repair")
+        print("\n".join(lines))
+        with (common.RESULTS_DIR / f"{args.name}_unseen.txt").open("a") as f:
+            f.write("\n".join(lines) + "\n")
+        return 0
     rows: list[dict[str, Any]] = []
     lines = [f"bench_refinement.py {' '.join(sys.argv[1:])}: {common.machine_info()}"]
     for name in args.models.split(","):

@@ -294,12 +294,14 @@ class ExtraOptions:
         "attempt (quark_onnx.fidelity_repair).",
     )
     FidelityRefine: bool = _opt(
-        True,
+        False,
         "XINT8: when the fidelity guard finds every output faithful, quantize once more from "
         "the same calibration with debiased second-order rounding (FastFinetune gptq, Target "
-        "debiased) and keep it only if it measures at least as well on every output and measure "
-        "and better on one (quark_onnx.fidelity_repair.dominates). Not when include_fast_ft is "
-        "set (the rounding chosen stands).",
+        "debiased) fitted on the kept samples after the guard's, and keep it only if it measures "
+        "at least as well on every output and measure on the guard's samples and better on one "
+        "(quark_onnx.fidelity_repair.dominates). Not when include_fast_ft is set. Off: the "
+        "guard's 16 samples did not predict the test images on unseen models "
+        "(benchmarks/results/refinement.md).",
     )
     WeightPositionMethod: str = _opt(
         "",

@@ -144,9 +144,15 @@ def test_require_fidelity_is_met_by_a_repaired_model(tmp_path, clipping_minmse):
     assert out.exists()
 
 
+def test_a_faithful_model_is_not_repaired(tmp_path):
+    quantizer = _quantizer()  # the refinement is off by default
+    quantizer.quantize_model(_model(), tmp_path / "q.onnx", ArrayDataReader(_samples()))
+    assert quantizer.report.fidelity["faithful"] is True and quantizer.report.repairs == []
+
+
 def test_a_faithful_model_is_offered_only_the_refinement(tmp_path):
     model, out = _model(), tmp_path / "q.onnx"
-    quantizer = _quantizer()
+    quantizer = _quantizer(FidelityRefine=True)
     quantizer.quantize_model(model, out, ArrayDataReader(_samples()))
     report = quantizer.report
     assert report.fidelity["faithful"] is True
@@ -182,7 +188,7 @@ def test_a_refinement_that_measures_better_is_kept_and_written(tmp_path, monkeyp
     import quark_onnx.fidelity_repair as fr
 
     monkeypatch.setattr(fr, "dominates", lambda result, first: True)
-    quantizer = _quantizer()
+    quantizer = _quantizer(FidelityRefine=True)
     out = tmp_path / "q.onnx"
     quantizer.quantize_model(_model(), out, ArrayDataReader(_samples()))
     (refined,) = quantizer.report.repairs
@@ -202,7 +208,7 @@ def test_no_refinement_when_off_or_when_the_settings_already_round(tmp_path):
     config = get_default_config("XINT8")
     config.include_cle = False
     config.include_fast_ft = True
-    config.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq"}
+    config.extra_options.update(FidelityRefine=True, FastFinetune={"OptimAlgorithm": "gptq"})
     quantizer = ModelQuantizer(Config(global_quant_config=config))
     quantizer.quantize_model(_model(), tmp_path / "b.onnx", ArrayDataReader(_samples()))
     assert quantizer.report.fidelity["faithful"] and quantizer.report.repairs == []
@@ -332,8 +338,30 @@ def test_a_refinement_not_kept_leaves_the_written_bytes_as_without_it(tmp_path, 
 
     monkeypatch.setattr(fr, "dominates", lambda result, first: False)
     refined, plain = tmp_path / "refined.onnx", tmp_path / "plain.onnx"
-    quantizer = _quantizer()
+    quantizer = _quantizer(FidelityRefine=True)
     quantizer.quantize_model(_model(), refined, ArrayDataReader(_samples()))
     assert [r["kept"] for r in quantizer.report.repairs] == [False]
     _quantizer(FidelityRefine=False).quantize_model(_model(), plain, ArrayDataReader(_samples()))
     assert refined.read_bytes() == plain.read_bytes()
+
+
+def test_the_refinement_fits_on_samples_the_guard_does_not_measure(tmp_path, monkeypatch):
+    """The refinement's accuracy stages see the kept samples after the guard's 16; with no
+    sample left over it is not tried."""
+    from quark_onnx import quantizer as quantizer_module
+
+    seen: list[int] = []
+    original = quantizer_module._Run.accuracy
+
+    def counting(self, model, plan, params):
+        seen.append(len(self.samples))
+        return original(self, model, plan, params)
+
+    monkeypatch.setattr(quantizer_module._Run, "accuracy", counting)
+    quantizer = _quantizer(FidelityRefine=True)  # AccuracySamples 32, FidelitySamples 16
+    quantizer.quantize_model(_model(), tmp_path / "a.onnx", ArrayDataReader(_samples(24)))
+    assert seen == [24, 8]  # the first attempt on all 24 kept, the refinement on the last 8
+    seen.clear()
+    quantizer = _quantizer(FidelityRefine=True, AccuracySamples=16)
+    quantizer.quantize_model(_model(), tmp_path / "b.onnx", ArrayDataReader(_samples(24)))
+    assert seen == [16] and quantizer.report.repairs == []
