@@ -10,7 +10,8 @@ same offset to every channel's exponent before rounding changes which channels r
 nothing else a float model computes (every candidate is float-exact). This quantizes each model
 with the XINT8 preset for offsets 0, 1/4, 1/2 and 3/4 (monkeypatched, nothing in the package
 changes) and prints the output SQNR of each on the test images (``bench_unseen``'s for unseen
-models, ``bench_fidelity``'s for shared ones). Output: ``results/equalization_offsets.txt``.
+models, with the fidelity guard's own SQNR on its 16 calibration samples in brackets;
+``bench_fidelity``'s for shared ones). Output: ``results/equalization_offsets.txt``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="det6t,orient,cls5,ddet")
     parser.add_argument("--shared", default="person,ppocr")
+    parser.add_argument("--name", default="equalization_offsets")
     args = parser.parse_args(argv)
     lines = [f"bench_equalization_offsets.py {' '.join(sys.argv[1:])}: {common.machine_info()}"]
     for offset in OFFSETS:
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             import bench_unseen as bu
 
             for key in args.models.split(","):
-                row.append(f"{key} {bu.measure(key, 'repair', 32)['sqnr_db']:6.2f}")
+                r = bu.measure(key, "repair", 32)
+                guard = min(r["guard_sqnr_db"]) if r["guard_sqnr_db"] else float("nan")
+                row.append(f"{key} {r['sqnr_db']:6.2f} [guard {guard:5.2f}]")
         if args.shared:
             import bench_fidelity as bf
 
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 row.append(f"{name} {r['min_sqnr_db']:6.2f}" + (f" ({det})" if det else ""))
         lines.append("  ".join(row))
         print(lines[-1], flush=True)
-    (common.RESULTS_DIR / "equalization_offsets.txt").write_text("\n".join(lines) + "\n")
+    (common.RESULTS_DIR / f"{args.name}.txt").write_text("\n".join(lines) + "\n")
     return 0
 
 
