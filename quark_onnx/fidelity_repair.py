@@ -201,13 +201,15 @@ def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
     report = run.report
     kept = (score(first), model, params, first, None)
 
-    def attempt(cand: Repair, better: Callable[[Any], bool] | None = None) -> bool:
-        """Try ``cand``, keep it if it measures best so far (or, with ``better``, if
-        ``better(result)``); whether it is faithful."""
+    def attempt(
+        cand: Repair, better: Callable[[Any], bool] | None = None, held_out: bool = False
+    ) -> bool:
+        """Try ``cand`` (fitted held out: :func:`_attempt`), keep it if it measures best so far
+        (or, with ``better``, if ``better(result)``); whether it is faithful."""
         nonlocal kept
         start = time.perf_counter()
         try:
-            trial = _attempt(run, plan, cand, held_out=better is not None)
+            trial = _attempt(run, plan, cand, held_out=held_out)
         except QuantizationError as exc:  # an attempt that cannot run leaves what was measured
             logger.warning("%s: %s not tried: %s", run.source, cand.label, exc)
             return False
@@ -230,7 +232,7 @@ def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
     if first.faithful:
         refine = refinement(run.qconfig, run.options)
         if refine is not None:
-            attempt(refine, better=lambda result: dominates(result, first))
+            attempt(refine, better=lambda result: dominates(result, first), held_out=True)
     elif run.options.FidelityRepair:
         any(attempt(cand) for cand in candidates(run.qconfig, run.options))  # to 1st faithful
         best = kept[4][0] if kept[4] is not None else None

@@ -90,19 +90,17 @@ class _Segment:
     session: Any = None
 
 
+_GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
 def _reads(node: onnx.NodeProto | IRNode) -> list[str]:
     """The names ``node`` reads: its inputs and, for If/Loop/Scan, what its subgraphs read from
     the outer graph by name (a value only a branch reads must stay alive until the node runs,
     and reach its segment as an input)."""
-    if isinstance(node, IRNode):
-        graphs = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-        if not any(a.type in graphs for a in node.node.attributes.values()):
-            return list(node.input)
-        return [*node.input, *sorted(subgraph_reads(ir.serde.serialize_node(node.node)))]
-    graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-    if not any(a.type in graph_types for a in node.attribute):
+    attributes = node.node.attributes.values() if isinstance(node, IRNode) else node.attribute
+    if not any(a.type in _GRAPH_ATTRIBUTES for a in attributes):  # ir's types are onnx's ints
         return list(node.input)
-    return [*node.input, *sorted(subgraph_reads(node))]
+    return [*node.input, *sorted(subgraph_reads(node_proto(node)))]
 
 
 class Replay:
@@ -171,14 +169,15 @@ class Replay:
         end = len(self.nodes)
         constant = set(self.initializers)
         self.constant: set[str] = set()  # computed from initializers alone (e.g. weight DQ)
-        for i, node in enumerate(self.nodes):
+        self.reads = [_reads(node) for node in self.nodes]  # a subgraph's reads once
+        for i, (node, reads) in enumerate(zip(self.nodes, self.reads, strict=True)):
             for o in node.output:
                 if o:
                     self.producer[o] = i
-            for x in _reads(node):
+            for x in reads:
                 if x:
                     self.last_use[x] = i
-            if all(not x or x in constant for x in _reads(node)):
+            if all(not x or x in constant for x in reads):
                 constant.update(o for o in node.output if o)
                 self.constant.update(o for o in node.output if o)
         for o in graph.outputs:
@@ -480,8 +479,8 @@ class Replay:
     def _segment(self, start: int, end: int, wanted: set[str]) -> _Segment:
         produced: set[str] = set()
         inputs: list[str] = []
-        for node in self.nodes[start:end]:
-            for x in _reads(node):
+        for node, reads in zip(self.nodes[start:end], self.reads[start:end], strict=True):
+            for x in reads:
                 if not x or x in produced or x in inputs or x in self.initializers:
                     continue
                 known = x in self.graph_inputs or self.producer.get(x, end) < start

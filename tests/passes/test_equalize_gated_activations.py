@@ -416,3 +416,18 @@ def test_through_constant_shifts_on_both_sides_of_a_native_hardswish():
         assert constant.shape == (C, 1, 1)
         np.testing.assert_array_equal(constant.reshape(-1), (k / s).astype(np.float32))
     np.testing.assert_array_equal(new["a"], init["a"])  # a scalar scale commutes with s
+
+
+def test_power_of_two_scales_rounding_offset():
+    """The offset moves every channel's rounding boundary by the same amount (numpy reference);
+    0 is the plain rounding the passes use."""
+    from quark_onnx.passes._channel_scaling import power_of_two_scales
+
+    r1 = np.exp2(np.array([0.1, 1.3, 2.6, 3.9, 5.2]))
+    r2 = np.ones(5)
+    exact = 0.5 * np.log2(r1)  # 0.05, 0.65, 1.3, 1.95, 2.6
+    for offset in (0.0, 0.25, 0.5):
+        k = np.round(exact + offset)
+        expected = np.exp2(np.clip(k - np.round(np.median(k)), -3, 3))
+        np.testing.assert_array_equal(power_of_two_scales(r1, r2, offset=offset), expected)
+    assert not np.array_equal(power_of_two_scales(r1, r2), power_of_two_scales(r1, r2, offset=0.5))
