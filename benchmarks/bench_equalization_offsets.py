@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,21 +37,11 @@ OFFSETS = (0.0, 0.25, 0.5, 0.75)
 
 def _patch(offset: float) -> None:
     from quark_onnx.passes import _channel_scaling as cs
+    from quark_onnx.passes import equalize_gated_activations as ega
+    from quark_onnx.passes import equalize_residual_streams as ers
 
-    def scales(r1, r2, max_log2=cs.MAX_LOG2):
-        usable = (r1 > cs.NEGLIGIBLE_RANGE * r1.max()) & (r2 > cs.NEGLIGIBLE_RANGE * r2.max())
-        k = np.zeros(r1.shape, dtype=np.float64)
-        if not usable.any():
-            return np.ones_like(k)
-        k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]) + offset)
-        k[usable] -= np.round(np.median(k[usable]))
-        return np.exp2(np.clip(k, -max_log2, max_log2))
-
-    import quark_onnx.passes.equalize_gated_activations as ega
-    import quark_onnx.passes.equalize_residual_streams as ers
-
-    ega.power_of_two_scales = scales
-    ers.power_of_two_scales = scales
+    ega.power_of_two_scales = partial(cs.power_of_two_scales, offset=offset)
+    ers.power_of_two_scales = partial(cs.power_of_two_scales, offset=offset)
 
 
 def _patch_measured() -> None:
@@ -84,14 +75,7 @@ def _patch_measured() -> None:
 
     def chosen(graph, conv, w1, b1, r1, head, x, readers, shifts, names):
         r2 = np.max([rd.ranges(w1.shape[0]) for rd in readers], axis=0)
-        cands = []
-        for offset in OFFSETS:
-            usable = (r1 > cs.NEGLIGIBLE_RANGE * r1.max()) & (r2 > cs.NEGLIGIBLE_RANGE * r2.max())
-            k = np.zeros(r1.shape)
-            if usable.any():
-                k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]) + offset)
-                k[usable] -= np.round(np.median(k[usable]))
-            cands.append(np.exp2(np.clip(k, -cs.MAX_LOG2, cs.MAX_LOG2)))
+        cands = [cs.power_of_two_scales(r1, r2, offset=offset) for offset in OFFSETS]
         xv = values.get(x.name or "")
 
         def error(s: np.ndarray) -> float:

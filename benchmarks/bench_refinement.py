@@ -119,24 +119,19 @@ def per_image(key: str, config: str) -> list[str]:
     """Image-by-image comparison on a ``bench_unseen`` model (module doc)."""
     import bench_unseen as bu
 
-    from quark_onnx import Config, ModelQuantizer, get_default_config
-    from quark_onnx.calibration.image_reader import ImageFolderDataReader
-    from quark_onnx.calibration.image_spec import PreprocessSpec
+    from quark_onnx import get_default_config
 
     model, path = bu.MODELS[key], bu.model_path(key)
     calib, test = bu.make_images(model.kind, "calib", 100), bu.make_images(model.kind, "val", 32)
     outs = []
     for rounding in (False, True):
         qc = bf.make_config("seed") if config == "seed" else get_default_config("XINT8")
-        qc.extra_options.update(FidelityRefine=False, FixShapes=bu._fixed_input(path, model.size))
+        qc.extra_options["FidelityRefine"] = False
         if rounding:
             qc.include_fast_ft = True
             qc.extra_options["FastFinetune"] = {"OptimAlgorithm": "gptq", "Target": "debiased"}
         out = bf.WORK / "out" / f"{key}.{config}.refinement_probe.{int(rounding)}.onnx"
-        spec = PreprocessSpec.parse(model.preprocess)
-        reader = ImageFolderDataReader(calib, path, spec, limit=32)
-        quantizer = ModelQuantizer(Config(global_quant_config=qc))
-        quantizer.quantize_model(str(path), str(out), reader, overwrite=True)
+        bu.quantize(key, qc, out)
         outs.append(out)
     lines = []
     for label, folder, count in (("guard's 16", calib, 16), ("test 32", test, 32)):

@@ -384,14 +384,30 @@ def _fixed_input(path: Path, size: tuple[int, int]) -> str:
     return f"{x.name}:[1,{channels},{size[0]},{size[1]}]"
 
 
-def measure(key: str, config: str, images: int) -> dict[str, Any]:
-    from quark_onnx import Config, ModelQuantizer, get_default_config
+def quantize(key: str, qc: Any, out: Path) -> tuple[Any, float]:
+    """Quantize model ``key`` with ``qc`` into ``out`` on 32 of its calibration images; the
+    report and the seconds it took."""
+    from quark_onnx import Config, ModelQuantizer
     from quark_onnx.calibration.image_reader import ImageFolderDataReader
     from quark_onnx.calibration.image_spec import PreprocessSpec
 
+    model, path = MODELS[key], model_path(key)
+    calib = make_images(model.kind, "calib", 100)
+    # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
+    qc.extra_options["FixShapes"] = _fixed_input(path, model.size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reader = ImageFolderDataReader(calib, path, PreprocessSpec.parse(model.preprocess), limit=32)
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    start = time.perf_counter()
+    quantizer.quantize_model(str(path), str(out), reader, overwrite=True)
+    return quantizer.report, time.perf_counter() - start
+
+
+def measure(key: str, config: str, images: int) -> dict[str, Any]:
+    from quark_onnx import get_default_config
+
     model = MODELS[key]
     path = model_path(key)
-    calib = make_images(model.kind, "calib", 100)
     test = make_images(model.kind, "val", images)
     if config == "seed":  # the Vitis AI documentation's snippet as written (bench_fidelity)
         sys.path.insert(0, str(BENCH))
@@ -408,18 +424,10 @@ def measure(key: str, config: str, images: int) -> dict[str, Any]:
             "OptimAlgorithm": "gptq",
             "Target": config.partition("_")[2] or "float",
         }
-    # static shapes from the images, as the CLI sets them for NPU presets (--fix-shapes-from-calib)
-    qc.extra_options["FixShapes"] = _fixed_input(path, model.size)
     out = WORK / "out" / f"{key}_{config}.onnx"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    reader = ImageFolderDataReader(calib, path, PreprocessSpec.parse(model.preprocess), limit=32)
-    quantizer = ModelQuantizer(Config(global_quant_config=qc))
-    start = time.perf_counter()
-    quantizer.quantize_model(str(path), str(out), reader, overwrite=True)
-    seconds = time.perf_counter() - start
+    report, seconds = quantize(key, qc, out)
     feeds = _feeds(path, model, test, images)
     ref, got = _run(path, feeds), _run(out, feeds)
-    report = quantizer.report
     return {
         "model": key,
         "config": config,
