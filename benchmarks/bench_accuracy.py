@@ -141,10 +141,9 @@ class _Reader:
 
 def logits(model: Any, x: np.ndarray) -> np.ndarray:
     """The model's output for every image (batch 1), stacked: ``(N, classes)`` float32."""
-    import onnxruntime as ort
+    import common
 
-    data = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    session = common.inference_session(model)
     name = session.get_inputs()[0].name
     out = [session.run(None, {name: x[i : i + 1]})[0].reshape(-1) for i in range(len(x))]
     return np.stack(out).astype(np.float32)

@@ -312,14 +312,14 @@ def load_entry(name: str) -> Entry:
 
 
 def run_all(model: Any, x: np.ndarray) -> dict[str, np.ndarray]:
-    """Every graph output on every input (batch 1), stacked along a new first axis."""
+    """Every graph output on every input (batch 1), stacked along a new first axis (a model with
+    Q/DQ nodes unoptimised: ``common.inference_session``)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     options.log_severity_level = 3
-    data = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
-    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    session = common.inference_session(model, options)
     name = session.get_inputs()[0].name
     names = [o.name for o in session.get_outputs()]
     outs: dict[str, list[np.ndarray]] = {n: [] for n in names}

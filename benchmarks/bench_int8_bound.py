@@ -21,6 +21,12 @@ unconstrained per-tensor scale for every activation, what does int8 per-tensor a
 quantization alone leave of the model's output? A fidelity target above that row is out of reach
 of any choice of positions under the NPU's int8 per-tensor activations.
 
+``--extra-bits 1,2,3`` adds rows for ``xint8`` with every activation quantized at ``8 + k`` bits
+at the same power-of-two range (step ``s / 2^k``, clipped to ``[-128 s, 127 s]``, the
+QuantizeLinear/DequantizeLinear pair written as ``Mul``, ``Round``, ``Clip``, ``Mul``; weights
+as quantized, or float in the ``activations only`` row): how many bits per activation a
+fidelity target asks for at the positions XINT8 chose.
+
 Results go to ``benchmarks/results/<--name>.txt`` (default ``int8_bound``).
 """
 
@@ -56,7 +62,49 @@ def float_int8(qc) -> None:
 OPTION_SETS = {"xint8": None, "float_int8": float_int8}
 
 
-def measure(name: str, images: int | None, work: Path) -> list[str]:
+def finer_activations(model: onnx.ModelProto, extra_bits: int) -> onnx.ModelProto:
+    """``model`` with each activation Q/DQ pair at ``8 + extra_bits`` bits, same range."""
+    from onnx import helper, numpy_helper
+
+    model = bench_error_sources._copy(model)
+    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    fine = 2.0**extra_bits
+    nodes, added = [], []
+    for node in model.graph.node:
+        q = producer.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if q is None or q.op_type != "QuantizeLinear" or q.input[0] in constants:
+            nodes.append(node)
+            continue
+        scale = float(constants[q.input[1]].reshape(()))
+        zero = float(constants[q.input[2]].reshape(())) if len(q.input) > 2 else 0.0
+        if zero != 0.0:
+            raise ValueError(f"{q.name}: zero point {zero}; the counterfactual is for XINT8")
+        out = node.output[0]
+        values = {
+            "inv": np.float32(fine / scale),
+            "lo": np.float32(-128 * fine),
+            "hi": np.float32(127 * fine),
+            "step": np.float32(scale / fine),
+        }
+        for key, value in values.items():
+            added.append(numpy_helper.from_array(np.array(value), f"{out}_fine_{key}"))
+        nodes += [
+            helper.make_node("Mul", [q.input[0], f"{out}_fine_inv"], [f"{out}_fine_x"]),
+            helper.make_node("Round", [f"{out}_fine_x"], [f"{out}_fine_r"]),
+            helper.make_node(
+                "Clip", [f"{out}_fine_r", f"{out}_fine_lo", f"{out}_fine_hi"], [f"{out}_fine_c"]
+            ),
+            helper.make_node("Mul", [f"{out}_fine_c", f"{out}_fine_step"], [out]),
+        ]
+    # QuantizeLinear nodes nobody reads any more are left: onnxruntime runs them, harmless
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(added)
+    return model
+
+
+def measure(name: str, images: int | None, work: Path, extra_bits: list[int]) -> list[str]:
     entry = bench_fidelity.load_entry(name)
     if images:
         labels = None if entry.labels is None else entry.labels[:images]
@@ -81,13 +129,16 @@ def measure(name: str, images: int | None, work: Path) -> list[str]:
             "weights only": bench_error_sources.float_activations(quantized),
             "activations only": bench_error_sources.float_constants(quantized, prepared),
         }
+        for k in extra_bits if tweak is None else []:
+            splits[f"{8 + k}-bit activations"] = finer_activations(quantized, k)
+            splits[f"{8 + k}-bit act. only"] = finer_activations(splits["activations only"], k)
         for split, model in splits.items():
             split_path = work / f"{name}_{label}_{split.replace(' ', '_')}.onnx"
             onnx.save(model, str(split_path))
             row = bench_fidelity.evaluate(entry, f_out, split_path, top1)
             det = (row.get("detection") or {}).get("match_rate")
             line = (
-                f"{name:12s} {label:11s} {split:17s} SQNR {row['min_sqnr_db']:6.2f} dB"
+                f"{name:12s} {label:11s} {split:20s} SQNR {row['min_sqnr_db']:6.2f} dB"
                 f"  agree {_fmt(row.get('agreement'), '.3f')}"
                 f"  drop {_fmt(row.get('drop_points'), '.2f')}  det {_fmt(det, '.3f')}"
             )
@@ -104,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="ppocr,person,squeezenet")
     parser.add_argument("--images", type=int, default=None, help="first N test images only")
+    parser.add_argument(
+        "--extra-bits", default="", help="e.g. 1,2,3: xint8 rows with 8+k-bit activations"
+    )
     parser.add_argument("--name", default="int8_bound")
     args = parser.parse_args(argv)
     info = common.machine_info()
@@ -117,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="int8_bound_") as tmp:
         for name in args.models.split(","):
-            lines += measure(name, args.images, Path(tmp))
+            extra = [int(k) for k in args.extra_bits.split(",") if k]
+            lines += measure(name, args.images, Path(tmp), extra)
     out = common.RESULTS_DIR / f"{args.name}.txt"
     bench_fidelity._atomic_text(out, head + "\n".join(lines) + "\n")
     print(f"written: {out}")

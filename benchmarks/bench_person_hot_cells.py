@@ -19,15 +19,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fidelity as bf
+import common
 
 
 def _run(path: str, x: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    session = common.inference_session(path)
     name = session.get_inputs()[0].name
     return np.concatenate([session.run(None, {name: x[i : i + 1]})[0] for i in range(len(x))])
 

@@ -309,13 +309,9 @@ def _feeds(path: Path, model: Model, folder: Path, limit: int) -> list[dict[str,
 
 
 def _run(path: Path | bytes, feeds: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
-    import onnxruntime as ort
+    import common
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(
-        path if isinstance(path, bytes) else str(path), options, providers=["CPUExecutionProvider"]
-    )
+    session = common.inference_session(path)
     outputs = [session.run(None, f) for f in feeds]
     if len(outputs[0]) == 1:
         return [o[0] for o in outputs]

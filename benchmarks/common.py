@@ -563,6 +563,39 @@ def sqnr_db(ref: np.ndarray, out: np.ndarray) -> float:
     return float(10.0 * np.log10(float(np.sum(ref * ref)) / den))
 
 
+def has_qdq(model: Any) -> bool:
+    """Does ``model`` (a ModelProto, its bytes or a path) hold QuantizeLinear/DequantizeLinear?"""
+    import onnx
+
+    if isinstance(model, bytes):
+        model = onnx.ModelProto.FromString(model)
+    elif not hasattr(model, "graph"):
+        model = onnx.load(str(model), load_external_data=False)
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+
+
+def inference_session(model: Any, options: Any = None) -> Any:
+    """An onnxruntime CPU session of ``model`` (a ModelProto, its bytes or a path).
+
+    A model with Q/DQ nodes runs without graph optimisations, as ``quark_onnx.compare`` runs
+    it, so its arithmetic is the one the ONNX specification gives its Q/DQ pairs. Optimised,
+    onnxruntime quantizes the float weights of a ``DQ -> Conv -> Q`` unit itself (its
+    WeightBiasQuantization rewrite): the ``activations only`` split of ``bench_error_sources``
+    (float weights between quantized activations) ran with onnxruntime's int8 weights
+    (``results/int8_bound.md``). A float model runs as ``options`` say (default: optimised).
+    """
+    import onnxruntime as ort
+
+    if options is None:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+    if has_qdq(model):
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = model.SerializeToString() if hasattr(model, "SerializeToString") else model
+    data = data if isinstance(data, bytes) else str(data)
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
 def _session(path: Path, threads: int = 1) -> Any:
     import onnxruntime as ort
 
@@ -570,7 +603,7 @@ def _session(path: Path, threads: int = 1) -> Any:
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return inference_session(path, so)
 
 
 def model_outputs(path: Path, model: str) -> np.ndarray:
