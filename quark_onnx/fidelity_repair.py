@@ -225,7 +225,8 @@ def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
                 "seconds": round(time.perf_counter() - start, 4),
             }
         )
-        if better(result) if better is not None else score(result) > kept[0]:
+        keep = better(result) if better is not None else score(result) > kept[0]
+        if keep:
             kept = (score(result), trial_model, trial_params, result, (cand, trial_run))
         return bool(result.faithful)
 

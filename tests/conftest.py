@@ -43,6 +43,27 @@ def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17) -> onnx
     return model
 
 
+def conv_relu_conv_model() -> onnx.ModelProto:
+    """Conv -> Relu -> Conv on a 1x3x8x8 input ``x`` (output ``y``), seeded weights."""
+    rng = np.random.default_rng(0)
+    conv = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return make_model(
+        [
+            onnx.helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", **conv),
+            onnx.helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+            onnx.helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", **conv),
+        ],
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8, 8])],
+        {
+            "w1": rng.standard_normal((6, 3, 3, 3)).astype(np.float32),
+            "b1": rng.standard_normal(6).astype(np.float32),
+            "w2": rng.standard_normal((4, 6, 3, 3)).astype(np.float32),
+            "b2": rng.standard_normal(4).astype(np.float32),
+        },
+    )
+
+
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """All outputs of ``model`` on ``feeds`` with graph optimizations off (exact reference)."""
     options = ort.SessionOptions()

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from conftest import make_model, run_ort
-from onnx import TensorProto, helper
+from conftest import conv_relu_conv_model, run_ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -17,28 +16,8 @@ import bench_error_sources as es
 from quark_onnx import Config, ModelQuantizer, get_default_config
 
 
-def _float_model() -> onnx.ModelProto:
-    rng = np.random.default_rng(0)
-    conv = dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])
-    return make_model(
-        [
-            helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", **conv),
-            helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-            helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2", **conv),
-        ],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
-        {
-            "w1": rng.standard_normal((6, 3, 3, 3)).astype(np.float32),
-            "b1": rng.standard_normal(6).astype(np.float32),
-            "w2": rng.standard_normal((4, 6, 3, 3)).astype(np.float32),
-            "b2": rng.standard_normal(4).astype(np.float32),
-        },
-    )
-
-
 def test_variants_remove_exactly_what_they_say():
-    model = _float_model()
+    model = conv_relu_conv_model()
     x = np.random.default_rng(1).standard_normal((4, 1, 3, 8, 8)).astype(np.float32)
     qc = get_default_config("XINT8")
     qc.include_bias_correction = False  # the float weights below are then the quantized ones'
@@ -72,7 +51,7 @@ def test_variants_remove_exactly_what_they_say():
 def test_own_sqnr_of_the_input_is_numpy_fake_quantization():
     """The graph input reaches its QuantizeLinear unchanged: its own SQNR is the numpy model's
     ``clip(rint(x / s), -128, 127) * s`` over the same images; every activation is listed once."""
-    model = _float_model()
+    model = conv_relu_conv_model()
     x = np.random.default_rng(1).standard_normal((4, 3, 8, 8)).astype(np.float32)
     quantized = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
     quantized = quantized.quantize_model(model, None, {"x": x})

@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from conftest import run_ort
-from test_bench_error_sources import _float_model
+from conftest import conv_relu_conv_model, run_ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -25,7 +24,7 @@ def _quantized(x: np.ndarray) -> onnx.ModelProto:
     qc = get_default_config("XINT8")
     qc.include_bias_correction = False
     return ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
-        _float_model(), None, {"x": x}
+        conv_relu_conv_model(), None, {"x": x}
     )
 
 
@@ -56,7 +55,7 @@ def test_run_all_keeps_float_weights_between_quantized_activations_float():
     """onnxruntime's optimiser quantizes the float weights of a DQ -> Conv -> Q unit itself; the
     benchmark's runner must not let it (the ``activations only`` split)."""
     x = np.random.default_rng(1).standard_normal((4, 3, 8, 8)).astype(np.float32)
-    activations_only = es.float_constants(_quantized(x), _float_model())
+    activations_only = es.float_constants(_quantized(x), conv_relu_conv_model())
     want = np.stack([run_ort(activations_only, {"x": x[i : i + 1]})[0][0] for i in range(4)])
     got = next(iter(bf.run_all(activations_only, x).values()))
     np.testing.assert_array_equal(got.reshape(want.shape), want)
