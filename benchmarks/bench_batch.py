@@ -14,7 +14,8 @@ Measured, each ``--repeat`` times, interleaved (medians reported):
   CPUs -- 2 here -- for the run and stops it: what a one-off command costs);
 * ``jobs2_api``: the same batch runner (:func:`quark_onnx.cli.run_batch`, 2 processes) called in
   this process: ``jobs2`` without the console script's own start (interpreter and imports);
-* ``ray_warm``: :func:`quark_onnx.ray_runner.quantize_batch_on_ray` in this process, on a cluster
+* ``ray_warm``: :func:`quark_onnx.cli.ray_runner.quantize_batch_on_ray` in this process, on a
+cluster
   of 2 CPUs started once beforehand (what a batch costs on a cluster that is already up: a
   nightly pipeline pointed at a running cluster with ``--ray ADDRESS``); its peer is
   ``jobs2_api``;
@@ -120,7 +121,7 @@ def main() -> None:
     import ray
 
     from quark_onnx.cli import Console, Job, QuantizeSettings, run_batch
-    from quark_onnx.ray_runner import quantize_batch_on_ray
+    from quark_onnx.cli.ray_runner import quantize_batch_on_ray
 
     work = Path(tempfile.mkdtemp(prefix="bench_batch_"))
     try:

@@ -188,7 +188,7 @@ def _quantize_child(model: str, output: str) -> None:
     """Runs in the subprocess: quantize and print one JSON line with peak RSS and timings."""
     import quark_onnx
     from quark_onnx import Config, ModelQuantizer, get_default_config
-    from quark_onnx import quantizer as quantizer_module
+    from quark_onnx.pipeline import quantizer as quantizer_module
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     memory = StageMemory()
@@ -219,7 +219,7 @@ def verify(output: Path) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    from quark_onnx.model_io import written_files
+    from quark_onnx.model_files.save import written_files
 
     files = written_files(output)
     inside = all(f.resolve().parent == output.resolve().parent for f in files)

@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+from quark_onnx.model_files.load import load_model, to_ir, to_proto
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 IMAGES = SHARED / "data" / "imagenet" / "calib"
@@ -134,16 +136,16 @@ class CyclingReader:
 
 def prepared_model(path: Path, sample: dict):
     """The model after the XINT8 preset's prepare passes and the activations its plan quantizes."""
-    from quark_onnx import get_default_config, model_io
-    from quark_onnx.pipeline import quantize_passes, run_passes
-    from quark_onnx.plan import build_plan
+    from quark_onnx import get_default_config
+    from quark_onnx.pipeline.prepare import quantize_passes, run_passes
+    from quark_onnx.plan.build import build_plan
 
     qconfig = get_default_config("XINT8")
     options = qconfig.validate()
-    model = model_io.to_ir(model_io.load_model(path))
+    model = to_ir(load_model(path))
     run_passes(model, quantize_passes(qconfig, options), sample_feeds=sample)
     plan = build_plan(model, qconfig, options)
-    return model_io.to_proto(model), plan.activation_names()
+    return to_proto(model), plan.activation_names()
 
 
 def _setup(model_name: str):
@@ -158,8 +160,8 @@ def _setup(model_name: str):
 
 def _collector(prepared, names, method: str):
     from quark_onnx.calibration.collector import Collector
-    from quark_onnx.enums import coerce_calibrate_method
-    from quark_onnx.options import ExtraOptions
+    from quark_onnx.config.enums import coerce_calibrate_method
+    from quark_onnx.config.options import ExtraOptions
 
     return Collector(
         prepared, names, method=coerce_calibrate_method(method), options=ExtraOptions()

@@ -5,7 +5,7 @@ For every convolution whose weights CLE rewrote, prints:
 * ``spread``: ``max_c r_c / min_c r_c`` over the output channels (``r_c = max |W[c]|``);
 * ``SQNR``: ``10 log10(sum w^2 / sum (w - Q(w))^2)`` of the whole tensor, ``Q`` = per-tensor int8
   power-of-two quantization (the NPU's weight format) at the NonOverflow position
-  (:func:`quark_onnx.pof2.nonoverflow_position`: the finest ``s = 2^-p`` at which
+  (:func:`quark_onnx.params.pof2.nonoverflow_position`: the finest ``s = 2^-p`` at which
   ``clip(round_half_even(w / s), -128, 127)`` does not saturate);
 * ``chSQNR``: the mean over output channels of the same ratio taken per channel, which shows the
   narrow channels that a per-tensor scale rounds away.
@@ -39,8 +39,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from quark_onnx import pof2
-from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx.config.enums import PowerOfTwoMethod
+from quark_onnx.params import pof2
 from quark_onnx.passes import CrossLayerEqualization, ReplaceClip6Relu
 from quark_onnx.passes.cross_layer_equalization import channel_range_spread
 

@@ -46,10 +46,11 @@ def _patch(offset: float) -> None:
 
 def _patch_measured() -> None:
     """Per gated layer, the offset whose measured error at the readers is smallest (module doc)."""
-    from quark_onnx import pof2, runtime
+    from quark_onnx.params import pof2
     from quark_onnx.passes import _channel_scaling as cs
     from quark_onnx.passes import equalize_gated_activations as ega
     from quark_onnx.passes._cle_noise import column_energy, quant_error
+    from quark_onnx.runtime import sessions
 
     values: dict[str, np.ndarray] = {}
     measure, apply = ega.EqualizeGatedActivations._measure, ega.EqualizeGatedActivations._apply
@@ -59,8 +60,8 @@ def _patch_measured() -> None:
         values.clear()
         names = sorted({n for n in names if n})
         if self.sample_feeds and names:
-            session = runtime.create_session(
-                model, purpose="probe", edit=lambda p: runtime.add_outputs(p, names)
+            session = sessions.create_session(
+                model, purpose="probe", edit=lambda p: sessions.add_outputs(p, names)
             )
             runs = [session.run(names, dict(feed)) for feed in self.sample_feeds[:2]]
             for i, name in enumerate(names):

@@ -44,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from quark_onnx.model_files.load import load_ir
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fidelity
@@ -132,13 +134,11 @@ def prepared_float(entry: bench_fidelity.Entry, qc, input_name: str) -> onnx.Mod
     """The float model after the prepare passes, as the quantizer runs them (same samples)."""
     import onnx_ir as ir
 
-    from quark_onnx import model_io
-    from quark_onnx.pipeline import quantize_passes, run_passes
-    from quark_onnx.quantizer import RANGE_SAMPLES
+    from quark_onnx.pipeline.prepare import RANGE_SAMPLES, quantize_passes, run_passes
 
     options = qc.validate()
     samples = [{input_name: entry.calib[i : i + 1]} for i in range(min(16, len(entry.calib)))]
-    model = model_io.load_ir(str(entry.float_path))
+    model = load_ir(str(entry.float_path))
     passes = quantize_passes(qc, options, samples[0], samples[:RANGE_SAMPLES])
     run_passes(model, passes, sample_feeds=samples, revert_costly=options.RevertCostlyPasses)
     return ir.to_proto(model)

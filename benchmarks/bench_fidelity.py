@@ -78,6 +78,8 @@ from typing import Any
 
 import numpy as np
 
+from quark_onnx.npu.readiness import check
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_accuracy  # data loading and caching of the classifiers
@@ -412,7 +414,7 @@ def detection_match(f_out: np.ndarray, q_out: np.ndarray, size: int = DET_SIZE) 
 
 def make_config(config: str, tweak: Callable[[Any], None] | None = None) -> Any:
     from quark_onnx import get_default_config
-    from quark_onnx.enums import QuantType
+    from quark_onnx.config.enums import QuantType
 
     qc = get_default_config("XINT8")
     if config in ("seed", "seed_real"):
@@ -497,7 +499,6 @@ def evaluate(
 
 
 def check_ready(path: Path) -> bool | None:
-    from quark_onnx import check
 
     return bool(check(str(path)).ready)
 

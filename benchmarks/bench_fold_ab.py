@@ -42,7 +42,7 @@ def main() -> int:
     from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
     from quark_onnx.calibration import collector
     from quark_onnx.calibration import observers as head
-    from quark_onnx.enums import PowerOfTwoMethod
+    from quark_onnx.config.enums import PowerOfTwoMethod
 
     source = subprocess.run(
         ["git", "show", f"{args.base}:quark_onnx/calibration/observers.py"],

@@ -53,7 +53,7 @@ import common
 
 def float_int8(qc) -> None:
     """Per-tensor symmetric int8 with free float scales: the NPU's format without its rules."""
-    from quark_onnx.enums import CalibrationMethod
+    from quark_onnx.config.enums import CalibrationMethod
 
     qc.enable_npu_cnn = False
     qc.calibrate_method = CalibrationMethod.MSE

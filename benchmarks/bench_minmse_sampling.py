@@ -4,8 +4,8 @@ Exact MinMSE needs one histogram update per activation value, which is what keep
 several times the float inference time (``bench_calibration.py``). The cheap alternative is to
 look at every k-th value only. This script measures what that costs in quality on SqueezeNet 1.1
 with the 100 calibration images: for every Relu/Concat/MaxPool output it computes the exact
-MinMSE position over all values of all samples (:func:`quark_onnx.pof2.minmse_position`) and the
-position from every k-th value, two ways:
+MinMSE position over all values of all samples (:func:`quark_onnx.params.pof2.minmse_position`) and
+the position from every k-th value, two ways:
 
 * ``sampled``: the window and the error curve both from the sample;
 * ``sampled + exact range``: the window from the exact minimum and maximum (cheap to keep for
@@ -55,7 +55,7 @@ def activations(model_path: Path, x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def position(values: np.ndarray, window: range | None = None) -> int:
-    from quark_onnx import pof2
+    from quark_onnx.params import pof2
 
     if window is None:
         return pof2.minmse_position(values)  # reads big arrays in pieces itself
@@ -63,7 +63,7 @@ def position(values: np.ndarray, window: range | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from quark_onnx import pof2
+    from quark_onnx.params import pof2
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strides", default="7,31,127")

@@ -15,7 +15,7 @@ Steps:
    child's peak RSS (``ru_maxrss`` via ``os.wait4``) and the timings the runner writes.
 5. In this process (onnxruntime of the project environment, the same for every tool): top-1 /
    top-1 drop, output SQNR against the float model, latency relative to the float model, and
-   the verdict of ``quark_onnx.check.check`` on every output (``n/a`` if not importable).
+   the verdict of ``quark_onnx.npu.readiness.check`` on every output (``n/a`` if not importable).
 6. ``results/<name>.json``, ``results/<name>.md`` and ``results/<name>.png`` (the chart is drawn
    by this script's ``--plot`` mode in the bench env, which has matplotlib).
 
@@ -179,9 +179,10 @@ def quantize(tool: Tool, model: str, own_python: str, timeout_s: float) -> dict[
 
 
 def check_verdict(path: Path) -> dict[str, Any]:
-    """``quark_onnx.check.check(path)``: ready flag and findings, or n/a if not importable."""
+    """``quark_onnx.npu.readiness.check(path)``: ready flag and findings, or n/a if not
+    importable."""
     try:
-        from quark_onnx.check import check
+        from quark_onnx.npu.readiness import check
     except Exception as exc:  # the checker is optional for the benchmark
         return {"ready": "n/a", "note": f"quark_onnx.check not importable: {exc}"}
     try:

@@ -10,7 +10,7 @@ rounding forced on (``include_fast_ft``, ``FastFinetune`` gptq with Target ``deb
 per version the guard's own measurement (its samples are among the ones the rounding fits on),
 the output SQNR and cosine on calibration samples nothing was fitted on (the second half of the
 calibration set, at least from sample 32 on), the test images' SQNR and task measure, and
-whether :func:`quark_onnx.fidelity_repair.dominates` keeps the rounding. Output:
+whether :func:`quark_onnx.pipeline.repair.dominates` keeps the rounding. Output:
 ``results/refinement_probe.{txt,json}``.
 
 ``--unseen det6t:seed`` (a ``bench_unseen`` model and option set) instead compares the two
@@ -66,8 +66,8 @@ def _quantize(entry: Any, rounding: bool, out: Path) -> tuple[Any, float]:
 
 
 def measure(name: str) -> list[dict[str, Any]]:
-    from quark_onnx.fidelity import FidelityResult, OutputFidelity
-    from quark_onnx.fidelity_repair import dominates
+    from quark_onnx.fidelity.verdict import FidelityResult, OutputFidelity
+    from quark_onnx.pipeline.repair import dominates
 
     entry = bf.load_entry(name)
     original = Path(bench_accuracy.MODELS.get(entry.base, entry.float_path))

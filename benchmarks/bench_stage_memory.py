@@ -21,7 +21,7 @@ onnx_ir graph, the XINT8 graph with its scale/zero-point initializers shared (on
 value: what sharing them would save), and one onnxruntime session over the whole XINT8 graph and
 over one piece of ``runtime.SEGMENT_NODES`` nodes.
 
-A thread reads the resident set (``quark_onnx.memory.resident_mb``) every 3 ms and keeps the
+A thread reads the resident set (``quark_onnx.runtime.memory.resident_mb``) every 3 ms and keeps the
 maximum per label; the label is the quantizer stage running (``ModelQuantizer``'s stages: load,
 prepare, plan, calibrate, positions, constraints, insert_qdq, bias_correction, finalize, check,
 save) or ``after <stage>`` between stages. ``--trim`` also returns glibc's free pages after every
@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from quark_onnx.memory import resident_mb
+from quark_onnx.runtime.memory import resident_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / ".work" / "data"
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _label_stages(sampler: StageSampler, trim: bool) -> None:
     """Label the sampler with the quantizer stage running (and trim after each, if asked)."""
-    import quark_onnx.quantizer as quantizer_module
-    from quark_onnx.memory import release_freed_memory
+    import quark_onnx.pipeline.quantizer as quantizer_module
+    from quark_onnx.runtime.memory import release_freed_memory
 
     original_stage = quantizer_module._stage
 
@@ -165,7 +165,7 @@ _FLOOR_CHILD = """
 import gc, sys
 import numpy as np, onnx, onnx_ir as ir, onnxruntime
 from quark_onnx import runtime
-from quark_onnx.memory import release_freed_memory, resident_mb
+from quark_onnx.runtime.memory import release_freed_memory, resident_mb
 
 def held():
     gc.collect()

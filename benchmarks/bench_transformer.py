@@ -62,7 +62,7 @@ from quark_onnx import (  # noqa: E402
     export_matmul_nbits,
     get_default_config,
 )
-from quark_onnx.presets import preset_names  # noqa: E402
+from quark_onnx.config.presets import preset_names  # noqa: E402
 
 RUNS = 50
 ROUNDS = 3

@@ -577,8 +577,8 @@ def has_qdq(model: Any) -> bool:
 def inference_session(model: Any, options: Any = None) -> Any:
     """An onnxruntime CPU session of ``model`` (a ModelProto, its bytes or a path).
 
-    A model with Q/DQ nodes runs without graph optimisations, as ``quark_onnx.compare`` runs
-    it, so its arithmetic is the one the ONNX specification gives its Q/DQ pairs. Optimised,
+    A model with Q/DQ nodes runs without graph optimisations, as ``quark_onnx.fidelity.compare``
+    runs it, so its arithmetic is the one the ONNX specification gives its Q/DQ pairs. Optimised,
     onnxruntime quantizes the float weights of a ``DQ -> Conv -> Q`` unit itself (its
     WeightBiasQuantization rewrite): the ``activations only`` split of ``bench_error_sources``
     (float weights between quantized activations) ran with onnxruntime's int8 weights

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, QuantType, get_default_config
-from quark_onnx.check import check
+from quark_onnx.npu.readiness import check
 
 HERE = Path(__file__).resolve().parent / "digits"
 

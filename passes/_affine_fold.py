@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 
 

@@ -15,8 +15,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._channels import input_channel_ranges
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.graph.channels import input_channel_ranges
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array, is_standard
 
 #: Per-channel scales are powers of two in ``2^-MAX_LOG2 ... 2^MAX_LOG2``: a constant ``s`` that
 #: the graph keeps (the gate's restoring Mul) is itself quantized with one power-of-two int8

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from quark_onnx.passes._channels import ChannelStats, _grouped_view
+from quark_onnx.graph.channels import ChannelStats, _grouped_view
 
 
 def activation_noise(stats: ChannelStats, scale: np.ndarray, reads: np.ndarray) -> float:
@@ -45,7 +45,7 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
     Energy-weighted: a narrow channel the grid rounds to zero barely moves it, which is why the
     gate uses :func:`propagated_noise` instead.
     """
-    from quark_onnx import pof2
+    from quark_onnx.params import pof2
 
     energy = float(np.sum(np.square(weight, dtype=np.float64)))
     if energy == 0.0:
@@ -56,7 +56,7 @@ def pof2_noise_ratio(weight: np.ndarray) -> float:
 def quant_error(weight: np.ndarray) -> np.ndarray:
     """``Q(W) - W`` in float64, ``Q`` the per-tensor power-of-two int8 quantizer at the MinMSE
     position."""
-    from quark_onnx import pof2
+    from quark_onnx.params import pof2
 
     w64 = weight.astype(np.float64)
     if not np.any(w64):

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._channels import value_channels
-from quark_onnx.passes._graph import constant_array
+from quark_onnx.graph.channels import value_channels
+from quark_onnx.graph.ir import constant_array
 
 # a range cap written by ConvertClipToRelu is valid only for the unscaled channels, so CLE does
 # not equalize through such a value

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._channels import (
+from quark_onnx.graph.channels import (
     ChannelStats,
     _grouped_view,
     input_channel_ranges,

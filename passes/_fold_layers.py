@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import constant_array
+from quark_onnx.graph.ir import constant_array
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _STANDARD = ("", "ai.onnx")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.enums import QuantType
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array, is_standard
-from quark_onnx.qparams import QuantParams
+from quark_onnx.config.enums import QuantType
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array, is_standard
+from quark_onnx.params.qparams import QuantParams
 
 #: doc_string prefix of the Cast of a gathered embedding table, followed by the table's name
 _GATHERED_MARK = "quark_onnx:gathered:"

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import PassError
-from quark_onnx.qparams import QuantParams
+from quark_onnx.params.qparams import QuantParams
 
 # the pass's logger: these are InsertQDQ's messages, and the CLI prints the logger's name
 logger = logging.getLogger("quark_onnx.passes.insert_qdq")

@@ -1,7 +1,7 @@
 """The graph forms InsertQDQ writes for one tensor (see :mod:`quark_onnx.passes.insert_qdq`).
 
 One :class:`QDQWriter` per run: it names every value and node through one
-:class:`~quark_onnx.passes._graph.NameGenerator` and places every node from the graph's order at
+:class:`~quark_onnx.graph.ir.NameGenerator` and places every node from the graph's order at
 the start of the run, so the output is the same for the same input. It writes the static,
 dynamic and Cast forms of an activation, the codes + DequantizeLinear (or Cast) form of a
 constant, and embedding tables in the gathered-rows form (:mod:`._qdq_gathered`).
@@ -14,11 +14,11 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx import qparams
-from quark_onnx.enums import QuantType
-from quark_onnx.passes._graph import NameGenerator, add_initializer
+from quark_onnx.config.enums import QuantType
+from quark_onnx.graph.ir import NameGenerator, add_initializer
+from quark_onnx.params import qparams
+from quark_onnx.params.qparams import QuantParams
 from quark_onnx.passes._qdq_gathered import _GATHERED_MARK, _gathers_rows
-from quark_onnx.qparams import QuantParams
 
 # the pass's logger: these are InsertQDQ's messages, and the CLI prints the logger's name
 logger = logging.getLogger("quark_onnx.passes.insert_qdq")

@@ -6,7 +6,8 @@ returns ``onnx_ir.passes.PassResult(model, modified)``. Passes run alone from Py
     from quark_onnx.passes import ConvertBNToConv
     result = ConvertBNToConv()(ir_model)   # result.model, result.modified
 
-and are chained by :func:`quark_onnx.pipeline.prepare_passes`, which picks them from a config.
+and are chained by :func:`quark_onnx.pipeline.prepare.prepare_passes`, which picks them from a
+config.
 
 Passes that change numerics on purpose set ``changes_numerics = True``; the pipeline then measures
 what they did to the float outputs. Those that model the NPU's own arithmetic (the DPU versions of
@@ -14,7 +15,7 @@ LeakyRelu, HardSigmoid and average pooling) also set ``simulates_hardware = True
 the hardware's, so it is reported but never a warning and never undone. A numerics-changing
 pass replaces the tensors it changes instead of writing into them: the model before it is kept
 as a clone that shares the tensors, to be measured (in one session with the model after it,
-:mod:`quark_onnx.paired_run`) and, when the pass costs too much, restored.
+:mod:`quark_onnx.fidelity.paired_run`) and, when the pass costs too much, restored.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

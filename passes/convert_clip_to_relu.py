@@ -35,8 +35,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.npu_rules import FUSING_PRODUCERS
-from quark_onnx.passes._graph import constant_array
+from quark_onnx.graph.ir import constant_array
+from quark_onnx.npu.op_sets import FUSING_PRODUCERS
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def make_relu_in_place(node: ir.Node) -> list[ir.Value]:
 def is_layer_activation(node: ir.Node) -> bool:
     """True when ``node``'s first input is produced by a layer an NPU activation fuses into.
 
-    Layers: :data:`quark_onnx.npu_rules.FUSING_PRODUCERS` and BatchNormalization (a Conv once
+    Layers: :data:`quark_onnx.npu.op_sets.FUSING_PRODUCERS` and BatchNormalization (a Conv once
     folded); an Add or Sub counts only when neither operand is a constant, because ``x + 3`` is
     the shift inside hardswish/hardsigmoid, not a residual connection.
     """

@@ -60,8 +60,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from quark_onnx.graph.ir import NameGenerator, add_initializer
 from quark_onnx.npu.rules import MAX_CONV_KERNEL_SIDE
-from quark_onnx.passes._graph import NameGenerator, add_initializer
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.split_large_kernel_pool import NPU_MAX_POOL_KERNEL_AREA
 

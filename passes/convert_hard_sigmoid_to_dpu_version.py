@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import NameGenerator
+from quark_onnx.graph.ir import NameGenerator
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_avg_pool_to_dpu_version import append_scale_mul, scaled_by
 

@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.passes._graph import NameGenerator, add_initializer, constant_array
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 

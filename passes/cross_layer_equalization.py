@@ -145,7 +145,8 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.errors import ConfigError
-from quark_onnx.passes._channels import ChannelStats, channel_range_spread, channel_statistics
+from quark_onnx.graph.channels import ChannelStats, channel_range_spread, channel_statistics
+from quark_onnx.graph.ir import NameGenerator, store_constant_input
 from quark_onnx.passes._cle_pairs import _follow, _label
 from quark_onnx.passes._cle_solver import (
     _chain_length,
@@ -156,7 +157,6 @@ from quark_onnx.passes._cle_solver import (
     _Pair,
     over_relaxation,
 )
-from quark_onnx.passes._graph import NameGenerator, store_constant_input
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ input A is the DequantizeLinear of a ``DynamicQuantizeLinear`` (uint8) and whose
 DequantizeLinear of a 2-D int8/uint8 constant, quantized per tensor or per output column. The
 weight's initializers (codes, scale, zero point) stay as InsertQDQ wrote them -- a ``transB``
 weight's codes are transposed in place -- and the MatMulInteger's ``doc_string`` names the op it
-replaced, so :func:`restore_qdq` gives the QDQ form back exactly (``quark_onnx.importer`` and
-recipes read it). Not handled (left as they are): a
+replaced, so :func:`restore_qdq` gives the QDQ form back exactly (``quark_onnx.formats.importer``
+and recipes read it). Not handled (left as they are): a
 weight quantized per group, a computed B (attention), other Gemm attributes, Conv (its DQ form
 stays). Unused
 DequantizeLinear nodes and weight initializers are removed. Cost O(nodes).
@@ -38,12 +38,7 @@ import re
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import (
-    NameGenerator,
-    constant_array,
-    is_standard,
-    remove_unread_dequantize,
-)
+from quark_onnx.graph.ir import NameGenerator, constant_array, is_standard, remove_unread_dequantize
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -79,6 +79,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from quark_onnx.graph.channels import channel_statistics, output_channel_ranges
+from quark_onnx.graph.ir import NameGenerator, add_initializer, is_standard
 from quark_onnx.passes._channel_scaling import (
     ConvReader,
     conv_reader,
@@ -87,8 +89,6 @@ from quark_onnx.passes._channel_scaling import (
     power_of_two_scales,
     store_constant,
 )
-from quark_onnx.passes._channels import channel_statistics, output_channel_ranges
-from quark_onnx.passes._graph import NameGenerator, add_initializer, is_standard
 from quark_onnx.passes.base import QuarkPass
 
 if TYPE_CHECKING:

@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from quark_onnx.graph.channels import value_channels
+from quark_onnx.graph.ir import NameGenerator, is_standard
 from quark_onnx.passes._channel_scaling import (
     ConvReader,
     conv_reader,
@@ -64,10 +66,8 @@ from quark_onnx.passes._channel_scaling import (
     power_of_two_scales,
     store_constant,
 )
-from quark_onnx.passes._channels import value_channels
 from quark_onnx.passes._cle_noise import column_energy, quant_error
 from quark_onnx.passes._cle_pairs import homogeneity_problem
-from quark_onnx.passes._graph import NameGenerator, is_standard
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 from quark_onnx.passes.cross_layer_equalization import COMPONENT_MIN_GAIN
@@ -272,14 +272,14 @@ class _Samples:
 def _sample_values(
     model: ir.Model, streams: list[_Stream], feeds: Sequence[dict[str, np.ndarray]]
 ) -> _Samples:
-    from quark_onnx import runtime
+    from quark_onnx.runtime import sessions
 
     kept = sorted({v.name for st in streams for v in st.values.values() if v.name})
     inputs = {n.inputs[0].name for st in streams for n in st.producers.values()}
     powered = sorted(n for n in inputs if n)
     wanted = sorted(set(kept) | set(powered))
-    session = runtime.create_session(
-        model, purpose="residual_streams", edit=lambda p: runtime.add_outputs(p, wanted)
+    session = sessions.create_session(
+        model, purpose="residual_streams", edit=lambda p: sessions.add_outputs(p, wanted)
     )
     runs: dict[str, list[np.ndarray]] = {n: [] for n in kept}
     sums = dict.fromkeys(powered, 0.0)

@@ -106,10 +106,10 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.errors import ConfigError
-from quark_onnx.passes._channels import channel_statistics
+from quark_onnx.graph.channels import channel_statistics
+from quark_onnx.graph.ir import NameGenerator, store_constant_input
 from quark_onnx.passes._fold_layers import _STANDARD, _conv_arrays, _label, _Layer
 from quark_onnx.passes._fold_rules import _Leaf, _Path, _step
-from quark_onnx.passes._graph import NameGenerator, store_constant_input
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -426,7 +426,7 @@ class FoldConstantChannels(QuarkPass):
             if layer.bias is None:
                 if len(node.inputs) < 3:
                     node.resize_inputs(3)
-                from quark_onnx.passes._graph import add_initializer
+                from quark_onnx.graph.ir import add_initializer
 
                 value = add_initializer(graph, names(f"{_label(node)}_bias"), new_bias)
                 node.replace_input_with(2, value)

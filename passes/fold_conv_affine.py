@@ -52,6 +52,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from quark_onnx.graph.ir import NameGenerator, is_standard
 from quark_onnx.passes._affine_fold import (
     Constants,
     bn_affine,
@@ -61,7 +62,6 @@ from quark_onnx.passes._affine_fold import (
     set_weight,
     set_weight_and_bias,
 )
-from quark_onnx.passes._graph import NameGenerator, is_standard
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 

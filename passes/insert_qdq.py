@@ -2,21 +2,21 @@
 
 Two calls, one writer:
 
-* ``InsertQDQ(params)`` with an ordered mapping tensor name -> :class:`~quark_onnx.qparams.
+* ``InsertQDQ(params)`` with an ordered mapping tensor name -> :class:`~quark_onnx.params.qparams.
   QuantParams` writes any data type and granularity (see below);
 * ``InsertQDQ(plan, positions)`` (the XINT8 flow) converts every planned tensor to
   ``qparams.from_position(positions[t], spec.qtype)`` (scale ``2^-p``, symmetric zero point) and
   writes those; its output is byte-identical to what the power-of-two-only writer produced.
 
-The arithmetic written is ONNX ``QuantizeLinear``/``DequantizeLinear`` (:mod:`quark_onnx.qparams`
-is its numpy reference)::
+The arithmetic written is ONNX ``QuantizeLinear``/``DequantizeLinear``
+(:mod:`quark_onnx.params.qparams` is its numpy reference)::
 
     integer:  q = saturate(round_half_even(x / scale) + zero_point)
     float8:   q = float8_e4m3fn(clip(x / scale, -448, 448))
     x' = (q - zero_point) * scale
 
 The forms written, for a tensor ``T`` (names are made unique by one
-:class:`~quark_onnx.passes._graph.NameGenerator`; a suffix ``_1``, ``_2`` ... on a clash):
+:class:`~quark_onnx.graph.ir.NameGenerator`; a suffix ``_1``, ``_2`` ... on a clash):
 
 * activation (graph input or node output), static::
 
@@ -35,7 +35,7 @@ The forms written, for a tensor ``T`` (names are made unique by one
   ``T -> Cast(to=type) -> T_Cast_Output -> Cast(to=float) -> T_CastFloat_Output``; a constant is
   stored in the type as ``W_quantized`` -> ``Cast(to=float)`` -> ``W_CastFloat_Output``.
 * dynamic activation (``params.dynamic``; the scale is computed at run time from ``T``, equal to
-  :func:`quark_onnx.qparams.dynamic_params` on the same values):
+  :func:`quark_onnx.params.qparams.dynamic_params` on the same values):
 
   - uint8 asymmetric: ``DynamicQuantizeLinear(T) -> (T_QuantizeLinear_Output, T_scale,
     T_zero_point) -> DequantizeLinear``. ONNX defines ``scale = (max(0, max T) - min(0, min T)) /
@@ -88,16 +88,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx import qparams
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import PassError, QuantizationError
-from quark_onnx.passes._graph import constant_array
+from quark_onnx.graph.ir import constant_array
+from quark_onnx.params import qparams
+from quark_onnx.params.qparams import QuantParams
 from quark_onnx.passes._qdq_gathered import restore_gathered_tables
 from quark_onnx.passes._qdq_opset import _raise_ir_version, _raise_opset, required_opset
 from quark_onnx.passes._qdq_writer import QDQWriter
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.plan import QuantPlan, TensorKind
-from quark_onnx.qparams import QuantParams
+from quark_onnx.plan.types import QuantPlan, TensorKind
 
 # required_opset and restore_gathered_tables live with the code they belong to and are imported
 # from here (the pass's public module) by the importer and the tests
@@ -144,9 +144,10 @@ class InsertQDQ(QuarkPass):
     """Write quantization parameters into the graph (see the module docstring for the forms).
 
     Args:
-        params: tensor name -> :class:`~quark_onnx.qparams.QuantParams`, written in this order;
-            or, for the XINT8 flow, a :class:`~quark_onnx.plan.QuantPlan` from
-            :func:`quark_onnx.plan.build_plan` on this model, with ``positions``.
+        params: tensor name -> :class:`~quark_onnx.params.qparams.QuantParams`, written in this
+        order;
+            or, for the XINT8 flow, a :class:`~quark_onnx.plan.types.QuantPlan` from
+            :func:`quark_onnx.plan.build.build_plan` on this model, with ``positions``.
         positions: with a plan: tensor -> power-of-two position (``SolveResult.positions``), one
             per planned tensor.
     """

@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import (
+from quark_onnx.graph.ir import (
     NameGenerator,
     add_initializer,
     constant_array,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from quark_onnx.passes._graph import constant_array
+from quark_onnx.graph.ir import constant_array
 from quark_onnx.passes.base import QuarkPass
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from quark_onnx import model_io
+from quark_onnx.model_files.external import model_bytes
+from quark_onnx.model_files.load import to_proto
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class SimplifyWithOnnxsim(QuarkPass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         label = _model_label(model)
         limit = MAX_MODEL_BYTES if self.max_model_bytes is None else self.max_model_bytes
-        size = model_io.model_bytes(model)
+        size = model_bytes(model)
         if size > limit:
             logger.warning(
                 "optimize_model: model %s holds %.2f GiB of tensors, above the %.2f GiB limit "
@@ -118,7 +119,7 @@ class SimplifyWithOnnxsim(QuarkPass):
                 "optimize_model: onnxsim not importable (%s); model %s not simplified", exc, label
             )
             return ir.passes.PassResult(model, modified=False)
-        proto = model_io.to_proto(model)  # external weights read in: onnxsim needs the values
+        proto = to_proto(model)  # external weights read in: onnxsim needs the values
         before = _structure(proto.graph)
         try:
             simplified, check_ok = self._simplify(onnxsim, proto, optimize=True)

@@ -42,7 +42,7 @@ import math
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.passes._graph import NameGenerator
+from quark_onnx.graph.ir import NameGenerator
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from quark_onnx.config import Config, QuantizationConfig, get_default_config
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantFormat, QuantType
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, QuantFormat, QuantType
+from quark_onnx.config.quantization import Config, QuantizationConfig, get_default_config
 from quark_onnx.errors import (
     CalibrationError,
     ConfigError,
@@ -33,8 +33,8 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first attribute access.
 _LAZY = {
-    "ModelQuantizer": "quark_onnx.quantizer",
-    "check": "quark_onnx.check",
+    "ModelQuantizer": "quark_onnx.pipeline.quantizer",
+    "check": "quark_onnx.npu.readiness",
     "CalibrationDataReader": "quark_onnx.calibration.readers",
     "NpzDataReader": "quark_onnx.calibration.readers",
     "ArrayDataReader": "quark_onnx.calibration.readers",
@@ -42,13 +42,13 @@ _LAZY = {
     "ImageFolderDataReader": "quark_onnx.calibration.image_reader",
     "PreprocessSpec": "quark_onnx.calibration.image_spec",
     "CalibrationResult": "quark_onnx.calibration.result",
-    "QuantParams": "quark_onnx.qparams",
-    "save_recipe": "quark_onnx.recipe",
-    "load_recipe": "quark_onnx.recipe",
-    "import_recipe": "quark_onnx.recipe",
-    "read_qdq": "quark_onnx.importer",
-    "export_gguf": "quark_onnx.gguf_export",
-    "export_matmul_nbits": "quark_onnx.nbits_export",
+    "QuantParams": "quark_onnx.params.qparams",
+    "save_recipe": "quark_onnx.formats.recipe",
+    "load_recipe": "quark_onnx.formats.recipe",
+    "import_recipe": "quark_onnx.formats.recipe",
+    "read_qdq": "quark_onnx.formats.importer",
+    "export_gguf": "quark_onnx.formats.gguf_export",
+    "export_matmul_nbits": "quark_onnx.formats.nbits_export",
 }
 
 __all__ = [

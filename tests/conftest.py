@@ -79,7 +79,7 @@ def quantize_xint8_and_check(model: onnx.ModelProto, x: np.ndarray, out: Path, *
     """Quantize ``model`` (input ``x``, samples on axis 0) with the XINT8 preset, its fields set
     from ``fields``, to ``out``; the readiness verdict of the written model, asserted ready."""
     from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-    from quark_onnx.check import check
+    from quark_onnx.npu.readiness import check
 
     config = get_default_config("XINT8")
     for name, value in fields.items():

@@ -108,7 +108,7 @@ def test_output_fidelity_sqnr_and_cosine():
 
 
 def test_configs_and_technique_discovery():
-    from quark_onnx.enums import QuantType
+    from quark_onnx.config.enums import QuantType
 
     seed = bf.make_config("seed")
     assert seed.optimize_model is False and seed.activation_type == QuantType.QInt8

@@ -15,9 +15,10 @@ import pytest
 from conftest import make_model, run_ort, shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx import npu_rules as R
-from quark_onnx.check import CheckResult, Finding, check
 from quark_onnx.errors import ModelLoadError
+from quark_onnx.npu import op_sets as R
+from quark_onnx.npu.findings import CheckResult, Finding
+from quark_onnx.npu.readiness import check
 
 SHAPE = [1, 4, 8, 8]
 CONV_ATTRS = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
@@ -714,9 +715,10 @@ def test_digits_in_qdq_form_has_only_structural_findings():
     assert bad.rules() == {"dynamic_shape", "unsupported_op", "shift_cut"}
 
 
-def test_package_level_check_is_callable_after_submodule_import():
+def test_package_level_check_is_the_readiness_function():
     import quark_onnx
-    import quark_onnx.check as module
+    from quark_onnx.npu import readiness
 
-    assert quark_onnx.check(two_convs().model()).ready  # function or (shadowing) module
-    assert module(two_convs(p_out=-5).model()).rules() == {"shift_cut"}
+    assert quark_onnx.check is readiness.check
+    assert quark_onnx.check(two_convs().model()).ready
+    assert quark_onnx.check(two_convs(p_out=-5).model()).rules() == {"shift_cut"}

@@ -17,8 +17,8 @@ from quark_onnx import (
     QuantType,
     get_default_config,
 )
-from quark_onnx.options import ExtraOptions, option_doc, option_names
-from quark_onnx.presets import preset_names
+from quark_onnx.config.options import ExtraOptions, option_doc, option_names
+from quark_onnx.config.presets import preset_names
 
 
 def test_seed_example_runs_with_imports_changed():

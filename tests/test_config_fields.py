@@ -85,10 +85,10 @@ def test_execution_providers_reach_the_calibration_session(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_print_summary_logs_the_report_summary(tmp_path, caplog, enabled):
-    with caplog.at_level(logging.INFO, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.INFO, logger="quark_onnx.pipeline.quantizer"):
         quantizer, _ = quantize(tmp_path, "q", print_summary=enabled)
     summary = quantizer.report.summary()
-    logged = [r.getMessage() for r in caplog.records if r.name == "quark_onnx.quantizer"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "quark_onnx.pipeline.quantizer"]
     assert any(summary in m for m in logged) is enabled
 
 
@@ -104,7 +104,7 @@ def test_unsupported_field_is_named_in_a_warning_and_changes_nothing(
     tmp_path, caplog, field, value
 ):
     _, reference = quantize(tmp_path, "reference")
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.pipeline.quantizer"):
         quantizer, out = quantize(tmp_path, field, **{field: value})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     named = [w for w in warnings if f"{field}=" in w and "not supported" in w]

@@ -13,12 +13,13 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx import npu_rules as rules
-from quark_onnx import pof2
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.constraints import solve_positions, verify
+from quark_onnx.config.quantization import QuantizationConfig
+from quark_onnx.npu import op_sets as rules
+from quark_onnx.npu.solver import solve_positions
+from quark_onnx.npu.verify import verify
+from quark_onnx.params import pof2
 from quark_onnx.passes import InsertQDQ
-from quark_onnx.plan import build_plan
+from quark_onnx.plan.build import build_plan
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
@@ -366,10 +367,10 @@ import numpy as np, onnx_ir as ir
 from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[1])
 from conftest import make_model
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.constraints import solve_positions
+from quark_onnx.config.quantization import QuantizationConfig
+from quark_onnx.npu.solver import solve_positions
 from quark_onnx.passes import InsertQDQ
-from quark_onnx.plan import build_plan
+from quark_onnx.plan.build import build_plan
 vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])
 nodes = [helper.make_node("Add", ["a", "b"], ["c"], name="add"),
          helper.make_node("Mul", ["c", "a"], ["d"], name="mul"),

@@ -15,9 +15,9 @@ from onnx import helper as h
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.errors import FidelityError
-from quark_onnx.fidelity import compare_runs
+from quark_onnx.fidelity.verdict import compare_runs
 from quark_onnx.passes import ReplaceClip6Relu
-from quark_onnx.pipeline import PASS_MIN_SQNR_DB, run_passes
+from quark_onnx.pipeline.prepare import PASS_MIN_SQNR_DB, run_passes
 
 RNG = np.random.default_rng(0)
 

@@ -15,11 +15,12 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
 
-from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config, pof2
-from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+from quark_onnx.config.enums import PowerOfTwoMethod
 from quark_onnx.errors import ConfigError
-from quark_onnx.fidelity import FidelityResult, OutputFidelity
-from quark_onnx.fidelity_repair import candidates, dominates, score
+from quark_onnx.fidelity.verdict import FidelityResult, OutputFidelity
+from quark_onnx.params import pof2
+from quark_onnx.pipeline.repair import candidates, dominates, score
 
 
 def _model() -> onnx.ModelProto:
@@ -185,7 +186,7 @@ def _first_attempt(tmp_path) -> dict:
 def test_a_refinement_that_measures_better_is_kept_and_written(tmp_path, monkeypatch):
     """Whatever the rounding does on this tiny model, a result that dominates is kept: the
     written model, the report's settings and the configuration in force are the refinement's."""
-    import quark_onnx.fidelity_repair as fr
+    import quark_onnx.pipeline.repair as fr
 
     monkeypatch.setattr(fr, "dominates", lambda result, first: True)
     quantizer = _quantizer(FidelityRefine=True)
@@ -334,7 +335,7 @@ def test_dominates_needs_every_measure_at_least_as_good_and_one_better():
 
 
 def test_a_refinement_not_kept_leaves_the_written_bytes_as_without_it(tmp_path, monkeypatch):
-    import quark_onnx.fidelity_repair as fr
+    import quark_onnx.pipeline.repair as fr
 
     monkeypatch.setattr(fr, "dominates", lambda result, first: False)
     refined, plain = tmp_path / "refined.onnx", tmp_path / "plain.onnx"
@@ -348,7 +349,7 @@ def test_a_refinement_not_kept_leaves_the_written_bytes_as_without_it(tmp_path, 
 def test_the_refinement_fits_on_samples_the_guard_does_not_measure(tmp_path, monkeypatch):
     """The refinement's accuracy stages see the kept samples after the guard's 16; with no
     sample left over it is not tried."""
-    from quark_onnx import quantizer as quantizer_module
+    from quark_onnx.pipeline import quantizer as quantizer_module
 
     seen: list[int] = []
     original = quantizer_module._Run.accuracy

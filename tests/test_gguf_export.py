@@ -1,6 +1,6 @@
 """GGUF export of weight-only tensors: read back with gguf's own reader and dequantizer.
 
-Oracle: ``quark_onnx.qparams.dequantize`` (the ONNX DequantizeLinear formula, itself checked
+Oracle: ``quark_onnx.params.qparams.dequantize`` (the ONNX DequantizeLinear formula, itself checked
 against onnxruntime here). The read-back values must be equal where every block's scale (and
 ``-scale·zero_point`` for Q4_1) is a float16 value, and within
 ``2^-11·s·(|q - z| + |z_m|) + 2^-22·|x|`` otherwise.
@@ -19,10 +19,10 @@ import pytest
 from conftest import run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from quark_onnx import qparams
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import ModelLoadError, ModelSaveError, QuantizationError
-from quark_onnx.gguf_export import export_gguf
+from quark_onnx.formats.gguf_export import export_gguf
+from quark_onnx.params import qparams
 
 K, N, M = 256, 96, 32  # x (1, K) @ W1 (K, N) -> (1, N) @ W2 (N, M) + B -> (1, M)
 
@@ -394,7 +394,7 @@ def test_missing_gguf_names_the_extra(monkeypatch, tmp_path):
 def test_package_imports_without_gguf():
     code = (
         "import sys; sys.modules['gguf'] = None\n"
-        "import quark_onnx, quark_onnx.gguf_export\n"
+        "import quark_onnx, quark_onnx.formats.gguf_export\n"
         "assert 'gguf' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,12 +10,12 @@ import pytest
 from conftest import make_model, run_ort, shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx import model_io
-from quark_onnx.enums import QuantType
-from quark_onnx.importer import QDQImportError, extract_params, read_qdq
+from quark_onnx.config.enums import QuantType
+from quark_onnx.formats.importer import QDQImportError, extract_params, read_qdq
+from quark_onnx.formats.recipe import import_recipe, load_recipe
+from quark_onnx.model_files.load import to_ir, to_proto
+from quark_onnx.params.qparams import QuantParams, from_range, quantize, weight_params
 from quark_onnx.passes.insert_qdq import InsertQDQ
-from quark_onnx.qparams import QuantParams, from_range, quantize, weight_params
-from quark_onnx.recipe import import_recipe, load_recipe
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(11)
@@ -40,9 +40,9 @@ def matmul_model() -> onnx.ModelProto:
 
 
 def _apply(model: onnx.ModelProto, params: dict[str, QuantParams]) -> onnx.ModelProto:
-    ir_model = model_io.to_ir(model)
+    ir_model = to_ir(model)
     InsertQDQ(params)(ir_model)
-    return model_io.to_proto(ir_model)
+    return to_proto(ir_model)
 
 
 X = RNG.normal(0, 1, (2, 16)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""quark_onnx.memory: freed heap pages go back to the OS."""
+"""quark_onnx.runtime.memory: freed heap pages go back to the OS."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quark_onnx import memory
+from quark_onnx.runtime import memory
 
 
 def _rss_mb() -> float:
@@ -76,7 +76,7 @@ def test_pipeline_drops_plan_and_copies_before_finalize_and_graph_before_check()
     import gc
     import weakref
 
-    from quark_onnx import sequencer
+    from quark_onnx.pipeline import sequencer
 
     class Node:  # a graph with a reference cycle, as onnx_ir's nodes and values make
         def __init__(self) -> None:

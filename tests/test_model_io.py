@@ -10,14 +10,10 @@ import pytest
 from conftest import make_model, run_ort
 
 from quark_onnx.errors import ModelLoadError, ModelSaveError, QuarkOnnxError, UnsafePathError
-from quark_onnx.model_io import (
-    Terminated,
-    fits_in_protobuf,
-    load_model,
-    save_model,
-    sigterm_as_interrupt,
-    validate_proto,
-)
+from quark_onnx.model_files.external import fits_in_protobuf
+from quark_onnx.model_files.files import Terminated, atomic_write_bytes, sigterm_as_interrupt
+from quark_onnx.model_files.load import load_model, validate_proto
+from quark_onnx.model_files.save import save_model
 
 
 def _tiny() -> onnx.ModelProto:
@@ -213,7 +209,6 @@ def test_typed_field_tensor_goes_external(tmp_path, monkeypatch):
 
 
 def test_failed_rename_keeps_the_old_output_whole(tmp_path, monkeypatch):
-    from quark_onnx import model_io
 
     out = tmp_path / "m.onnx"
     save_model(_weighted(), out, external_data=True)
@@ -225,7 +220,7 @@ def test_failed_rename_keeps_the_old_output_whole(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(model_io.os, "replace", failing)
+    monkeypatch.setattr(os, "replace", failing)
     changed = _weighted()
     changed.graph.initializer[0].raw_data = bytes(len(changed.graph.initializer[0].raw_data))
     with pytest.raises(ModelSaveError, match="No space left"):
@@ -234,12 +229,11 @@ def test_failed_rename_keeps_the_old_output_whole(tmp_path, monkeypatch):
 
 
 def test_exception_mid_write_leaves_no_temporary(tmp_path, monkeypatch):
-    from quark_onnx import model_io
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_io.os, "fsync", boom)
+    monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(KeyboardInterrupt):
         save_model(_tiny(), tmp_path / "a.onnx")
     with pytest.raises(KeyboardInterrupt):
@@ -303,12 +297,10 @@ def test_written_files_get_the_usual_mode_not_a_private_one(tmp_path) -> None:
     plainly created file would have (0666 less the umask)."""
     import os
 
-    from quark_onnx import model_io
-
     mask = os.umask(0o022)
     try:
         target = tmp_path / "out.bin"
-        model_io.atomic_write_bytes(target, b"data")
+        atomic_write_bytes(target, b"data")
         assert target.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(mask)
@@ -318,7 +310,7 @@ def test_signature_proto_holds_the_inputs_a_feed_provides_and_nothing_else():
     import onnx_ir as ir
 
     from quark_onnx.calibration.readers import input_specs
-    from quark_onnx.model_io import signature_proto
+    from quark_onnx.model_files.load import signature_proto
 
     graph = onnx.helper.make_graph(
         [

@@ -9,11 +9,11 @@ from conftest import make_model
 from onnx import TensorProto as T
 from onnx import helper as h
 
+from quark_onnx.fidelity.paired_run import SUFFIX, combine, run_before_after
 from quark_onnx.model_files.load import serialize_ir
-from quark_onnx.paired_run import SUFFIX, combine, run_before_after
 from quark_onnx.passes.convert_avg_pool_to_dpu_version import ConvertAvgPoolToDPUVersion
 from quark_onnx.passes.convert_clip_to_relu import ConvertClipToRelu
-from quark_onnx.pipeline import _saturator, run_model, run_passes
+from quark_onnx.pipeline.prepare import _saturator, run_model, run_passes
 
 RNG = np.random.default_rng(7)
 
@@ -167,7 +167,7 @@ def test_samples_that_do_not_run_warn_once_and_leave_the_passes_unmeasured(caplo
     )
     model = ir.serde.deserialize_model(proto)
     wrong = [{"x": np.zeros((1, 5), np.float32)}]  # onnxruntime rejects the shape
-    with caplog.at_level("WARNING", logger="quark_onnx.pipeline"):
+    with caplog.at_level("WARNING", logger="quark_onnx.pipeline.prepare"):
         report = run_passes(
             model, [ReplaceClip6Relu(), ConvertSigmoidToHardSigmoid()], sample_feeds=wrong
         )

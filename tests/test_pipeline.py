@@ -15,10 +15,10 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 from quark_onnx import PassError, QuantizationConfig, get_default_config
-from quark_onnx.model_io import load_ir, upgrade
-from quark_onnx.options import ExtraOptions
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.model_files.load import load_ir, upgrade
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.pipeline import (
+from quark_onnx.pipeline.prepare import (
     GraphCleanup,
     PipelineReport,
     prepare_passes,
@@ -191,7 +191,7 @@ def test_graph_cleanup_keeps_the_measured_outputs(monkeypatch):
     """After GraphCleanup changed the graph, the next measured pass is measured against the
     outputs from before it (bit-identical) instead of a new run: same records, and only the model
     after the pass runs (not the pair before and after)."""
-    import quark_onnx.pipeline as pipeline
+    import quark_onnx.pipeline.prepare as pipeline
     from quark_onnx.passes import ConvertSigmoidToHardSigmoid, ReplaceClip6Relu
 
     proto = _clip_sigmoid_model()

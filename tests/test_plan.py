@@ -9,9 +9,11 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.enums import QuantType
-from quark_onnx.plan import RANGE_MAX_KEY, TensorKind, build_plan
+from quark_onnx.config.enums import QuantType
+from quark_onnx.config.quantization import QuantizationConfig
+from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+from quark_onnx.plan.build import build_plan
+from quark_onnx.plan.types import TensorKind
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(0)
@@ -150,7 +152,7 @@ def test_concat_and_reshape_share_one_group_and_custom_domain_stays_float():
     assert "shape" not in plan.tensors
     assert {f.name: f.reason for f in plan.float_nodes}["custom"] == "custom domain 'com.example'"
     # AlignConcat off: the Concat equality is dropped, Reshape's stays
-    from quark_onnx.options import resolve_extra_options
+    from quark_onnx.config.options import resolve_extra_options
 
     assert plan.groups(resolve_extra_options({"AlignConcat": False})) == [
         ("a", "ra"),

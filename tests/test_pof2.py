@@ -11,8 +11,8 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx import pof2
-from quark_onnx.enums import PowerOfTwoMethod, QuantType
+from quark_onnx.config.enums import PowerOfTwoMethod, QuantType
+from quark_onnx.params import pof2
 
 
 def oracle(x: np.ndarray, p: int) -> np.ndarray:
@@ -235,7 +235,7 @@ def test_pof2_does_not_import_the_calibration_package():
     import subprocess
     import sys
 
-    code = "import sys, quark_onnx.pof2; print('quark_onnx.calibration' in sys.modules)"
+    code = "import sys, quark_onnx.params.pof2; print('quark_onnx.calibration' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -272,7 +272,7 @@ def test_minmse_never_copies_a_large_weight_whole():
 
 def test_numpy_dtype_agrees_with_the_qparams_table():
     """pof2 derives the codes' dtype from width and sign (it does not import qparams)."""
-    from quark_onnx.qparams import numpy_dtype as table
+    from quark_onnx.params.qparams import numpy_dtype as table
 
     power_of_two_types = [q for q in QuantType if q.is_integer and q.bits >= 8]
     assert len(power_of_two_types) == 5

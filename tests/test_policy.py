@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from quark_onnx import policy
-from quark_onnx.options import ExtraOptions
-from quark_onnx.policy import Share, policy_for
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.npu import policy
+from quark_onnx.npu.ops import OpSpec, Share
+from quark_onnx.npu.policy import policy_for
 
 REQUIRED = [
     "Conv",
@@ -100,4 +101,4 @@ def test_fusion_entries_name_real_options():
 
 def test_registry_is_read_only():
     with pytest.raises(TypeError):
-        policy.POLICIES["Sigmoid"] = policy.OpPolicy()  # type: ignore[index]
+        policy.POLICIES["Sigmoid"] = OpSpec()  # type: ignore[index]

@@ -57,7 +57,7 @@ def _quantize(model: onnx.ModelProto, x: np.ndarray) -> ModelQuantizer:
 def test_concat_of_differently_ranged_tensors_names_the_small_one_and_its_cost(caplog):
     model = box_and_score_model("Sigmoid")
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.pipeline.quantizer"):
         quantizer = _quantize(model, x)
     warned = [r.getMessage() for r in caplog.records if "NPU rules cost" in r.getMessage()]
     assert len(warned) == 1 and "worst: tensor 'prob'" in warned[0]
@@ -86,7 +86,7 @@ def test_no_cost_where_the_rules_move_nothing(caplog):
     model.graph.node.insert(1, onnx.helper.make_node("Sigmoid", ["box"], ["box_p"], name="s0"))
     model.graph.node[-1].input[0] = "box_p"
     x = np.random.default_rng(4).normal(0, 1.0, (16, 1, 4, 4, 4)).astype(np.float32)
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.pipeline.quantizer"):
         report = _quantize(model, x).report
     assert not [r for r in caplog.records if "NPU rules cost" in r.getMessage()]
     assert report.positions["box_p"] == report.positions["prob"]

@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from quark_onnx import qparams
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
+from quark_onnx.params import qparams
 
 
 def test_int32_codes_saturate_instead_of_wrapping() -> None:
@@ -64,7 +64,7 @@ def test_float8_saturates_at_448() -> None:
 def test_uint4_weight_only_preset_exports_to_gguf_exactly() -> None:
     pytest.importorskip("gguf")
     from quark_onnx import Config, ModelQuantizer, get_default_config
-    from quark_onnx.gguf_export import export_gguf
+    from quark_onnx.formats.gguf_export import export_gguf
     from tests.strategies.transformer_block import build_block
 
     qc = get_default_config("UINT4_WEIGHT_ONLY_G32")

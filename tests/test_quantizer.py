@@ -16,8 +16,8 @@ from quark_onnx import (
     QuantType,
     get_default_config,
 )
-from quark_onnx.check import check
-from quark_onnx.npu_rules import position_of_scale
+from quark_onnx.npu.readiness import check
+from quark_onnx.npu.rules import position_of_scale
 
 SEED_OPTIONS = {
     "ConvertBNToConv": True,
@@ -161,7 +161,7 @@ def test_the_ir_does_not_import_sympy_and_quantization_never_imports_torch(tmp_p
 import sys
 import numpy as np
 import onnx_ir
-import quark_onnx.quantizer
+import quark_onnx.pipeline.quantizer
 print("sympy" in sys.modules)
 from onnx import TensorProto, helper, numpy_helper, save
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
@@ -256,20 +256,20 @@ def test_no_working_graph_is_alive_when_the_check_reads_the_written_model(tmp_pa
 
     import onnx_ir as ir
 
-    import quark_onnx.check
+    import quark_onnx.npu.readiness
 
     def graphs() -> int:
         gc.collect()
         return sum(isinstance(o, ir.Graph) for o in gc.get_objects())
 
     alive: list[int] = []
-    real_check = quark_onnx.check.check
+    real_check = quark_onnx.npu.readiness.check
 
     def counting_check(model):
         alive.append(graphs())
         return real_check(model)
 
-    monkeypatch.setattr(quark_onnx.check, "check", counting_check)
+    monkeypatch.setattr(quark_onnx.npu.readiness, "check", counting_check)
     before = graphs()  # other tests' graphs still alive in this process are not ours
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
     quantizer.quantize_model(

@@ -6,8 +6,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from quark_onnx.options import ExtraOptions
-from quark_onnx.presets import preset_names
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.config.presets import preset_names
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

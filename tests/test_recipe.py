@@ -14,20 +14,18 @@ import pytest
 from conftest import make_model, shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx import safetensors_io as st
-from quark_onnx.config import Config, get_default_config
-from quark_onnx.presets import preset_names
-from quark_onnx.quantizer import ModelQuantizer
-from quark_onnx.recipe import (
+from quark_onnx.config.presets import preset_names
+from quark_onnx.config.quantization import Config, get_default_config
+from quark_onnx.formats import safetensors_io as st
+from quark_onnx.formats.recipe import load_recipe, read_recipe, save_recipe
+from quark_onnx.formats.recipe_format import (
     PARAMS_FILE,
     RECIPE_FILE,
     RecipeError,
     config_from_json,
     config_to_json,
-    load_recipe,
-    read_recipe,
-    save_recipe,
 )
+from quark_onnx.pipeline.quantizer import ModelQuantizer
 
 F = TensorProto.FLOAT
 
@@ -326,7 +324,7 @@ def test_unreadable_or_foreign_recipes_are_refused(tmp_path, xint8):
     (rec / RECIPE_FILE).write_text(json.dumps({**doc, "format_version": 99}))
     with pytest.raises(RecipeError, match="upgrade quark_onnx"):
         read_recipe(rec)
-    (rec / RECIPE_FILE).write_text('{"format": "quark_onnx.recipe", "format": 1}')
+    (rec / RECIPE_FILE).write_text('{"format": "quark_onnx.formats.recipe", "format": 1}')
     with pytest.raises(RecipeError, match="twice"):
         read_recipe(rec)
     (rec / RECIPE_FILE).write_text(json.dumps(doc))
@@ -390,7 +388,7 @@ def test_quantizer_params_are_what_the_model_holds(tmp_path, preset):
     """``ModelQuantizer.params`` are final (codes after bias correction included): equal to the
     parameters read back from the written model, and a recipe saved from them without reading
     the model is the same, file for file."""
-    from quark_onnx.importer import extract_params
+    from quark_onnx.formats.importer import extract_params
 
     model_path = shared_path("models", "digits_cnn.onnx")
     x = np.load(shared_path("models", "digits_calib.npz"))["x"][:16]

@@ -1,4 +1,5 @@
-"""quark_onnx.runtime: one place builds the sessions; the XINT8 pipeline's budget of model forms."""
+"""quark_onnx.runtime.sessions: one place builds the sessions; the XINT8 pipeline's budget of
+model forms."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from conftest import shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx import Config, ModelQuantizer, get_default_config, runtime
+from quark_onnx import Config, ModelQuantizer, get_default_config
+from quark_onnx.runtime import sessions
 
 
 def _add_model() -> onnx.ModelProto:
@@ -27,16 +29,16 @@ def _add_model() -> onnx.ModelProto:
 
 
 def test_session_options_carry_each_setting() -> None:
-    so = runtime.session_options(optimize="basic", arena=False, mem_pattern=False)
+    so = sessions.session_options(optimize="basic", arena=False, mem_pattern=False)
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     assert not so.enable_cpu_mem_arena and not so.enable_mem_pattern
     assert so.log_severity_level == 3
-    so = runtime.session_options(spinning=False, simulate_qdq=True)
+    so = sessions.session_options(spinning=False, simulate_qdq=True)
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert so.get_session_config_entry("session.disable_quant_qdq") == "1"
     with pytest.raises(ValueError, match="optimize='fast'"):
-        runtime.session_options(optimize="fast")
+        sessions.session_options(optimize="fast")
 
 
 @pytest.mark.parametrize("form", ["proto", "bytes", "ir"])
@@ -47,14 +49,14 @@ def test_create_session_runs_every_form_and_counts(form: str) -> None:
         "bytes": proto.SerializeToString(),
         "ir": ir.serde.deserialize_model(proto),
     }[form]
-    runtime.COUNTS.reset()
-    session = runtime.create_session(model, purpose="test")
+    sessions.COUNTS.reset()
+    session = sessions.create_session(model, purpose="test")
     (y,) = session.run(None, {"x": np.array([1.0, 2.0], np.float32)})
     np.testing.assert_array_equal(y, np.array([2.5, 0.0], np.float32))
-    assert runtime.COUNTS.sessions == 1 and runtime.COUNTS.purposes == ["test"]
+    assert sessions.COUNTS.sessions == 1 and sessions.COUNTS.purposes == ["test"]
     # a proto is serialized once (counted); bytes are not; an IR model is serialized as part
     # of its session, not as a form the pipeline keeps
-    assert runtime.COUNTS.serialisations == (1 if form == "proto" else 0)
+    assert sessions.COUNTS.serialisations == (1 if form == "proto" else 0)
     assert getattr(session, "_model_bytes", None) is None  # the bytes are not kept
 
 
@@ -64,11 +66,11 @@ def test_create_session_edit_changes_only_the_private_proto() -> None:
     def extra_output(proto: onnx.ModelProto) -> None:
         proto.graph.output.append(onnx.ValueInfoProto(name="x"))
 
-    session = runtime.create_session(model, edit=extra_output)
+    session = sessions.create_session(model, edit=extra_output)
     assert [o.name for o in session.get_outputs()] == ["y", "x"]
     assert [v.name for v in model.graph.outputs] == ["y"]
     with pytest.raises(ValueError, match="ir.Model"):
-        runtime.create_session(_add_model(), edit=extra_output)
+        sessions.create_session(_add_model(), edit=extra_output)
 
 
 def _count_serialisations(monkeypatch) -> list[str]:
@@ -117,7 +119,7 @@ def test_the_serialisation_count_sees_every_entry_point(monkeypatch) -> None:
     ir.to_proto(model)
     ir.serde.serialize_model(model)
     ir.serde.serialize_graph(model.graph)
-    runtime.create_session(model)
+    sessions.create_session(model)
     assert found == [
         "test_the_serialisation_count_sees_every_entry_point",
         "test_the_serialisation_count_sees_every_entry_point",
@@ -152,7 +154,7 @@ def test_xint8_digits_serialisations_and_sessions_only_to_run_data(tmp_path, mon
     monkeypatch.setattr(ort.InferenceSession, "run", counting_run)
     serialised = _count_serialisations(monkeypatch)
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("XINT8")))
-    runtime.COUNTS.reset()
+    sessions.COUNTS.reset()
     quantizer.quantize_model(
         shared_path("models", "digits_cnn.onnx"),
         tmp_path / "q.onnx",
@@ -162,15 +164,15 @@ def test_xint8_digits_serialisations_and_sessions_only_to_run_data(tmp_path, mon
     forms = [s for s in serialised if s != "session"]
     assert forms == ["call", "parameters", "finalize"], serialised
     # one serialisation per session built from the IR, two for the one that runs the models
-    # before and after a measured pass (quark_onnx.paired_run); calibration's session reads the
-    # float copy's proto (serialized to bytes, not converted again)
-    assert serialised.count("session") == runtime.COUNTS.sessions - 1 + 1
+    # before and after a measured pass (quark_onnx.fidelity.paired_run); calibration's session reads
+    # the float copy's proto (serialized to bytes, not converted again)
+    assert serialised.count("session") == sessions.COUNTS.sessions - 1 + 1
     assert created and all(ran[s] > 0 for s in created), "a session was built that ran no data"
     # the stages that run data: the float reference, the measured passes, the channel ranges
     # of FoldConstantChannels and of CLE's gate, the residual stream's values for its gate
     # (EqualizeResidualStreams: the digits CNN has one), calibration, the fidelity run of the
     # quantized model
-    assert collections.Counter(runtime.COUNTS.purposes) == {
+    assert collections.Counter(sessions.COUNTS.purposes) == {
         "run_model": 4,
         "channel_statistics": 2,
         "residual_streams": 1,

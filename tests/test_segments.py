@@ -8,8 +8,10 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from quark_onnx import runtime
-from quark_onnx.runtime import _Graph
+from quark_onnx.model_files.external import external_data_dir
+from quark_onnx.model_files.load import load_ir
+from quark_onnx.runtime import sessions
+from quark_onnx.runtime.sessions import _Graph
 
 
 def _branchy(n: int = 12) -> onnx.ModelProto:
@@ -84,12 +86,12 @@ def test_segments_give_the_whole_sessions_values(max_nodes: int, form: str) -> N
     proto = _branchy()
     names = ["x", *_every_tensor(proto)]
     feeds = _feeds()
-    whole = runtime.run_outputs(proto, feeds, names, max_nodes=10**6)
+    whole = sessions.run_outputs(proto, feeds, names, max_nodes=10**6)
     model = proto if form == "proto" else ir.serde.deserialize_model(proto)
-    before = runtime.COUNTS.sessions
-    pieces = runtime.run_outputs(model, feeds, names, max_nodes=max_nodes)
+    before = sessions.COUNTS.sessions
+    pieces = sessions.run_outputs(model, feeds, names, max_nodes=max_nodes)
     n = len(proto.graph.node)
-    assert runtime.COUNTS.sessions - before >= -(-n // max_nodes) > 1
+    assert sessions.COUNTS.sessions - before >= -(-n // max_nodes) > 1
     for w, p in zip(whole, pieces, strict=True):
         assert list(p) == names
         for name in names:
@@ -100,7 +102,7 @@ def test_segments_give_the_whole_sessions_values(max_nodes: int, form: str) -> N
     import onnxruntime as ort
 
     session = ort.InferenceSession(
-        proto.SerializeToString(), runtime.session_options(), providers=["CPUExecutionProvider"]
+        proto.SerializeToString(), sessions.session_options(), providers=["CPUExecutionProvider"]
     )
     for feed, p in zip(feeds, pieces, strict=True):
         out, r4 = session.run(["out", "r4"], feed)
@@ -111,7 +113,7 @@ def test_segments_give_the_whole_sessions_values(max_nodes: int, form: str) -> N
 def test_default_outputs_are_the_graph_outputs_and_the_proto_is_unchanged() -> None:
     proto = _branchy()
     before = proto.SerializeToString()
-    got = runtime.run_outputs(proto, _feeds(2), max_nodes=4)
+    got = sessions.run_outputs(proto, _feeds(2), max_nodes=4)
     assert [list(g) for g in got] == [["out", "r4"]] * 2
     assert proto.SerializeToString() == before
 
@@ -120,7 +122,7 @@ def test_each_value_is_yielded_once_as_soon_as_its_piece_ran() -> None:
     proto = _branchy()
     names = _every_tensor(proto)
     seen: list[str] = []
-    for first, got in runtime.run_segments(proto, _feeds(2), names, max_nodes=4):
+    for first, got in sessions.run_segments(proto, _feeds(2), names, max_nodes=4):
         assert first == 0
         assert all(len(values) == 2 for values in got.values())
         seen.extend(got)
@@ -158,7 +160,7 @@ def test_a_missing_feed_is_named() -> None:
     proto = _branchy()
     feeds = [{"x": _feeds(1)[0]["x"]}]
     with pytest.raises(ValueError, match="'y'"):
-        runtime.run_outputs(proto, feeds, max_nodes=3)
+        sessions.run_outputs(proto, feeds, max_nodes=3)
 
 
 def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monkeypatch) -> None:
@@ -190,13 +192,13 @@ def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monk
         }
 
     whole = quantize("whole.onnx")
-    before = runtime.COUNTS.sessions
+    before = sessions.COUNTS.sessions
     quantize("probe.onnx")
-    sessions_whole = runtime.COUNTS.sessions - before
-    monkeypatch.setattr(runtime, "SEGMENT_NODES", 5)
-    before = runtime.COUNTS.sessions
+    sessions_whole = sessions.COUNTS.sessions - before
+    monkeypatch.setattr(sessions, "SEGMENT_NODES", 5)
+    before = sessions.COUNTS.sessions
     pieces = quantize("pieces.onnx")
-    assert runtime.COUNTS.sessions - before > sessions_whole  # it did run in pieces
+    assert sessions.COUNTS.sessions - before > sessions_whole  # it did run in pieces
     assert pieces[0] == whole[0]
     assert whole[1]["fidelity"]["faithful"] is False  # the guard ran its per-layer analysis
     assert whole[1]["fidelity"]["worst_layers"]
@@ -205,7 +207,6 @@ def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monk
 
 def test_pieces_of_a_model_with_external_weights(tmp_path, monkeypatch) -> None:
     """Weights left in the model's data file (memory-mapped by load_ir) are read into each piece."""
-    from quark_onnx import model_io
     from quark_onnx.model_files import external
 
     monkeypatch.setattr(external, "SMALL_TENSOR_BYTES", 0)  # every weight stays in the file
@@ -213,14 +214,14 @@ def test_pieces_of_a_model_with_external_weights(tmp_path, monkeypatch) -> None:
     proto = _branchy()
     feeds = _feeds(2)
     names = _every_tensor(proto)
-    whole = runtime.run_outputs(proto, feeds, names, max_nodes=10**6)
+    whole = sessions.run_outputs(proto, feeds, names, max_nodes=10**6)
     path = tmp_path / "m.onnx"
     # (onnx.save turns the proto's own tensors into references)
     onnx.save(proto, path, save_as_external_data=True, location="m.data", size_threshold=0)
-    model = model_io.load_ir(path)
-    assert model_io.external_data_dir(model) is not None
+    model = load_ir(path)
+    assert external_data_dir(model) is not None
     for max_nodes in (3, 10**6):
-        got = runtime.run_outputs(model, feeds, names, max_nodes=max_nodes)
+        got = sessions.run_outputs(model, feeds, names, max_nodes=max_nodes)
         for w, p in zip(whole, got, strict=True):
             for name in names:
                 np.testing.assert_array_equal(p[name], w[name], err_msg=name)

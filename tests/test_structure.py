@@ -8,6 +8,7 @@ installed as ``quark_onnx.passes`` and is part of the graph.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,17 +140,17 @@ def test_import_quark_onnx_loads_no_heavy_module():
 
 
 # ------------------------------------------------------------------------------------------------
-# Size limits: a module is read whole, a function on one screen or two
+# Layout: a concept is a subpackage, a module is read whole, a function on one screen or two
 # ------------------------------------------------------------------------------------------------
 
-MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
-
-#: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
-LONG_MODULES: dict[str, str] = {}
 
 #: Functions allowed above MAX_FUNCTION_LINES ("path::name"), and why.
 LONG_FUNCTIONS: dict[str, str] = {}
+
+#: A module name that says "the rest of another module": a module grown too long is split by
+#: concept (into a subpackage of modules each named for what it holds), never into parts.
+PART_NAME = re.compile(r"(_part\d*|_\d+|_more|_extra|_cont(inued)?|_rest|_misc|_2)$")
 
 
 def _source_files() -> list[Path]:
@@ -158,13 +159,9 @@ def _source_files() -> list[Path]:
     )
 
 
-def long_modules(files: list[Path], root: Path = REPO) -> dict[str, int]:
-    """Path (relative to ``root``) -> line count, of the files over the limit."""
-    sizes = {
-        p.relative_to(root).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
-        for p in files
-    }
-    return {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+def part_modules(files: list[Path], root: Path = REPO) -> list[str]:
+    """Paths (relative to ``root``) of the modules named as a part of another one."""
+    return sorted(p.relative_to(root).as_posix() for p in files if PART_NAME.search(p.stem))
 
 
 def long_functions(files: list[Path], root: Path = REPO) -> dict[str, int]:
@@ -179,15 +176,20 @@ def long_functions(files: list[Path], root: Path = REPO) -> dict[str, int]:
     return found
 
 
-def test_no_module_over_the_size_limit_unless_allowed():
-    files = _source_files()
-    found = long_modules(files)
-    assert sorted(set(found) - set(LONG_MODULES)) == [], (
-        f"modules over {MAX_MODULE_LINES} lines: split by concept (or add to LONG_MODULES, "
-        "saying why)"
+def test_no_module_is_a_part_of_another():
+    assert part_modules(_source_files()) == [], (
+        "split a long module by concept into a subpackage, not into numbered parts"
     )
-    # an entry that no longer applies goes, so that the list stays the list of splits to make
-    assert sorted(set(LONG_MODULES) - set(found)) == []
+
+
+def test_the_package_root_holds_subpackages_not_concepts():
+    """Each concept has a folder (its ``__init__`` says what it owns); the root keeps only the
+    public face, ``python -m``, the exception hierarchy and the checkout loader."""
+    root = sorted(p.name for p in (REPO / "quark_onnx").glob("*.py"))
+    assert root == ["__init__.py", "__main__.py", "_checkout.py", "errors.py"]
+    for init in (REPO / "quark_onnx").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        assert doc, f"{init.parent.name}/__init__.py: say what the subpackage owns"
 
 
 def test_no_function_over_the_size_limit_unless_allowed():
@@ -198,14 +200,53 @@ def test_no_function_over_the_size_limit_unless_allowed():
     assert sorted(set(LONG_FUNCTIONS) - set(found)) == []
 
 
-def test_the_size_probes_count_what_they_claim(tmp_path):
+def test_the_layout_probes_count_what_they_claim(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))  # def line + 120
     (tmp_path / "big.py").write_text(f"def big():\n{body}\n\n\ndef small():\n    pass\n")
     files = [tmp_path / "big.py"]
     assert long_functions(files, tmp_path) == {"big.py::big": MAX_FUNCTION_LINES + 1}
-    assert long_modules(files, tmp_path) == {}
-    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
-    assert long_modules(files, tmp_path) == {"big.py": MAX_MODULE_LINES + 1}
+    for name in ("plan_part2.py", "plan_2.py", "solver_rest.py"):
+        (tmp_path / name).write_text("")
+    files = sorted(tmp_path.glob("*.py"))
+    assert part_modules(files, tmp_path) == ["plan_2.py", "plan_part2.py", "solver_rest.py"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Names are imported from the module that owns them; one place builds onnxruntime sessions
+# ------------------------------------------------------------------------------------------------
+
+
+def _tracked(*patterns: str) -> list[str]:
+    done = subprocess.run(
+        ["git", "ls-files", *patterns], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    return done.stdout.split()
+
+
+def test_re_exports_only_in_package_faces():
+    """A ``noqa`` for F401 (an import kept though unused: a re-export) only in a package's
+    ``__init__``: every other module imports a name from the module that defines it."""
+    marker = "noqa: " + "F401"
+    found = [
+        f
+        for f in _tracked("*.py")
+        if Path(f).name != "__init__.py" and marker in (REPO / f).read_text(encoding="utf-8")
+    ]
+    assert found == []
+
+
+def test_one_function_builds_onnxruntime_sessions():
+    """Every session of the package is built by ``quark_onnx.runtime.sessions.create_session``
+    (one set of options, counters, memory habits)."""
+    marker = "InferenceSession" + "("
+    found = sorted(
+        f
+        for f in _tracked("quark_onnx/*.py", "passes/*.py")
+        if marker in (REPO / f).read_text(encoding="utf-8")
+    )
+    assert found == ["quark_onnx/runtime/sessions.py"]
+    text = (REPO / "quark_onnx/runtime/sessions.py").read_text(encoding="utf-8")
+    assert text.count(marker) == 1
 
 
 def test_every_subpackage_is_in_the_wheel():

@@ -91,18 +91,12 @@ import onnx
 import onnx_ir as ir
 
 from quark_onnx.accuracy.layer_statistics import TARGETS, _statistics, _ungroup
-from quark_onnx.accuracy.layerwise import (
-    Layer,
-    Replay,
-    find_layers,
-    held_out_split,
-    set_codes,
-    tensor_names,
-)
+from quark_onnx.accuracy.layers import Layer, find_layers, held_out_split, set_codes, tensor_names
+from quark_onnx.accuracy.replay import Replay
+from quark_onnx.config.options import ExtraOptions, closest_name
 from quark_onnx.errors import ConfigError, QuantizationError
-from quark_onnx.options import ExtraOptions, closest_name
-from quark_onnx.plan import QuantPlan
-from quark_onnx.progress import Progress
+from quark_onnx.plan.types import QuantPlan
+from quark_onnx.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -78,21 +78,16 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx import npu_rules
 from quark_onnx.accuracy.adaround import AdaRoundSettings
 from quark_onnx.accuracy.ahead import ahead
-from quark_onnx.accuracy.layerwise import (
-    Layer,
-    Replay,
-    find_layers,
-    set_codes,
-    tensor_names,
-)
+from quark_onnx.accuracy.layers import Layer, find_layers, set_codes, tensor_names
+from quark_onnx.accuracy.replay import Replay
 from quark_onnx.accuracy.sequential_rounding import SequentialRounding
-from quark_onnx.options import ExtraOptions
-from quark_onnx.plan import PlannedNode, QuantPlan
-from quark_onnx.pof2 import POSITION_MAX, POSITION_MIN
-from quark_onnx.progress import Progress
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.npu import op_sets
+from quark_onnx.params.pof2 import POSITION_MAX, POSITION_MIN
+from quark_onnx.plan.types import PlannedNode, QuantPlan
+from quark_onnx.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +202,7 @@ def bias_window(node: PlannedNode, positions: dict[str, int]) -> tuple[int, int]
         return None
     assert weight is not None and data is not None and output is not None
     acc = positions[weight] + positions[data]
-    lo, hi = npu_rules.shift_bias_range(acc - positions[output], node.before_leaky_relu)
+    lo, hi = op_sets.shift_bias_range(acc - positions[output], node.before_leaky_relu)
     return max(acc - hi, POSITION_MIN), min(acc - lo, POSITION_MAX)
 
 

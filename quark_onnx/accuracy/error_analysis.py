@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.plan import QuantPlan
+from quark_onnx.plan.types import QuantPlan
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def layer_errors(
 
 
 #: Samples run together through the pieces of a graph too long for one session: the values of
-#: a piece are held for every sample of the group (:func:`quark_onnx.runtime.run_segments`).
+#: a piece are held for every sample of the group
+# (:func:`quark_onnx.runtime.sessions.run_segments`).
 SEGMENT_SAMPLES = 4
 
 
@@ -142,15 +143,15 @@ def _paired_values(
 ) -> Iterator[tuple[int, list[np.ndarray], list[np.ndarray]]]:
     """``(index in tensors, float values, quantized values)`` of each tensor on some samples.
 
-    Both models run through :func:`quark_onnx.runtime.run_segments` in the same way: one
+    Both models run through :func:`quark_onnx.runtime.sessions.run_segments` in the same way: one
     session each, sample by sample, or, when either graph is too long for one session, piece by
     piece on groups of :data:`SEGMENT_SAMPLES` samples, the quantized model advanced as far as
     the float one has gone. A value waits only until its counterpart is computed: what is held
     is one sample's tensors, or about a piece's tensors per model for a group.
     """
-    from quark_onnx import runtime
+    from quark_onnx.runtime import sessions
 
-    whole = max(runtime.node_count(prepared), runtime.node_count(model)) <= runtime.SEGMENT_NODES
+    whole = max(sessions.node_count(prepared), sessions.node_count(model)) <= sessions.SEGMENT_NODES
     groups = (
         [samples]
         if whole
@@ -159,10 +160,10 @@ def _paired_values(
     index = {t: i for i, t in enumerate(tensors)}
     of_view = {views[t]: t for t in tensors}
     for group in groups:
-        float_runs = runtime.run_segments(
+        float_runs = sessions.run_segments(
             prepared, group, tensors, whole=whole, purpose="error_analysis"
         )
-        quant_runs = runtime.run_segments(
+        quant_runs = sessions.run_segments(
             model, group, list(of_view), whole=whole, purpose="error_analysis"
         )
         waiting_f: dict[tuple[str, int], list[np.ndarray]] = {}
@@ -236,7 +237,7 @@ def fallback_cost(
     and with ``excluded`` moved to the CPU. ``prepared`` is the float model the plan was built on
     (node names as in the plan, ``node_label``).
     """
-    from quark_onnx.plan import node_label
+    from quark_onnx.plan.build import node_label
 
     nodes = list(ir.serde.deserialize_model(prepared).graph)
     labels = {id(n): node_label(n, i) for i, n in enumerate(nodes)}

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.accuracy.layerwise import Layer
+from quark_onnx.accuracy.layers import Layer
 
 #: What the layer's output is fitted to (module doc).
 TARGETS = ("float", "weights", "debiased")

@@ -14,15 +14,15 @@ one); a value added to a tensor (:meth:`Replay.add_to`) is added again whenever 
 Memory: live ``DequantizeLinear`` outputs with a power-of-two scale are kept as their integer
 codes (exact, 4x smaller for int8); under a budget, new segments are also split after their last
 ``QuantizeLinear`` so a checkpoint can hold int8 codes instead of a float convolution output.
-All segments' sessions allocate from one onnxruntime arena (:mod:`quark_onnx.accuracy.runtime`).
+All segments' sessions allocate from one onnxruntime arena (:mod:`quark_onnx.runtime.arena`).
 After a request, once the process holds more than :data:`TRIM_SLACK_MB` over the replay's start,
-the arena's unused regions are freed (:func:`~quark_onnx.accuracy.runtime.release_arena`) and
-glibc's free pages returned (:func:`quark_onnx.memory.release_freed_memory`); :meth:`Replay.close`
-does both for good. The first sample of a request measures the live state at every boundary but
-keeps only the (at most two) states the checkpoint can move to. Values are bit-identical
-whatever the budget: a rerun uses the first run's session, dequantizing power-of-two codes is
-exact, and the extra split lies between a ``QuantizeLinear`` and its ``DequantizeLinear``, which
-no optimization fuses while Q/DQ fusions are off (checked: the XINT8 models of digits_cnn,
+the arena's unused regions are freed (:func:`~quark_onnx.runtime.arena.release_arena`) and
+glibc's free pages returned (:func:`quark_onnx.runtime.memory.release_freed_memory`);
+:meth:`Replay.close` does both for good. The first sample of a request measures the live state at
+every boundary but keeps only the (at most two) states the checkpoint can move to. Values are
+bit-identical whatever the budget: a rerun uses the first run's session, dequantizing power-of-two
+codes is exact, and the extra split lies between a ``QuantizeLinear`` and its ``DequantizeLinear``,
+which no optimization fuses while Q/DQ fusions are off (checked: the XINT8 models of digits_cnn,
 SqueezeNet and MobileNetV2 are byte-identical).
 """
 
@@ -38,7 +38,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx import memory
 from quark_onnx.accuracy.layers import position_of_scale
 from quark_onnx.accuracy.replay_graph import (
     IRNode,
@@ -48,14 +47,15 @@ from quark_onnx.accuracy.replay_graph import (
     tensor_array,
     tensor_proto,
 )
-from quark_onnx.accuracy.runtime import release_arena, session_options
 from quark_onnx.errors import QuantizationError
-from quark_onnx.runtime import subgraph_reads
+from quark_onnx.runtime import memory
+from quark_onnx.runtime.arena import release_arena, session_options
+from quark_onnx.runtime.sessions import create_session, subgraph_reads
 
 logger = logging.getLogger(__name__)
 
 #: Growth of the resident set (MiB) over a replay's start that is tolerated before freed heap
-#: pages are handed back (:func:`quark_onnx.memory.release_freed_memory_above`).
+#: pages are handed back (:func:`quark_onnx.runtime.memory.release_freed_memory_above`).
 TRIM_SLACK_MB = 32.0
 
 
@@ -513,7 +513,6 @@ class Replay:
         self.runs += 1
 
     def _session(self, seg: _Segment, feeds: dict[str, np.ndarray]) -> Any:
-        import onnxruntime as ort
 
         nodes = self.nodes[seg.start : seg.end]
         used = dict.fromkeys(x for node in nodes for x in node.input if x in self.initializers)
@@ -541,9 +540,7 @@ class Replay:
         # the proto holds a copy of the segment's weights: gone before onnxruntime makes its own
         del model, graph
         try:
-            return ort.InferenceSession(
-                data, session_options(self.threads), providers=["CPUExecutionProvider"]
-            )
+            return create_session(data, session_options(self.threads), purpose="replay segment")
         except Exception as exc:  # onnxruntime raises its own exception types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QuantizationError(

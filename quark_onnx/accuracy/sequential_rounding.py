@@ -27,7 +27,8 @@ from quark_onnx.accuracy.adaround import (
     _round,
 )
 from quark_onnx.accuracy.layer_statistics import _Statistics, _ungroup
-from quark_onnx.accuracy.layerwise import Layer, Replay, held_out_split, set_codes
+from quark_onnx.accuracy.layers import Layer, held_out_split, set_codes
+from quark_onnx.accuracy.replay import Replay
 
 
 def _positions_per_sample(layer: Layer, batch: int) -> int | None:

@@ -14,20 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from quark_onnx import pof2
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import CalibrationError, ConfigError
+from quark_onnx.params import pof2
 
 #: Number of histogram buckets: every value of the top 16 bits of a float32.
 NUM_BUCKETS = 1 << 16
 _HALF = 1 << 15
 #: Largest position at which the histogram error is exact for 8-bit types: above it the subnormal
-#: buckets are wider than half a quantum (far beyond :data:`quark_onnx.pof2.POSITION_MAX`).
+#: buckets are wider than half a quantum (far beyond :data:`quark_onnx.params.pof2.POSITION_MAX`).
 MAX_HIST_POSITION = 132
 
 
 def signed_limits(qtype: QuantType) -> tuple[int, int]:
-    """Centred code range ``(lo, hi)`` of ``qtype`` (:func:`quark_onnx.pof2.code_range`).
+    """Centred code range ``(lo, hi)`` of ``qtype`` (:func:`quark_onnx.params.pof2.code_range`).
 
     Raises :class:`~quark_onnx.errors.ConfigError` for a type without integer codes.
     """

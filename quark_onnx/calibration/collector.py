@@ -2,8 +2,8 @@
 
 What is read and from where (session outputs, feeds, initializers, or derived from other
 tensors) is planned by :mod:`quark_onnx.calibration.tensors`; the session over a copy of the model
-(one session, or the graph piece by piece above :data:`quark_onnx.runtime.SEGMENT_NODES` nodes)
-is :mod:`quark_onnx.calibration.session`; the feeds are validated and grouped into runs by
+(one session, or the graph piece by piece above :data:`quark_onnx.runtime.sessions.SEGMENT_NODES`
+nodes) is :mod:`quark_onnx.calibration.session`; the feeds are validated and grouped into runs by
 :mod:`quark_onnx.calibration.feeds`. This module streams the runs into the observers.
 
 The tensors read are folded into numpy observers: running min/max for MinMax/NonOverflow, the
@@ -50,18 +50,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
+from quark_onnx.calibration.feeds import batches
+from quark_onnx.calibration.observers import HistogramObserver, MinMaxObserver, Observer
+from quark_onnx.calibration.readers import CalibrationDataReader, input_specs, reader_for
+from quark_onnx.calibration.result import CalibrationResult, model_hash
+from quark_onnx.calibration.session import SEGMENT_RUNS, CalibrationSession
+from quark_onnx.calibration.tensors import can_combine, derive_observers, plan_reads
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError
-from quark_onnx.memory import release_freed_memory
-from quark_onnx.options import ExtraOptions
-from quark_onnx.progress import Progress
-
-from .feeds import batches
-from .observers import HistogramObserver, MinMaxObserver, Observer
-from .readers import CalibrationDataReader, input_specs, reader_for
-from .result import CalibrationResult, model_hash
-from .session import SEGMENT_RUNS, CalibrationSession
-from .tensors import can_combine, derive_observers, plan_reads
+from quark_onnx.runtime.memory import release_freed_memory
+from quark_onnx.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class Collector:
     """The plan, the session, the observers and the streaming loop of one calibration.
 
     ``segment_nodes``: above this many nodes the copy runs piece by piece (default
-    :data:`quark_onnx.runtime.SEGMENT_NODES`).
+    :data:`quark_onnx.runtime.sessions.SEGMENT_NODES`).
     """
 
     def __init__(

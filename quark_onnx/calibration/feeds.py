@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .readers import CalibrationDataReader, InputSpec, validate_feed
+from quark_onnx.calibration.readers import CalibrationDataReader, InputSpec, validate_feed
 
 Feed = dict[str, np.ndarray]
 

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import numpy as np
 
-from quark_onnx import pof2
 from quark_onnx.calibration.buckets import _HALF, bucket_edges, bucket_units, signed_limits
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
+from quark_onnx.params import pof2
 
 
 class BucketStatistics(Protocol):
@@ -139,14 +139,14 @@ def histogram_sse(
 def minmse_position_from_histogram(
     hist: BucketStatistics, qtype: QuantType = QuantType.QInt8
 ) -> int:
-    """``argmin_p`` of :func:`histogram_sse` over :func:`quark_onnx.pof2.minmse_window`.
+    """``argmin_p`` of :func:`histogram_sse` over :func:`quark_onnx.params.pof2.minmse_window`.
 
     The window starts at the rounding-aware NonOverflow position of the observed ``[min, max]``
     and ends at the saturation position of the smallest non-zero bucket's lower edge (a lower
     bound of the smallest non-zero ``|x|``); ties go to the lower position
-    (:func:`quark_onnx.pof2.best_position`). For 8-bit types this is exactly
-    :func:`quark_onnx.pof2.minmse_position` of the observed values. An all-zero tensor gives
-    :data:`quark_onnx.pof2.ZERO_POSITION`.
+    (:func:`quark_onnx.params.pof2.best_position`). For 8-bit types this is exactly
+    :func:`quark_onnx.params.pof2.minmse_position` of the observed values. An all-zero tensor gives
+    :data:`quark_onnx.params.pof2.ZERO_POSITION`.
     """
     if hist.min > hist.max or (hist.min == 0.0 and hist.max == 0.0):
         return pof2.ZERO_POSITION

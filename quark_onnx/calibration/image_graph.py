@@ -339,6 +339,8 @@ def make_preprocess_session(model: onnx.ModelProto):  # -> onnxruntime.Inference
     """An onnxruntime session for a graph using onnxruntime-extensions' operators (CPU)."""
     import onnxruntime as ort
 
+    from quark_onnx.runtime.sessions import create_session
+
     try:
         from onnxruntime_extensions import get_library_path
     except ImportError as exc:  # a declared dependency, but give the fix if it is missing
@@ -349,6 +351,4 @@ def make_preprocess_session(model: onnx.ModelProto):  # -> onnxruntime.Inference
     options = ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     options.log_severity_level = 4  # failures are raised as CalibrationError instead
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    return create_session(model.SerializeToString(), options, purpose="image pre-processing")

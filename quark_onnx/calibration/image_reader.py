@@ -34,8 +34,8 @@ from quark_onnx.calibration.image_graph import (
     make_preprocess_session,
 )
 from quark_onnx.calibration.image_spec import PreprocessSpec, _fmt_sides
+from quark_onnx.config.options import closest_name
 from quark_onnx.errors import CalibrationError, ModelLoadError
-from quark_onnx.options import closest_name
 
 logger = logging.getLogger(__name__)
 

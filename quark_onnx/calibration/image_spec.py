@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quark_onnx.config.options import closest_name
 from quark_onnx.errors import ConfigError
-from quark_onnx.options import closest_name
 
 CHANNEL_ORDERS = ("RGB", "BGR")
 _LAYOUTS = ("NCHW", "NHWC")

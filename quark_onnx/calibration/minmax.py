@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from quark_onnx import pof2
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import CalibrationError
+from quark_onnx.params import pof2
 
 
 class MinMaxObserver:
@@ -88,7 +88,7 @@ class MinMaxObserver:
         return self.min, self.max
 
     def nonoverflow_position(self, qtype: QuantType = QuantType.QInt8) -> int:
-        """:func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``."""
+        """:func:`quark_onnx.params.pof2.nonoverflow_position` of the observed ``[min, max]``."""
         if self.count == 0:
             return pof2.ZERO_POSITION
         return pof2.nonoverflow_position(self.min, self.max, QuantType.coerce(qtype))

@@ -24,9 +24,9 @@ inputs.
     * ``Entropy`` and ``MSE`` on a linear histogram of ``NumBins`` bins resampled from it.
 
 The power-of-two numerics (positions, NonOverflow, the MinMSE window and tie rule, the all-zero
-convention) are :mod:`quark_onnx.pof2`'s; only their evaluation on a histogram lives here. An
+convention) are :mod:`quark_onnx.params.pof2`'s; only their evaluation on a histogram lives here. An
 unsigned type with the midpoint zero point (uint8 with zero point 128) represents exactly the same
-values as the signed type of the same width (:func:`quark_onnx.pof2.code_range`).
+values as the signed type of the same width (:func:`quark_onnx.params.pof2.code_range`).
 
 Non-finite values (NaN, +-Inf) are never folded into a range: each observer counts and skips them
 (``nonfinite``); the collector warns with the tensor name and the count.
@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from quark_onnx import pof2
 from quark_onnx.calibration.buckets import (
     _HALF,
     NUM_BUCKETS,
@@ -62,8 +61,9 @@ from quark_onnx.calibration.histogram_search import (
     resample_linear,
 )
 from quark_onnx.calibration.minmax import MinMaxObserver
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import CalibrationError, ConfigError
+from quark_onnx.params import pof2
 
 #: Values binned per step: the step's keys and offsets stay in the CPU cache.
 _CHUNK = 1 << 15
@@ -400,7 +400,7 @@ class HistogramObserver:
         return self.counts[:_HALF] + self.counts[_HALF:]
 
     def nonoverflow_position(self, qtype: QuantType = QuantType.QInt8) -> int:
-        """:func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``."""
+        """:func:`quark_onnx.params.pof2.nonoverflow_position` of the observed ``[min, max]``."""
         if self.min > self.max:
             return pof2.ZERO_POSITION
         return pof2.nonoverflow_position(self.min, self.max, QuantType.coerce(qtype))

@@ -26,11 +26,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import onnx
 
-from quark_onnx.errors import CalibrationError
-from quark_onnx.options import ExtraOptions, closest_name
-
 # the .npz/.npy reading, re-exported: readers and the CLI have always imported it from here
-from .npz_files import load_array, max_array_bytes, npz_keys
+from quark_onnx.calibration.npz_files import load_array, max_array_bytes, npz_keys
+from quark_onnx.config.options import ExtraOptions, closest_name
+from quark_onnx.errors import CalibrationError
 
 logger = logging.getLogger(__name__)
 

@@ -20,18 +20,17 @@ from typing import Any
 
 import onnx
 
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
-from quark_onnx.errors import CalibrationError
-from quark_onnx.model_io import atomic_write_bytes, read_regular_file
-from quark_onnx.options import ExtraOptions, closest_name
-
-from .buckets import signed_limits
-from .observers import (
+from quark_onnx.calibration.buckets import signed_limits
+from quark_onnx.calibration.observers import (
     HistogramObserver,
     MinMaxObserver,
     Observer,
     observer_from_dict,
 )
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
+from quark_onnx.config.options import ExtraOptions, closest_name
+from quark_onnx.errors import CalibrationError
+from quark_onnx.model_files.files import atomic_write_bytes, read_regular_file
 
 #: Version 2: histograms hold exact integer offset statistics (version 1 held float sums).
 FORMAT = "quark_onnx.calibration/2"
@@ -140,11 +139,11 @@ class CalibrationResult:
     ) -> int:
         """Power-of-two position ``p`` (scale ``2^-p``) of tensor ``name`` for ``qtype``.
 
-        NonOverflow: :func:`quark_onnx.pof2.nonoverflow_position` of the observed ``[min, max]``
-        (rounding-aware; the negative side may use code -128). MinMSE: the exact histogram search
-        (:func:`~quark_onnx.calibration.histogram_search.minmse_position_from_histogram`), equal to
-        :func:`quark_onnx.pof2.minmse_position` of all calibration values for 8-bit types. A tensor
-        that was all zeros gets :data:`quark_onnx.pof2.ZERO_POSITION`.
+        NonOverflow: :func:`quark_onnx.params.pof2.nonoverflow_position` of the observed ``[min,
+        max]`` (rounding-aware; the negative side may use code -128). MinMSE: the exact histogram
+        search (:func:`~quark_onnx.calibration.histogram_search.minmse_position_from_histogram`),
+        equal to :func:`quark_onnx.params.pof2.minmse_position` of all calibration values for 8-bit
+        types. A tensor that was all zeros gets :data:`quark_onnx.params.pof2.ZERO_POSITION`.
         """
         method = PowerOfTwoMethod.coerce(method)
         qtype = QuantType.coerce(qtype)
@@ -160,7 +159,7 @@ class CalibrationResult:
         The value is the exact quantization SSE computed from the histogram
         (:func:`~quark_onnx.calibration.histogram_search.histogram_sse`: exact for 8-bit types,
         ``p <= 132``) divided by the number of values: a mean per element, the same currency as
-        :func:`quark_onnx.pof2.error_function` for weights, so the NPU constraint solver can
+        :func:`quark_onnx.params.pof2.error_function` for weights, so the NPU constraint solver can
         compare moves of activations and weights (see that function for why per-element MSE,
         not SSE, is the right cost).
 

@@ -4,16 +4,16 @@ The session runs a copy of the model (the user's model and its folder are never 
 model above the 2 GB protobuf limit is written, to a temporary directory removed afterwards)
 whose outputs are the tensors read, pruned to the nodes they need (:func:`keep_only_what_feeds`).
 
-A graph of at most :data:`quark_onnx.runtime.SEGMENT_NODES` nodes gets one session, and each run
-is one ``session.run``. A longer graph is run piece by piece (:func:`quark_onnx.runtime.
-run_segments`): one piece's session at a time, on groups of up to :data:`SEGMENT_RUNS` runs, so
-calibration's memory is bounded by a piece (a session costs ~6.5 KB per node; a 50,000-node
-Add chain: ~600 MB as one session). The values are those of one session: each piece has the
-session options of the whole graph, and is cut only where every computed value crossing the cut
-is a tensor read (a graph output of the whole-graph copy, which onnxruntime never fuses away),
-so no optimisation reaches across a cut in either form. The pieces are rebuilt for every group:
-that costs one whole-graph build per group, against a held piece's values for every run of the
-group.
+A graph of at most :data:`quark_onnx.runtime.sessions.SEGMENT_NODES` nodes gets one session, and
+each run is one ``session.run``. A longer graph is run piece by piece
+(:func:`quark_onnx.runtime.sessions. run_segments`): one piece's session at a time, on groups of up
+to :data:`SEGMENT_RUNS` runs, so calibration's memory is bounded by a piece (a session costs ~6.5 KB
+per node; a 50,000-node Add chain: ~600 MB as one session). The values are those of one session:
+each piece has the session options of the whole graph, and is cut only where every computed value
+crossing the cut is a tensor read (a graph output of the whole-graph copy, which onnxruntime never
+fuses away), so no optimisation reaches across a cut in either form. The pieces are rebuilt for
+every group: that costs one whole-graph build per group, against a held piece's values for every run
+of the group.
 
 Memory of one session: the copy is serialized and dropped before onnxruntime parses it, and the
 bytes are dropped once the session holds the weights (``InferenceSession`` keeps them otherwise,
@@ -34,10 +34,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from quark_onnx import runtime
 from quark_onnx.errors import CalibrationError
-from quark_onnx.memory import release_freed_memory
-from quark_onnx.model_io import fits_in_protobuf, save_model
+from quark_onnx.model_files.external import fits_in_protobuf
+from quark_onnx.model_files.save import save_model
+from quark_onnx.runtime import sessions
+from quark_onnx.runtime.memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def session_options(nodes: int = 0) -> ort.SessionOptions:
     arena holds both. Without, each run allocates tensor by tensor from those chunks, in less
     memory and the same time (``benchmarks/results/measurements.md``).
     """
-    return runtime.session_options(
+    return sessions.session_options(
         optimize="all" if nodes <= EXTENDED_OPTIMIZATION_MAX_NODES else "basic",
         spinning=False,
         mem_pattern=False,
@@ -145,14 +146,14 @@ class CalibrationSession:
         self.providers = list(providers)
         self.external_data_dir = external_data_dir
         self.nodes = len(model.graph.node)  # of the whole model: its session options
-        self.segment_nodes = runtime.SEGMENT_NODES if segment_nodes is None else segment_nodes
+        self.segment_nodes = sessions.SEGMENT_NODES if segment_nodes is None else segment_nodes
         self.session: ort.InferenceSession | None = None
         self.copy: onnx.ModelProto | None = None  # the segmented form runs the copy itself
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         #: seconds of the last run (timing the overlap of the next run with the fold)
         self.run_seconds = 0.0
         copy_ = self._calibration_copy(model, types)
-        if len(copy_.graph.node) > self.segment_nodes and self.providers == list(runtime.CPU):
+        if len(copy_.graph.node) > self.segment_nodes and self.providers == list(sessions.CPU):
             self.copy = copy_
             return
         if not fits_in_protobuf(copy_):
@@ -162,7 +163,7 @@ class CalibrationSession:
         del copy_
         with load_errors():
             # weights stay in the model's data files (onnxruntime maps them read-only)
-            self.session = runtime.create_session(
+            self.session = sessions.create_session(
                 data,
                 session_options(self.nodes),
                 external_data_dir=self.external_data_dir,
@@ -197,7 +198,7 @@ class CalibrationSession:
                 self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
             path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
             save_model(proto, path, external_data=True)
-            return runtime.create_session(
+            return sessions.create_session(
                 path,
                 session_options(len(proto.graph.node)),
                 providers=self.providers,
@@ -222,7 +223,7 @@ class CalibrationSession:
         ``first`` on), a piece at a time: ``values[name][j]`` is ``name`` on run ``j`` (every
         name once)."""
         assert self.copy is not None
-        runs = runtime.run_segments(
+        runs = sessions.run_segments(
             self.copy,
             feeds,
             self.fetch,

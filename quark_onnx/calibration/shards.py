@@ -45,17 +45,16 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
+from quark_onnx.calibration.collector import DEFAULT_MAX_BATCH, Collector, report_nonfinite
+from quark_onnx.calibration.feeds import validated_feeds
+from quark_onnx.calibration.observers import Observer
+from quark_onnx.calibration.readers import ArrayDataReader, input_specs, reader_for
+from quark_onnx.calibration.result import CalibrationResult, model_hash
+from quark_onnx.calibration.tensors import derive_observers
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, coerce_calibrate_method
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError, ConfigError
-from quark_onnx.model_io import fits_in_protobuf
-from quark_onnx.options import ExtraOptions
-
-from .collector import DEFAULT_MAX_BATCH, Collector, report_nonfinite
-from .feeds import validated_feeds
-from .observers import Observer
-from .readers import ArrayDataReader, input_specs, reader_for
-from .result import CalibrationResult, model_hash
-from .tensors import derive_observers
+from quark_onnx.model_files.external import fits_in_protobuf
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ def calibrate_sharded(
     if len(parts) == 1:
         results = [calibrate_shard(model_bytes, *rest[0])]
     elif backend == "ray":
-        from quark_onnx import ray_cluster
+        from quark_onnx.runtime import ray_cluster
 
         results = ray_cluster.map_shared(calibrate_shard, model_bytes, rest)
     else:

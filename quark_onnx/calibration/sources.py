@@ -12,7 +12,7 @@ protocol), the same way everywhere:
   one named like the input, or ``x``; a multi-input model one array per input, named like it;
 * nothing, with ``UseRandomData``: :func:`random_reader`.
 
-:func:`calibration_source` is what :class:`~quark_onnx.quantizer.ModelQuantizer` calibrates
+:func:`calibration_source` is what :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` calibrates
 from: that reader behind :class:`~quark_onnx.calibration.readers.GuardedReader`, wrapped in a
 :class:`CalibrationSource` that lets the first samples be looked at before calibration and keeps
 the first few for the stages after it. Calibration takes the source as it is
@@ -31,10 +31,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from quark_onnx.errors import CalibrationError, ConfigError
-from quark_onnx.options import ExtraOptions
-
-from .readers import (
+from quark_onnx.calibration.readers import (
     ArrayDataReader,
     GuardedReader,
     NpzDataReader,
@@ -44,6 +41,8 @@ from .readers import (
     npz_keys,
     validate_feed,
 )
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.errors import CalibrationError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,7 @@ def open_reader(
 
     Args:
         data: a reader, arrays, a ``.npz``/``.npy`` path, an image folder, or None.
-        model: the model, read for its graph inputs only (:func:`quark_onnx.model_io.
+        model: the model, read for its graph inputs only (:func:`quark_onnx.model_files.
             signature_proto` is enough).
         options: the extra options (``UseRandomData`` and the random-data settings).
         model_path: the model's file, which the image reader names in its messages.
@@ -133,7 +132,7 @@ def open_reader(
                     f"{path}: an image folder needs its pre-processing: pass an "
                     "ImageFolderDataReader with a PreprocessSpec (the CLI's --preprocess)"
                 )
-            from .image_reader import ImageFolderDataReader
+            from quark_onnx.calibration.image_reader import ImageFolderDataReader
 
             source = model_path if model_path is not None else model
             return ImageFolderDataReader(path, source, preprocess, limit=limit)
@@ -209,7 +208,7 @@ def calibration_source(
     model: onnx.ModelProto,
     keep: int = 0,
 ) -> CalibrationSource | None:
-    """The source :class:`~quark_onnx.quantizer.ModelQuantizer` calibrates from (the API's
+    """The source :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` calibrates from (the API's
     ``calibration_data_reader`` or ``calibration_data_path``; random data with
     ``UseRandomData``); None when there is neither (a saved calibration result).
 

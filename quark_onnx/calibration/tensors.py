@@ -29,13 +29,12 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
+from quark_onnx.calibration.observers import Observer
+from quark_onnx.calibration.readers import InputSpec
+from quark_onnx.config.options import closest_name
 from quark_onnx.errors import CalibrationError
-from quark_onnx.model_io import copy_fields, fits_in_protobuf
+from quark_onnx.model_files.external import copy_fields, fits_in_protobuf
 from quark_onnx.npu.ops import spec
-from quark_onnx.options import closest_name
-
-from .observers import Observer
-from .readers import InputSpec
 
 logger = logging.getLogger(__name__)
 

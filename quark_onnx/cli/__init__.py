@@ -7,31 +7,31 @@ Subcommands:
     KEY=VALUE`` overrides. For each model ``NAME.onnx`` it writes ``OUT_DIR/NAME.onnx``, the JSON
     report ``OUT_DIR/NAME.report.json`` (:meth:`QuantizationReport.save`), a readable summary
     ``OUT_DIR/NAME.report.txt`` and, when data allows a float-vs-quantized comparison,
-    ``OUT_DIR/NAME.compare.json`` (:func:`quark_onnx.compare.compare_models` on the first
+    ``OUT_DIR/NAME.compare.json`` (:func:`quark_onnx.fidelity.compare.compare_models` on the first
     ``--compare-samples`` calibration samples). A failing model prints one line ``error: MODEL:
     MESSAGE`` (the traceback only with ``--debug``) and the others go on; a summary table ends the
     run; the exit code is 1 when any model failed. ``--jobs N`` quantizes N models at once in
     processes started with the ``spawn`` method (onnxruntime and ``fork`` do not mix); each model
     is quantized by the same code with the same settings whatever N is, so outputs are identical.
 ``check MODEL...``
-    The Vitis AI readiness check (:func:`quark_onnx.check.check`); exit code 1 when a model is not
-    ready (or cannot be read).
+    The Vitis AI readiness check (:func:`quark_onnx.npu.readiness.check`); exit code 1 when a model
+    is not ready (or cannot be read).
 ``compare FLOAT QUANTIZED``
     Float vs quantized on data: per-output SQNR / cosine / top-1 agreement and per-layer SQNR of
     the quantized tensors, worst first.
 ``export MODEL --format recipe|gguf|onnx -o OUT``
     Write a quantized (QDQ) model in another format: ``recipe`` (a folder: the configuration as
-    JSON and every tensor's scale, zero point and codes in safetensors, :func:`quark_onnx.recipe.
-    save_recipe`; needs ``--float-model`` and the settings it was quantized with, from
-    ``--report MODEL.report.json`` or ``--config``/``--set``), ``gguf`` (weight-only tensors,
-    :func:`quark_onnx.gguf_export.export_gguf`; needs the optional ``gguf`` package) or ``onnx``
-    (the QDQ model itself, validated and re-written).
+    JSON and every tensor's scale, zero point and codes in safetensors,
+    :func:`quark_onnx.formats.recipe. save_recipe`; needs ``--float-model`` and the settings it was
+    quantized with, from ``--report MODEL.report.json`` or ``--config``/``--set``), ``gguf``
+    (weight-only tensors, :func:`quark_onnx.formats.gguf_export.export_gguf`; needs the optional
+    ``gguf`` package) or ``onnx`` (the QDQ model itself, validated and re-written).
 ``import SOURCE -o OUT``
     ``SOURCE`` a QDQ model (this project's, onnxruntime's or Quark's standard QDQ): write the
-    recipe folder ``OUT`` (with the float model, :func:`quark_onnx.recipe.import_recipe`).
+    recipe folder ``OUT`` (with the float model, :func:`quark_onnx.formats.recipe.import_recipe`).
     ``SOURCE`` a recipe folder: rebuild the quantized model ``OUT`` (``.onnx``) without
-    calibration (:func:`quark_onnx.recipe.load_recipe`; ``--float-model`` unless the recipe was
-    imported).
+    calibration (:func:`quark_onnx.formats.recipe.load_recipe`; ``--float-model`` unless the recipe
+    was imported).
 ``presets`` / ``options``
     The presets and their settings; every extra option with its type, default and meaning.
 

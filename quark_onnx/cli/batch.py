@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from quark_onnx import model_io
 from quark_onnx.cli.common import one_line
 from quark_onnx.cli.jobs import Job, Outcome, failed_outcome, quantize_one, worker, worker_init
 from quark_onnx.errors import ConfigError
+from quark_onnx.model_files.files import Terminated
 
 logger = logging.getLogger("quark_onnx.cli")
 
@@ -66,7 +66,7 @@ class Console:
     """Status lines on stderr, with the overall progress bar on a terminal."""
 
     def __init__(self, total: int, stream: IO[str] | None = None) -> None:
-        from quark_onnx.progress import Progress
+        from quark_onnx.runtime.progress import Progress
 
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -110,7 +110,7 @@ def _fmt_optional(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-#: How the summary table names each kind of agreement (see quark_onnx.compare).
+#: How the summary table names each kind of agreement (see quark_onnx.fidelity.compare).
 _AGREEMENT_LABELS = {"top1": "top-1", "argmax": "pixels"}
 
 
@@ -118,7 +118,7 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     """The end-of-run table: model, status, seconds, quantized ops, readiness, fidelity.
 
     ``faithful`` is the fidelity guard's verdict on every output against the original float
-    model (:mod:`quark_onnx.fidelity`); a model can be ready and not faithful.
+    model (:mod:`quark_onnx.fidelity.verdict`); a model can be ready and not faithful.
 
     Fidelity is of the first graph output, quantized vs float on the first calibration samples:
     SQNR and cosine always; ``agreement`` is the top-1 agreement of a score vector output
@@ -338,7 +338,7 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
                 pool.shutdown(wait=True)
     except KeyboardInterrupt as exc:
         console.close()
-        name = "SIGTERM" if isinstance(exc, model_io.Terminated) else "SIGINT"
+        name = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
         outcomes = [done.get(job.index) or _interrupted(job) for job in jobs]
         raise BatchInterrupted(outcomes, name) from None
     console.close()

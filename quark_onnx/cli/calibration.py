@@ -31,7 +31,7 @@ def _signature(model: str | os.PathLike) -> Any:
     """``model`` without its external data: the readers read only its graph inputs."""
     import onnx
 
-    from quark_onnx.model_io import load_model
+    from quark_onnx.model_files.load import load_model
 
     try:
         return onnx.load(str(model), load_external_data=False)

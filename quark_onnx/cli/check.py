@@ -1,5 +1,5 @@
-"""``quark-onnx check MODEL...``: the Vitis AI readiness check (:func:`quark_onnx.check.check`);
-exit code 1 when a model is not ready (or cannot be read).
+"""``quark-onnx check MODEL...``: the Vitis AI readiness check
+(:func:`quark_onnx.npu.readiness.check`); exit code 1 when a model is not ready (or cannot be read).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from quark_onnx.errors import QuarkOnnxError
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_onnx.check import check
+    from quark_onnx.npu.readiness import check
 
     status = EXIT_OK
     results = []

@@ -7,8 +7,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from quark_onnx import model_io
 from quark_onnx.errors import ConfigError, ModelSaveError
+from quark_onnx.model_files.paths import check_output_path
 
 #: Exit codes.
 EXIT_OK = 0
@@ -37,7 +37,7 @@ def require_file(path: str, flag: str) -> None:
 
 
 def check_not_input(output: str, model: str, overwrite: bool) -> None:
-    model_io.check_output_path(output, Path(model), False)
+    check_output_path(output, Path(model), False)
     if Path(output).exists() and not overwrite:
         raise ModelSaveError(f"{output} exists; pass --overwrite to replace it")
 
@@ -75,7 +75,7 @@ def wrap(text: str) -> str:
 
 def preset_names() -> list[str]:
     """The presets in ``configs/`` (every file there is accepted by ``--config``)."""
-    from quark_onnx.presets import preset_names
+    from quark_onnx.config.presets import preset_names
 
     try:
         return preset_names()

@@ -9,15 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from quark_onnx import model_io
 from quark_onnx.cli.calibration import calibration_reader
 from quark_onnx.cli.common import EXIT_OK, Formatter, wrap
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ConfigError
+from quark_onnx.model_files.paths import check_output_path
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_onnx.compare import compare_models
+    from quark_onnx.fidelity.compare import compare_models
 
     if (args.data is None) == (args.random is None):
         raise ConfigError("compare needs data: give either --data FILE.npz|DIR or --random N")
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: expected a positive number")
     if args.json is not None:  # before any work: never over an input
-        model_io.check_output_path(
+        check_output_path(
             args.json,
             args.float_model,
             inputs=[args.quant_model, args.data],
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(result.summary(worst=args.worst))
     if args.json is not None:
-        from quark_onnx.model_io import atomic_write_bytes
+        from quark_onnx.model_files.files import atomic_write_bytes
 
         atomic_write_bytes(args.json, json.dumps(result.to_dict(), indent=1).encode("utf-8"))
     return EXIT_OK

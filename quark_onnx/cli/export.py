@@ -9,7 +9,6 @@ import json
 import os
 from typing import Any
 
-from quark_onnx import model_io
 from quark_onnx.cli.common import (
     DEFAULT_PRESET,
     EXIT_OK,
@@ -23,13 +22,16 @@ from quark_onnx.cli.common import (
 )
 from quark_onnx.cli.settings import QuantizeSettings, parse_assignments
 from quark_onnx.errors import ConfigError, ModelSaveError
+from quark_onnx.model_files.files import read_regular_file
+from quark_onnx.model_files.load import load_model
+from quark_onnx.model_files.save import save_model
 
 
 def _settings_from_report(path: str | os.PathLike) -> Any:
     """The QuantizationConfig recorded in a ``quantize`` report (``MODEL.report.json``)."""
-    from quark_onnx.recipe import config_from_json
+    from quark_onnx.formats.recipe_format import config_from_json
 
-    text = model_io.read_regular_file(
+    text = read_regular_file(
         path, limit=64 << 20, what="JSON report", error=ConfigError, option="--report"
     )
     try:
@@ -50,7 +52,7 @@ def _settings_from_report(path: str | os.PathLike) -> Any:
 def run(args: argparse.Namespace) -> int:
     require_file(args.model, "MODEL")
     if args.format == "recipe":
-        from quark_onnx.recipe import save_recipe
+        from quark_onnx.formats.recipe import save_recipe
 
         if args.float_model is None:
             raise ConfigError(
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--report/--config/--set apply to --format recipe, not {args.format}")
     if args.format == "gguf":
         try:
-            from quark_onnx.gguf_export import export_gguf
+            from quark_onnx.formats.gguf_export import export_gguf
         except ImportError as exc:  # pragma: no cover - the module ships with the package
             raise ModelSaveError(
                 f"GGUF export is not available ({exc}); pip install 'quark_onnx[gguf]'"
@@ -108,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     # onnx: the QDQ model itself, validated and written atomically
     check_not_input(args.output, args.model, args.overwrite)
-    proto = model_io.load_model(args.model, upgrade_opset=False)
-    model_io.save_model(
+    proto = load_model(args.model, upgrade_opset=False)
+    save_model(
         proto,
         args.output,
         input_path=args.model,

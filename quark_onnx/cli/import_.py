@@ -20,7 +20,8 @@ from quark_onnx.errors import ConfigError, ModelSaveError
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_onnx.recipe import RECIPE_FILE, import_recipe, load_recipe
+    from quark_onnx.formats.recipe import import_recipe, load_recipe
+    from quark_onnx.formats.recipe_format import RECIPE_FILE
 
     source = Path(args.source)
     if source.is_dir():
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             "writes its float model into the recipe"
         )
     path = import_recipe(source, args.output, overwrite=args.overwrite)
-    from quark_onnx.recipe import read_recipe
+    from quark_onnx.formats.recipe import read_recipe
 
     recipe = read_recipe(path.parent)
     print(

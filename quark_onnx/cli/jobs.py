@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from quark_onnx import model_io
 from quark_onnx.cli.calibration import (
     apply_calibration_shapes,
     budgeted,
@@ -26,6 +25,8 @@ from quark_onnx.cli.calibration import (
 from quark_onnx.cli.common import one_line
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ModelSaveError, QuarkOnnxError
+from quark_onnx.model_files.files import sigterm_as_interrupt
+from quark_onnx.model_files.paths import check_output_path
 
 logger = logging.getLogger("quark_onnx.cli")
 
@@ -91,7 +92,7 @@ def _exclude_warnings(job: Job, report: Any) -> None:
         return
     import onnx
 
-    from quark_onnx.options import closest_name
+    from quark_onnx.config.options import closest_name
 
     names = [n.name for n in onnx.load(job.model, load_external_data=False).graph.node if n.name]
     for name in missing:
@@ -142,7 +143,7 @@ def _guard_job_outputs(job: Job, load: Path | None) -> None:
     for path in _job_outputs(job):
         if path.name.endswith(".onnx.data"):
             continue  # checked as the model's data file just below
-        model_io.check_output_path(
+        check_output_path(
             path,
             job.model,
             False,
@@ -193,9 +194,9 @@ def _quantize_into(
     job: Job, outcome: Outcome, out_dir: Path, load: Path | None, reader_limit: int | None
 ) -> None:
     """Quantize ``job`` writing every output into ``out_dir`` (the job's staging folder)."""
-    from quark_onnx.config import Config
-    from quark_onnx.model_io import atomic_write_bytes
-    from quark_onnx.quantizer import ModelQuantizer
+    from quark_onnx.config.quantization import Config
+    from quark_onnx.model_files.files import atomic_write_bytes
+    from quark_onnx.pipeline.quantizer import ModelQuantizer
 
     settings = job.settings
     model_path = Path(job.model)
@@ -240,8 +241,8 @@ def _quantize_into(
     else:
         feeds = comparison_feeds(settings, qconfig, model_path)
     if feeds is not None:
-        from quark_onnx import memory
-        from quark_onnx.compare import compare_models
+        from quark_onnx.fidelity.compare import compare_models
+        from quark_onnx.runtime import memory
 
         feeds = budgeted(settings, feeds)
 
@@ -303,7 +304,7 @@ def worker(job: Job) -> Outcome:
     )
     # SIGTERM (sent by the main process when the batch is interrupted) unwinds the job, so its
     # staging folder is removed; outside a job the default action just ends the worker.
-    with model_io.sigterm_as_interrupt():
+    with sigterm_as_interrupt():
         return quantize_one(job)
 
 

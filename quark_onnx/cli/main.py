@@ -9,7 +9,6 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from quark_onnx import model_io
 from quark_onnx.cli import check, compare, export, import_, options, presets, quantize
 from quark_onnx.cli.common import (
     EXIT_FAILED,
@@ -21,6 +20,7 @@ from quark_onnx.cli.common import (
     wrap,
 )
 from quark_onnx.errors import ConfigError, QuarkOnnxError
+from quark_onnx.model_files.files import Terminated, sigterm_as_interrupt
 
 #: The subcommands in the order ``--help`` lists them.
 COMMANDS = (quantize, check, compare, presets, options, export, import_)
@@ -57,9 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         # SIGTERM unwinds like Ctrl-C so that temporary outputs are removed (nothing partial).
-        with model_io.sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             return args.func(args)
-    except model_io.Terminated:
+    except Terminated:
         print("error: terminated", file=sys.stderr)
         return 143
     except QuarkOnnxError as exc:

@@ -14,7 +14,7 @@ from quark_onnx.errors import ConfigError
 def run(args: argparse.Namespace) -> int:
     import typing
 
-    from quark_onnx.options import ExtraOptions, closest_name, option_fields
+    from quark_onnx.config.options import ExtraOptions, closest_name, option_fields
 
     types = typing.get_type_hints(ExtraOptions)
     fields = option_fields()

@@ -10,8 +10,8 @@ from quark_onnx.cli.common import DEFAULT_PRESET, EXIT_OK, Formatter, wrap
 
 
 def run(args: argparse.Namespace) -> int:
-    from quark_onnx.config import get_default_config
-    from quark_onnx.presets import preset_names, read_preset
+    from quark_onnx.config.presets import preset_names, read_preset
+    from quark_onnx.config.quantization import get_default_config
 
     # the default preset first, then the others in name order
     names = args.names or sorted(preset_names(), key=lambda n: (n != DEFAULT_PRESET, n))

@@ -4,7 +4,7 @@ With a preset (``--config``, default XINT8) plus ``--set KEY=VALUE`` overrides. 
 ``NAME.onnx`` it writes ``OUT_DIR/NAME.onnx``, the JSON report ``OUT_DIR/NAME.report.json``
 (:meth:`QuantizationReport.save`), a readable summary ``OUT_DIR/NAME.report.txt`` and, when data
 allows a float-vs-quantized comparison, ``OUT_DIR/NAME.compare.json``
-(:func:`quark_onnx.compare.compare_models` on the first ``--compare-samples`` calibration
+(:func:`quark_onnx.fidelity.compare.compare_models` on the first ``--compare-samples`` calibration
 samples). A failing model prints one line ``error: MODEL: MESSAGE`` (the traceback only with
 ``--debug``) and the others go on; a summary table ends the run; the exit code is 1 when any model
 failed. ``--jobs N`` quantizes N models at once in processes started with the ``spawn`` method
@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quark_onnx import model_io
 from quark_onnx.cli.batch import (
     BatchInterrupted,
     Console,
@@ -47,6 +46,7 @@ from quark_onnx.cli.common import (
 from quark_onnx.cli.jobs import Job
 from quark_onnx.cli.settings import QuantizeSettings, parse_assignments
 from quark_onnx.errors import ConfigError, ModelSaveError
+from quark_onnx.model_files.files import Terminated, check_path_text
 
 logger = logging.getLogger("quark_onnx.cli")
 
@@ -87,7 +87,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.calib_shards < 1:
         raise ConfigError(f"--calib-shards {args.calib_shards}: expected a positive number")
     if args.ray is not None:
-        from quark_onnx.ray_runner import import_ray
+        from quark_onnx.cli.ray_runner import import_ray
 
         if args.jobs > 1:
             raise ConfigError("--ray runs every model as a Ray task: leave out --jobs")
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             "--load-calibration with several models expects a folder holding "
             "NAME.calibration.json files (as written by --save-calibration)"
         )
-    out_dir = model_io.check_path_text(args.output, "-o", ConfigError)
+    out_dir = check_path_text(args.output, "-o", ConfigError)
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"-o {out_dir}: exists and is not a folder")
     try:
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(len(jobs))
     stopped_by = None
     if args.ray is not None:
-        from quark_onnx.ray_runner import run_batch_ray
+        from quark_onnx.cli.ray_runner import run_batch_ray
 
         # Ray's own wait turns Ctrl-C / SIGTERM into KeyboardInterrupt / Terminated
         outcomes = run_batch_ray(
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(outcomes) - finished} not (nothing of them was left)",
             file=sys.stderr,
         )
-        raise model_io.Terminated(stopped_by) if stopped_by == "SIGTERM" else KeyboardInterrupt
+        raise Terminated(stopped_by) if stopped_by == "SIGTERM" else KeyboardInterrupt
     if args.require_ready and any(o.ok and o.ready is False for o in outcomes):
         return EXIT_FAILED
     return EXIT_FAILED if any(not o.ok for o in outcomes) else EXIT_OK

@@ -54,7 +54,7 @@ def parse_assignments(items: Sequence[str]) -> list[tuple[str, Any]]:
 
 
 def config_field_names() -> tuple[str, ...]:
-    from quark_onnx.config import QuantizationConfig
+    from quark_onnx.config.quantization import QuantizationConfig
 
     return tuple(
         f.name for f in dataclasses.fields(QuantizationConfig) if f.name != "extra_options"
@@ -69,7 +69,7 @@ def apply_assignments(qconfig: Any, pairs: Sequence[tuple[str, Any]]) -> None:
         ConfigError: a key is neither a config field nor an extra option (the closest valid name
             of either kind is named), or a value has the wrong type.
     """
-    from quark_onnx.options import UNSUPPORTED_QUARK_OPTIONS, closest_name, option_names
+    from quark_onnx.config.options import UNSUPPORTED_QUARK_OPTIONS, closest_name, option_names
 
     fields = config_field_names()
     options = option_names()
@@ -124,7 +124,7 @@ class QuantizeSettings:
 
     def build_config(self) -> Any:
         """The QuantizationConfig: the preset, then ``--set``, then the dedicated flags."""
-        from quark_onnx.config import get_default_config
+        from quark_onnx.config.quantization import get_default_config
 
         qconfig = get_default_config(self.preset)
         apply_assignments(qconfig, self.assignments)

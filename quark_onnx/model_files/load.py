@@ -21,8 +21,8 @@ Loading never writes anything. The order of the checks keeps every failure cheap
 
 :func:`to_proto` with ``keep_external=True`` serializes a model without its memory-mapped weights
 (references relative to ``external_data_dir``); every call is one counted full-model
-serialisation (``quark_onnx.runtime.COUNTS``). :func:`signature_proto` gives the graph's inputs
-alone, for readers that need nothing else.
+serialisation (``quark_onnx.runtime.sessions.COUNTS``). :func:`signature_proto` gives the graph's
+inputs alone, for readers that need nothing else.
 """
 
 from __future__ import annotations
@@ -283,14 +283,15 @@ def to_proto(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto
     the proto is small whatever the weights; pass that folder to onnxruntime
     (``session.model_external_initializers_file_folder_path``) to run it.
     """
-    from quark_onnx.counters import COUNTS
+    from quark_onnx.runtime.counters import COUNTS
 
     COUNTS.serialisations += 1
     return serialize_ir(model, keep_external=keep_external)
 
 
 def serialize_ir(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto:
-    """:func:`to_proto` without counting it (``quark_onnx.runtime`` counts a model it serializes
+    """:func:`to_proto` without counting it (``quark_onnx.runtime.sessions`` counts a model it
+    serializes
     to build a session as part of that session)."""
     proto = ir.serde.serialize_model(model)
     if not keep_external:

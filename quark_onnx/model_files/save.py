@@ -89,7 +89,8 @@ def save_model(
     if unloaded:
         raise ModelSaveError(
             f"{out}: tensor {unloaded[0]!r} (and {len(unloaded) - 1} more) refers to external "
-            "data that was not read; load the model with quark_onnx.model_io.load_model first"
+            "data that was not read; load the model with "
+            "quark_onnx.model_files.load.load_model first"
         )
     big = not _fits_with_external(proto)
     try:

@@ -7,8 +7,8 @@ one row here.
 
 A row (:class:`OpSpec`) holds:
 
-*Quantization policy* (read by :func:`quark_onnx.plan.build_plan` through
-:func:`quark_onnx.policy.policy_for`; ``quantized=False``: the op stays float):
+*Quantization policy* (read by :func:`quark_onnx.plan.build.build_plan` through
+:func:`quark_onnx.npu.policy.policy_for`; ``quantized=False``: the op stays float):
 
 * ``activation_inputs``: the input slots quantized with a Q/DQ pair (``None``: every input). A slot
   whose value is a constant (initializer or ``Constant`` output) is quantized as a *weight*

@@ -9,7 +9,7 @@ place for the planner and the readiness checker.
   writes before a SiLU's ``Sigmoid`` (a CPU op in XINT8) rescales each channel by its own power
   of two, which one per-tensor int8 position cannot hold for every channel; read in float from
   ``x``'s int8 codes it is exact.
-* **A LayerNorm written op by op** (:func:`~quark_onnx.plan_patterns.decomposed_layer_norm`:
+* **A LayerNorm written op by op** (:func:`~quark_onnx.graph.patterns.decomposed_layer_norm`:
   ``(x - mean) / sqrt(var + eps)``) is the ``LayerNormalization`` op and is treated as its row
   says for XINT8: float inside, quantized at its input and output (by its neighbours), checked
   as one node. Node by node, XINT8 had no rule for its ``Div`` and left its ``Pow`` and ``Sqrt``
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from quark_onnx.graph.patterns import decomposed_layer_norm, is_constant
 from quark_onnx.npu import ops as npu_ops
-from quark_onnx.plan_patterns import decomposed_layer_norm, is_constant
 
 _STANDARD = ("", "ai.onnx")
 _CONSTANT_ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div"})

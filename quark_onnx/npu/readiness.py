@@ -56,14 +56,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.model_io import load_model, to_ir
+from quark_onnx.graph.ir import constant_array, single_consumer
+from quark_onnx.model_files.load import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.findings import CheckResult, Finding, node_label
 from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
 from quark_onnx.npu.rules import Pos, Site
 from quark_onnx.npu.structure import model_findings
-from quark_onnx.passes._graph import constant_array, single_consumer
 
 logger = logging.getLogger(__name__)
 

@@ -349,8 +349,8 @@ def _eval_hard_sigmoid(site: Site) -> Violation | None:
 class Rule:
     """One NPU rule: its id, the option that enforces it, its limits and its check.
 
-    ``option``: the :class:`~quark_onnx.options.ExtraOptions` flag under which the solver enforces
-    it (``shared_scale``: per op, the row's ``align_option``; None there means always).
+    ``option``: the :class:`~quark_onnx.config.options.ExtraOptions` flag under which the solver
+    enforces it (``shared_scale``: per op, the row's ``align_option``; None there means always).
     ``check``: the site -> violation function (None: the rule holds).
     """
 

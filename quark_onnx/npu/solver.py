@@ -1,8 +1,8 @@
 """Make power-of-two positions satisfy the NPU compiler's rules (:mod:`quark_onnx.npu.rules`).
 
 :func:`solve_positions` takes the positions chosen per tensor (calibration for activations,
-:func:`quark_onnx.pof2.weight_position` for weights, optionally the int8 NonOverflow position of
-each bias) and returns positions for every planned tensor such that every enabled rule holds, or
+:func:`quark_onnx.params.pof2.weight_position` for weights, optionally the int8 NonOverflow position
+of each bias) and returns positions for every planned tensor such that every enabled rule holds, or
 reports the violations it cannot remove.
 
 The problem. Variables are integer positions; the rules are linear:
@@ -34,7 +34,7 @@ The method.
    reading it are queued again.
 
    Termination: shared variables only ever decrease, by at least 1 per move, and never below
-   their floor (:data:`~quark_onnx.pof2.POSITION_MIN` or a hard bound), so there are at most
+   their floor (:data:`~quark_onnx.params.pof2.POSITION_MIN` or a hard bound), so there are at most
    ``sum(p0 - floor)`` shared moves; local variables belong to one node, and a node visit makes at
    most :data:`MAX_LOCAL_STEPS` moves. The worklist is empty after finitely many visits, and then
    no enabled rule is violated except those recorded as unfixable (a violated rule with no
@@ -61,14 +61,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import QuantizationError
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.rules import Violation
 from quark_onnx.npu.verify import verify
-from quark_onnx.options import ExtraOptions
-from quark_onnx.plan import PlannedNode, QuantPlan, TensorKind, UnionFind
-from quark_onnx.pof2 import POSITION_MAX, POSITION_MIN
+from quark_onnx.params.pof2 import POSITION_MAX, POSITION_MIN
+from quark_onnx.plan.types import PlannedNode, QuantPlan, TensorKind, UnionFind
 
 logger = logging.getLogger(__name__)
 
@@ -530,7 +530,7 @@ def solve_positions(
     """Adjust ``positions`` so that every NPU rule enabled in ``options`` holds (see module doc).
 
     Args:
-        plan: from :func:`quark_onnx.plan.build_plan`.
+        plan: from :func:`quark_onnx.plan.build.build_plan`.
         positions: tensor -> position for every activation and weight of the plan (biases are
             optional: their int8 NonOverflow position, used as the preferred position).
         options: the ``Align*``/``Adjust*``/``Int32Bias`` switches (default: the plan's).

@@ -1,17 +1,17 @@
 """The solver's verification: every enabled NPU rule recomputed from a plan and its positions.
 
-The sites are built from the plan (:class:`~quark_onnx.plan.PlannedNode` roles) and evaluated by
-the rules of :mod:`quark_onnx.npu.rules`, the objects the readiness checker evaluates on a written
-model's Q/DQ positions.
+The sites are built from the plan (:class:`~quark_onnx.plan.types.PlannedNode` roles) and evaluated
+by the rules of :mod:`quark_onnx.npu.rules`, the objects the readiness checker evaluates on a
+written model's Q/DQ positions.
 """
 
 from __future__ import annotations
 
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.rules import Pos, Site, Violation
-from quark_onnx.options import ExtraOptions
-from quark_onnx.plan import QuantPlan
+from quark_onnx.plan.types import QuantPlan
 
 
 def sites(plan: QuantPlan, positions: dict[str, int]) -> list[Site]:

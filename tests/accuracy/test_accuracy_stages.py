@@ -14,7 +14,6 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx import pof2
 from quark_onnx.accuracy.adaround import AdaRoundSettings, adaround, learn_rounding
 from quark_onnx.accuracy.bias_correction import correct_bias, requantize_bias
 from quark_onnx.accuracy.error_analysis import (
@@ -24,13 +23,15 @@ from quark_onnx.accuracy.error_analysis import (
     worst_layers,
 )
 from quark_onnx.accuracy.layer_statistics import im2col
-from quark_onnx.accuracy.layerwise import Replay, find_layers, position_of_scale
-from quark_onnx.config import get_default_config
+from quark_onnx.accuracy.layers import find_layers, position_of_scale
+from quark_onnx.accuracy.replay import Replay
+from quark_onnx.config.options import ExtraOptions
+from quark_onnx.config.quantization import get_default_config
 from quark_onnx.errors import ConfigError
-from quark_onnx.model_io import to_ir, to_proto
-from quark_onnx.options import ExtraOptions
+from quark_onnx.model_files.load import to_ir, to_proto
+from quark_onnx.params import pof2
 from quark_onnx.passes.insert_qdq import InsertQDQ
-from quark_onnx.plan import build_plan
+from quark_onnx.plan.build import build_plan
 
 CONV = {
     "kernel_shape": [3, 3],
@@ -111,7 +112,7 @@ def _quantize(proto: onnx.ModelProto, samples: list[dict], **extra):
             positions[t] = pof2.weight_position(consts[t])
         else:
             positions[t] = pof2.bias_position(consts[t])
-    from quark_onnx.constraints import solve_positions
+    from quark_onnx.npu.solver import solve_positions
 
     solved = solve_positions(plan, positions, options)
     InsertQDQ(plan, solved.positions)(model)
@@ -244,7 +245,7 @@ def test_bias_correction_reduces_mean_output_error_on_held_out_data():
     # positions unchanged: the bias DQ scale is the same, only the codes moved
     new_codes = find_layers(model)[0][0].bias_codes
     assert new_codes.dtype == np.int8 and not np.array_equal(new_codes, old_codes)
-    from quark_onnx.check import check
+    from quark_onnx.npu.readiness import check
 
     assert check(after).ready, check(after).summary()
 
@@ -289,8 +290,8 @@ def test_bias_correction_skips_conv_without_bias():
 def test_bias_correction_without_layers_builds_no_replay(monkeypatch):
     """A model without Conv/Gemm layers (an Add chain) has nothing to correct: no copy of the
     quantized model, no session."""
-    from quark_onnx import runtime
     from quark_onnx.accuracy import bias_correction
+    from quark_onnx.runtime import sessions as runtime
 
     rng = np.random.default_rng(14)
     c = onnx.numpy_helper.from_array(rng.normal(0, 0.1, (1, 4, 8, 8)).astype(np.float32), "c")
@@ -362,7 +363,7 @@ def test_adaround_single_conv_beats_nearest_on_held_out_data():
         if t.name.endswith("_scale")
     }
     assert scales(learned) == scales(nearest)
-    from quark_onnx.check import check
+    from quark_onnx.npu.readiness import check
 
     assert check(learned).ready
 
@@ -434,7 +435,7 @@ def test_error_analysis_ranks_a_damaged_layer_worst():
     codes = damaged.weight_codes.copy()
     flat = codes.reshape(-1)
     flat[::3] = -flat[::3]
-    from quark_onnx.accuracy.layerwise import set_codes
+    from quark_onnx.accuracy.layers import set_codes
 
     set_codes(damaged.weight, codes)
     errors = layer_errors(prepared, model, calib, plan)
@@ -464,8 +465,8 @@ def test_error_analysis_of_a_large_graph_measures_a_subset_with_exact_drops():
 def test_error_analysis_in_pieces_equals_the_whole_session_analysis(monkeypatch):
     """Graphs longer than one session run in pieces, samples in groups: the same sums, so the
     same entries to the last bit."""
-    from quark_onnx import runtime
     from quark_onnx.accuracy import error_analysis
+    from quark_onnx.runtime import sessions as runtime
 
     rng = np.random.default_rng(13)
     proto = _conv_chain(rng, n=5)

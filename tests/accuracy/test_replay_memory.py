@@ -11,10 +11,9 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx import memory
-from quark_onnx.accuracy import runtime
-from quark_onnx.accuracy.layerwise import Replay
+from quark_onnx.accuracy.replay import Replay
 from quark_onnx.errors import QuantizationError
+from quark_onnx.runtime import arena, memory
 
 
 def _wide_conv(channels: int = 32, size: int = 128) -> object:
@@ -37,11 +36,11 @@ def _wide_conv(channels: int = 32, size: int = 128) -> object:
 
 
 def test_segment_sessions_share_one_arena():
-    opts = runtime.session_options()
+    opts = arena.session_options()
     assert not opts.enable_cpu_mem_arena  # never an arena per session
-    if runtime._shared_arena():
+    if arena._shared_arena():
         assert opts.get_session_config_entry("session.use_env_allocators") == "1"
-    runtime.release_arena()  # best effort, never raises
+    arena.release_arena()  # best effort, never raises
 
 
 @pytest.mark.skipif(memory.resident_mb() is None, reason="needs /proc/self/statm")

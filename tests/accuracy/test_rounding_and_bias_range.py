@@ -24,11 +24,11 @@ from quark_onnx.accuracy.bias_correction import (
     channel_sums,
     correct_bias,
 )
-from quark_onnx.accuracy.layerwise import find_layers, set_codes
-from quark_onnx.check import check
+from quark_onnx.accuracy.layers import find_layers, set_codes
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import ConfigError
-from quark_onnx.model_io import to_proto
-from quark_onnx.options import ExtraOptions
+from quark_onnx.model_files.load import to_proto
+from quark_onnx.npu.readiness import check
 
 
 def _obq_reference(w: np.ndarray, step: float, gram: np.ndarray, cross: np.ndarray) -> np.ndarray:

@@ -22,11 +22,11 @@ from quark_onnx.calibration import (
     model_hash,
     reader_for,
 )
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError
-from quark_onnx.options import ExtraOptions
-from quark_onnx.pof2 import minmse_position, nonoverflow_position
-from quark_onnx.progress import Progress
+from quark_onnx.params.pof2 import minmse_position, nonoverflow_position
+from quark_onnx.runtime.progress import Progress
 
 OPTS = ExtraOptions()
 
@@ -362,7 +362,10 @@ def test_progress_modes(caplog):
     assert tty.getvalue().endswith("\n")
     assert [s[0] for s in seen] == [4, 10] and seen[-1][1] == 10
     pipe = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="quark_onnx.progress"), Progress(3, stream=pipe) as p:
+    with (
+        caplog.at_level(logging.INFO, logger="quark_onnx.runtime.progress"),
+        Progress(3, stream=pipe) as p,
+    ):
         p.update(3)
     assert pipe.getvalue() == ""  # no terminal: log lines instead
     assert "3/3 samples" in caplog.text

@@ -13,8 +13,8 @@ from quark_onnx.calibration import tensors as tensors_module
 from quark_onnx.calibration.collector import Collector
 from quark_onnx.calibration.session import session_options
 from quark_onnx.calibration.tensors import inference_copy
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod
-from quark_onnx.options import ExtraOptions
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod
+from quark_onnx.config.options import ExtraOptions
 
 OPTS = ExtraOptions()
 

@@ -8,13 +8,13 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx import runtime
 from quark_onnx.calibration import ArrayDataReader
 from quark_onnx.calibration.collector import Collector
 from quark_onnx.calibration.session import SEGMENT_RUNS
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError
-from quark_onnx.options import ExtraOptions
+from quark_onnx.runtime import sessions as runtime
 
 OPTS = ExtraOptions()
 

@@ -1,7 +1,8 @@
 """Observers against exact numpy oracles on the concatenated data.
 
 One oracle (numpy, independent of quark_onnx) checks both paths of the power-of-two numerics: the
-array functions of :mod:`quark_onnx.pof2` (weights) and the histogram observers (activations).
+array functions of :mod:`quark_onnx.params.pof2` (weights) and the histogram observers
+(activations).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import math
 import numpy as np
 import pytest
 
-from quark_onnx import pof2
 from quark_onnx.calibration import CalibrationResult, quantize_pof2
 from quark_onnx.calibration.buckets import bucket_edges
 from quark_onnx.calibration.histogram_search import (
@@ -20,8 +20,9 @@ from quark_onnx.calibration.histogram_search import (
     resample_linear,
 )
 from quark_onnx.calibration.observers import HistogramObserver, MinMaxObserver
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
 from quark_onnx.errors import CalibrationError
+from quark_onnx.params import pof2
 
 
 def _data(kind: str, n: int, seed: int) -> np.ndarray:

@@ -12,10 +12,10 @@ from onnx import TensorProto, helper
 
 from quark_onnx.calibration import ArrayDataReader, calibrate
 from quark_onnx.calibration.shards import calibrate_sharded, split_shards
-from quark_onnx.enums import CalibrationMethod, PowerOfTwoMethod
+from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError, ConfigError
-from quark_onnx.options import ExtraOptions
-from quark_onnx.pof2 import minmse_position, nonoverflow_position
+from quark_onnx.params.pof2 import minmse_position, nonoverflow_position
 
 NAMES = ["x", "h", "r", "c", "W"]
 

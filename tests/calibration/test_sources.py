@@ -13,8 +13,8 @@ from quark_onnx.calibration import readers
 from quark_onnx.calibration.sources import CalibrationSource, calibration_source, open_reader
 from quark_onnx.cli import calibration_reader
 from quark_onnx.cli.settings import QuantizeSettings
+from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import CalibrationError
-from quark_onnx.options import ExtraOptions
 
 F = TensorProto.FLOAT
 

@@ -13,7 +13,7 @@ from conftest import make_model
 from onnx import TensorProto, helper
 
 from quark_onnx.cli import apply_assignments, build_parser, parse_assignments, parse_value
-from quark_onnx.config import get_default_config
+from quark_onnx.config.quantization import get_default_config
 from quark_onnx.errors import ConfigError
 
 F = TensorProto.FLOAT

@@ -9,8 +9,8 @@ from conftest import make_model
 from onnx import TensorProto, helper
 
 from quark_onnx.cli import main
-from quark_onnx.config import get_default_config
-from quark_onnx.presets import preset_names
+from quark_onnx.config.presets import preset_names
+from quark_onnx.config.quantization import get_default_config
 
 
 def _conv_model(path) -> None:

@@ -1,5 +1,5 @@
-"""``quark-onnx quantize --ray`` and :func:`quark_onnx.ray_runner.quantize_batch_on_ray` on a local
-Ray cluster of 2 CPUs (started once for the module, stopped after): the same outputs, reports
+"""``quark-onnx quantize --ray`` and :func:`quark_onnx.cli.ray_runner.quantize_batch_on_ray` on a
+local Ray cluster of 2 CPUs (started once for the module, stopped after): the same outputs, reports
 and summary as the process runner, one ``error:`` line per failed model, sharded calibration as
 Ray tasks, Ctrl-C."""
 
@@ -26,7 +26,7 @@ ray = pytest.importorskip(
 )
 
 from quark_onnx import cli  # noqa: E402
-from quark_onnx.ray_runner import quantize_batch_on_ray  # noqa: E402
+from quark_onnx.cli.ray_runner import quantize_batch_on_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")

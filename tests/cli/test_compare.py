@@ -10,8 +10,13 @@ import pytest
 from conftest import make_model
 from onnx import TensorProto, helper
 
-from quark_onnx.compare import agreement_kind, compare_models, match_quantized_tensors, sqnr_db
 from quark_onnx.errors import CalibrationError
+from quark_onnx.fidelity.compare import (
+    agreement_kind,
+    compare_models,
+    match_quantized_tensors,
+    sqnr_db,
+)
 
 F = TensorProto.FLOAT
 S_X, S_R, S_Y = 2.0**-4, 2.0**-3, 2.0**-2

@@ -12,7 +12,7 @@ from cli_helpers import run_cli, tiny_cnn
 from conftest import run_ort, shared_path
 
 from quark_onnx.cli import build_parser, main
-from quark_onnx.presets import preset_names
+from quark_onnx.config.presets import preset_names
 
 
 def run_main(*args: object, cwd: Path, capsys) -> subprocess.CompletedProcess:

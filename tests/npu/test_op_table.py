@@ -21,14 +21,14 @@ from graphs import build
 from onnx import TensorProto, helper
 
 from quark_onnx.calibration import tensors
-from quark_onnx.check import check
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
+from quark_onnx.config.quantization import QuantizationConfig
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
+from quark_onnx.npu.readiness import check
 from quark_onnx.npu.solver import verify
 from quark_onnx.passes import InsertQDQ
-from quark_onnx.plan import build_plan
+from quark_onnx.plan.build import build_plan
 
 FUSE = {
     "RemoveQDQConvRelu": True,

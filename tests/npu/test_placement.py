@@ -10,7 +10,7 @@ import pytest
 from conftest import make_model, quantize_xint8_and_check, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx.model_io import to_ir
+from quark_onnx.model_files.load import to_ir
 from quark_onnx.npu.placement import cpu_side_arithmetic
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
@@ -131,7 +131,7 @@ _LN_CONSTANTS = {
 
 
 def _layer_norm_match(**kwargs) -> list[str] | None:
-    from quark_onnx.plan_patterns import decomposed_layer_norm
+    from quark_onnx.graph.patterns import decomposed_layer_norm
 
     opset = 18 if kwargs.get("opset18") else 17
     proto = make_model(

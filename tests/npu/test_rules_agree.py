@@ -18,13 +18,14 @@ from graphs import build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quark_onnx.check import check
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
+from quark_onnx.config.quantization import QuantizationConfig
 from quark_onnx.npu import rules
+from quark_onnx.npu.readiness import check
 from quark_onnx.npu.solver import solve_positions, verify
 from quark_onnx.passes import InsertQDQ
-from quark_onnx.plan import TensorKind, build_plan
+from quark_onnx.plan.build import build_plan
+from quark_onnx.plan.types import TensorKind
 
 FUSE = {
     "RemoveQDQConvRelu": True,

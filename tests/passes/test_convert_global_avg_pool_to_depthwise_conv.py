@@ -13,11 +13,12 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper
 
-from quark_onnx import ArrayDataReader, Config, ModelQuantizer, check, get_default_config
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+from quark_onnx.npu.readiness import check
 from quark_onnx.npu.rules import MAX_CONV_KERNEL_SIDE
+from quark_onnx.params.pof2 import fake_quant, weight_position
 from quark_onnx.passes import ConvertGlobalAvgPoolToDepthwiseConv
 from quark_onnx.passes.convert_avg_pool_to_dpu_version import pool_reciprocal
-from quark_onnx.pof2 import fake_quant, weight_position
 
 RNG = np.random.default_rng(3)
 

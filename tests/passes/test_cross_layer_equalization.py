@@ -9,16 +9,16 @@ import pytest
 from conftest import make_model, run_ort, shared_path
 from onnx import TensorProto, helper
 
-from quark_onnx import pof2
-from quark_onnx.enums import PowerOfTwoMethod
+from quark_onnx.config.enums import PowerOfTwoMethod
 from quark_onnx.errors import ConfigError
-from quark_onnx.passes import CrossLayerEqualization
-from quark_onnx.passes._channels import (
+from quark_onnx.graph.channels import (
     channel_range_spread,
     channel_statistics,
     input_channel_ranges,
     output_channel_ranges,
 )
+from quark_onnx.params import pof2
+from quark_onnx.passes import CrossLayerEqualization
 from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 
 RTOL = 1e-4  # max |new - old| / max |old| over the model's outputs
@@ -865,7 +865,7 @@ def test_activation_noise_is_the_power_of_two_step_over_the_signal():
     power of two holding 100 / 127 (1.0), the noise D^2/12 * sum rho_c reads_c over the signal
     sum E[y_c^2] reads_c; dividing channel 1 by 10 (and its reads by 1/100) makes the step
     2^-3 and leaves the signal alone."""
-    from quark_onnx.passes._channels import ChannelStats
+    from quark_onnx.graph.channels import ChannelStats
     from quark_onnx.passes._cle_noise import activation_noise
 
     stats = ChannelStats(np.array([1.0, 100.0]), np.array([0.25, 400.0]), np.array([0.5, 1.0]))

@@ -8,7 +8,7 @@ import pytest
 from conftest import make_model, run_ort
 
 from quark_onnx.errors import ConfigError, PassError
-from quark_onnx.model_io import to_ir, to_proto
+from quark_onnx.model_files.load import to_ir, to_proto
 from quark_onnx.passes import FixInputShapes
 from quark_onnx.passes.fix_input_shapes import parse_fix_shapes
 

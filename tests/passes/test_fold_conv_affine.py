@@ -10,7 +10,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx.model_io import to_ir, to_proto
+from quark_onnx.model_files.load import to_ir, to_proto
 from quark_onnx.passes import FoldConvAffine
 
 C = 4

@@ -9,11 +9,11 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx import pof2
-from quark_onnx.config import QuantizationConfig
-from quark_onnx.enums import QuantType
+from quark_onnx.config.enums import QuantType
+from quark_onnx.config.quantization import QuantizationConfig
+from quark_onnx.params import pof2
 from quark_onnx.passes import InsertQDQ
-from quark_onnx.plan import build_plan
+from quark_onnx.plan.build import build_plan
 
 F = TensorProto.FLOAT
 
@@ -209,14 +209,14 @@ def test_digits_cnn_end_to_end_keeps_top1():
     """plan -> NonOverflow positions from onnxruntime activations -> solve -> insert -> top-1."""
     from conftest import shared_path
 
-    from quark_onnx.constraints import solve_positions
+    from quark_onnx.graph.ir import constant_array
+    from quark_onnx.npu.solver import solve_positions
     from quark_onnx.passes import (
         ConvertAvgPoolToDPUVersion,
         ConvertHardSigmoidToDPUVersion,
         ConvertLeakyReluToDPUVersion,
         MakeConvAttributesExplicit,
     )
-    from quark_onnx.passes._graph import constant_array
 
     proto = onnx.shape_inference.infer_shapes(onnx.load(shared_path("models", "digits_cnn.onnx")))
     calib = np.load(shared_path("models", "digits_calib.npz"))["x"][:16]

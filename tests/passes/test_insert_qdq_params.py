@@ -16,12 +16,12 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from quark_onnx import qparams
-from quark_onnx.enums import QuantType as Q
+from quark_onnx.config.enums import QuantType as Q
 from quark_onnx.errors import PassError
+from quark_onnx.params import qparams
+from quark_onnx.params.qparams import QuantParams
 from quark_onnx.passes import InsertQDQ
 from quark_onnx.passes.insert_qdq import required_opset
-from quark_onnx.qparams import QuantParams
 
 F = TensorProto.FLOAT
 
@@ -282,8 +282,8 @@ def test_bad_activation_params_are_a_pass_error_naming_the_tensor(bad, match):
 
 def test_legacy_plan_call_is_unchanged():
     """InsertQDQ(plan, positions) still takes positions and writes from_position parameters."""
-    from quark_onnx.config import QuantizationConfig
-    from quark_onnx.plan import build_plan
+    from quark_onnx.config.quantization import QuantizationConfig
+    from quark_onnx.plan.build import build_plan
 
     proto, _ = matmul_model()
     qc = QuantizationConfig()

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from conftest import make_model, run_ort
 
-from quark_onnx.model_io import to_ir, to_proto
+from quark_onnx.model_files.load import to_ir, to_proto
 from quark_onnx.passes import RemoveIdentity
 
 X = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])

@@ -142,7 +142,7 @@ def test_runtime_bound_is_left_alone():
 
 @pytest.mark.real_model
 def test_real_model_relu6_all_replaced(shared):
-    from quark_onnx.model_io import load_ir
+    from quark_onnx.model_files.load import load_ir
 
     model = load_ir(shared / "models" / "digits_cnn.onnx")
     clips = sum(n.op_type == "Clip" for n in model.graph)

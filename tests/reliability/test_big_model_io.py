@@ -18,7 +18,7 @@ from fuzz_models import quantizer, residual
 
 from quark_onnx import model_files
 from quark_onnx.calibration import session as calibration_session
-from quark_onnx.model_io import written_files
+from quark_onnx.model_files.save import written_files
 
 
 def _tree(folder) -> dict[str, str]:

@@ -18,9 +18,20 @@ import pytest
 from onnx import TensorProto
 from onnx import helper as h
 
-from quark_onnx import model_files, model_io, pipeline
+from quark_onnx import model_files
+from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
+from quark_onnx.model_files.external import (
+    _external_tensors,
+    _ir_tensors,
+    external_data_dir,
+    materialize,
+    model_bytes,
+)
+from quark_onnx.model_files.load import load_ir, to_proto
+from quark_onnx.model_files.save import save_model, written_files
 from quark_onnx.passes import ConvertSigmoidToHardSigmoid, SimplifyWithOnnxsim
 from quark_onnx.passes import simplify_with_onnxsim as simplify_module
+from quark_onnx.pipeline import prepare
 
 MIB = 1 << 20
 
@@ -95,7 +106,7 @@ def _tensor(model: ir.Model, name: str):
 
 def test_load_ir_maps_large_external_tensors_and_reads_small_ones(tmp_path):
     path = _save_external(_gemm_reshape(k=256), tmp_path)
-    model = model_io.load_ir(path)
+    model = load_ir(path)
     w = _tensor(model, "w")
     assert isinstance(w, ir.ExternalTensor)  # 256 KiB > SMALL_TENSOR_BYTES: left in its file
     assert os.path.samefile(w.path, tmp_path / "m.onnx.data")
@@ -109,9 +120,9 @@ def test_load_ir_of_an_in_memory_model_has_no_external_tensor(tmp_path):
     # must not fire: nothing external, nothing mapped
     path = tmp_path / "m.onnx"
     onnx.save_model(_gemm_reshape(k=256), str(path))
-    model = model_io.load_ir(path)
-    assert not any(isinstance(t, ir.ExternalTensor) for t in model_io._ir_tensors(model.graph))
-    assert model_io.external_data_dir(model) is None
+    model = load_ir(path)
+    assert not any(isinstance(t, ir.ExternalTensor) for t in _ir_tensors(model.graph))
+    assert external_data_dir(model) is None
 
 
 def test_load_ir_refuses_a_hard_linked_data_file(tmp_path):
@@ -119,8 +130,8 @@ def test_load_ir_refuses_a_hard_linked_data_file(tmp_path):
     # the first time the weight is used
     path = _save_external(_gemm_reshape(k=256), tmp_path)
     os.link(tmp_path / "m.onnx.data", tmp_path / "other_name")
-    with pytest.raises(model_io.ModelLoadError, match="hard link"):
-        model_io.load_ir(path)
+    with pytest.raises(ModelLoadError, match="hard link"):
+        load_ir(path)
 
 
 def test_shape_inference_runs_on_external_models_with_external_shape_tensors(tmp_path):
@@ -130,19 +141,19 @@ def test_shape_inference_runs_on_external_models_with_external_shape_tensors(tmp
     shape = next(t for t in bad.graph.initializer if t.name == "shape")
     shape.CopyFrom(onnx.numpy_helper.from_array(np.array([3, 100], dtype=np.int64), "shape"))
     path = _save_external(bad, tmp_path / "bad", threshold=0)
-    with pytest.raises(model_io.ModelLoadError, match="shape inference"):
-        model_io.load_ir(path)
+    with pytest.raises(ModelLoadError, match="shape inference"):
+        load_ir(path)
     good = _save_external(_gemm_reshape(k=256), tmp_path / "good", threshold=0)
-    model_io.load_ir(good)  # must not fire
+    load_ir(good)  # must not fire
 
 
 def test_load_ir_does_not_read_the_weights(tmp_path):
     k = 4096  # 64 MiB of float32 weights
     path = _save_external(_gemm_reshape(k=k), tmp_path)
     before = _rss()
-    model = model_io.load_ir(path)
+    model = load_ir(path)
     assert _rss() - before < 16 * MIB
-    assert model_io.model_bytes(model) >= k * k * 4  # sizes known without reading
+    assert model_bytes(model) >= k * k * 4  # sizes known without reading
 
 
 # --- serialize and save ----------------------------------------------------------------------
@@ -150,36 +161,36 @@ def test_load_ir_does_not_read_the_weights(tmp_path):
 
 def test_to_proto_keeps_or_reads_external_tensors(tmp_path):
     path = _save_external(_gemm_reshape(k=256), tmp_path)
-    model = model_io.load_ir(path)
-    refs = model_io.to_proto(model, keep_external=True)
+    model = load_ir(path)
+    refs = to_proto(model, keep_external=True)
     assert refs.ByteSize() < 4096  # the 256 KiB weight is a reference
-    assert {t.name for t in model_io._external_tensors(refs)} == {"w"}  # b, shape: small
-    full = model_io.to_proto(model)
-    assert not model_io._external_tensors(full)
+    assert {t.name for t in _external_tensors(refs)} == {"w"}  # b, shape: small
+    full = to_proto(model)
+    assert not _external_tensors(full)
     x = np.random.default_rng(1).random((1, 256), dtype=np.float32)
     expected = _run(str(path), x)
     np.testing.assert_array_equal(_run(full, x), expected)
     # the reference proto runs in onnxruntime when it is told the folder (what calibration does;
     # without pre-packing, whose kernels round differently, so both runs use the same options)
-    folder = str(model_io.external_data_dir(model))
+    folder = str(external_data_dir(model))
     unpacked = {"session.disable_prepacking": "1"}
     folder_entry = {"session.model_external_initializers_file_folder_path": folder}
     np.testing.assert_array_equal(
         _run(refs, x, **folder_entry, **unpacked), _run(str(path), x, **unpacked)
     )
-    np.testing.assert_array_equal(_run(model_io.materialize(refs, folder), x), expected)
+    np.testing.assert_array_equal(_run(materialize(refs, folder), x), expected)
 
 
 def test_materialize_refuses_a_location_outside_the_folder(tmp_path):
     path = _save_external(_gemm_reshape(k=256), tmp_path / "a")
-    refs = model_io.to_proto(model_io.load_ir(path), keep_external=True)
-    for t in model_io._external_tensors(refs):
+    refs = to_proto(load_ir(path), keep_external=True)
+    for t in _external_tensors(refs):
         for entry in t.external_data:
             if entry.key == "location":
                 entry.value = "../a/m.onnx.data"
     (tmp_path / "b").mkdir()
-    with pytest.raises(model_io.UnsafePathError):
-        model_io.materialize(refs, tmp_path / "b")
+    with pytest.raises(UnsafePathError):
+        materialize(refs, tmp_path / "b")
 
 
 @pytest.mark.parametrize("external", [True, None])
@@ -190,10 +201,10 @@ def test_saving_a_mapped_model_equals_saving_it_read_into_memory(tmp_path, exter
     out_mapped, out_loaded = tmp_path / "o1", tmp_path / "o2"
     out_mapped.mkdir()
     out_loaded.mkdir()
-    mapped = model_io.load_ir(path)
-    model_io.save_model(mapped, out_mapped / "q.onnx", input_path=path, external_data=external)
-    loaded = model_io.to_proto(mapped)
-    model_io.save_model(loaded, out_loaded / "q.onnx", input_path=path, external_data=external)
+    mapped = load_ir(path)
+    save_model(mapped, out_mapped / "q.onnx", input_path=path, external_data=external)
+    loaded = to_proto(mapped)
+    save_model(loaded, out_loaded / "q.onnx", input_path=path, external_data=external)
     names = sorted(os.listdir(out_mapped))
     assert names == sorted(os.listdir(out_loaded))
     assert names == (["q.onnx", "q.onnx.data"] if external else ["q.onnx"])
@@ -203,14 +214,14 @@ def test_saving_a_mapped_model_equals_saving_it_read_into_memory(tmp_path, exter
 
 def test_mapped_model_above_the_limit_is_saved_with_external_data(tmp_path, monkeypatch):
     path = _save_external(_gemm_reshape(k=256), tmp_path / "in")
-    model = model_io.load_ir(path)
+    model = load_ir(path)
     # the weights count, unread
     monkeypatch.setattr(model_files.external, "_PROTOBUF_LIMIT", 64 * 1024)
     out = tmp_path / "q.onnx"
-    model_io.save_model(model, out)
-    assert [f.name for f in model_io.written_files(out)] == ["q.onnx", "q.onnx.data"]
-    with pytest.raises(model_io.ModelSaveError, match="2 GB"):
-        model_io.save_model(model, tmp_path / "r.onnx", external_data=False)
+    save_model(model, out)
+    assert [f.name for f in written_files(out)] == ["q.onnx", "q.onnx.data"]
+    with pytest.raises(ModelSaveError, match="2 GB"):
+        save_model(model, tmp_path / "r.onnx", external_data=False)
     x = np.random.default_rng(2).random((1, 256), dtype=np.float32)
     np.testing.assert_array_equal(_run(str(out), x), _run(str(path), x))
 
@@ -218,14 +229,14 @@ def test_mapped_model_above_the_limit_is_saved_with_external_data(tmp_path, monk
 def test_save_streams_mapped_weights(tmp_path):
     k = 4096  # 64 MiB
     path = _save_external(_gemm_reshape(k=k), tmp_path / "in")
-    model = model_io.load_ir(path)
+    model = load_ir(path)
     try:
         with open("/proc/self/clear_refs", "w") as f:  # reset the peak RSS to the current RSS
             f.write("5")
     except OSError:
         pytest.skip("cannot reset the peak RSS here")
     before = _rss()
-    model_io.save_model(model, tmp_path / "q.onnx", external_data=True)
+    save_model(model, tmp_path / "q.onnx", external_data=True)
     assert _rss("VmHWM") - before < 40 * MIB  # pieces of 16 MiB, never the 64 MiB weight
     assert (tmp_path / "q.onnx.data").stat().st_size >= k * k * 4
 
@@ -281,20 +292,20 @@ def test_onnxsim_limit_is_the_module_default(monkeypatch, caplog):
 
 def test_onnxsim_simplifies_a_mapped_model_below_the_limit(tmp_path):
     path = _save_external(_foldable(width=2048), tmp_path)  # 128 KiB weight: mapped
-    model = model_io.load_ir(path)
-    assert model_io.external_data_dir(model) is not None
+    model = load_ir(path)
+    assert external_data_dir(model) is not None
     x = np.random.default_rng(3).random((2, 4, 4), dtype=np.float32)
     assert SimplifyWithOnnxsim()(model).modified
-    np.testing.assert_allclose(_run(model_io.to_proto(model), x), _run(str(path), x), rtol=1e-6)
+    np.testing.assert_allclose(_run(to_proto(model), x), _run(str(path), x), rtol=1e-6)
 
 
 def test_pass_differences_are_not_measured_above_the_limit(monkeypatch, tmp_path):
     feeds = {"x": np.random.default_rng(4).random((1, 64), dtype=np.float32)}
 
-    def run(limit: int) -> pipeline.PassRecord:
-        monkeypatch.setattr(pipeline, "MEASURE_MAX_BYTES", limit)
-        model = model_io.load_ir(_save_external(_gemm_reshape(k=64), tmp_path / str(limit)))
-        report = pipeline.run_passes(model, [ConvertSigmoidToHardSigmoid()], sample_feeds=feeds)
+    def run(limit: int) -> prepare.PassRecord:
+        monkeypatch.setattr(prepare, "MEASURE_MAX_BYTES", limit)
+        model = load_ir(_save_external(_gemm_reshape(k=64), tmp_path / str(limit)))
+        report = prepare.run_passes(model, [ConvertSigmoidToHardSigmoid()], sample_feeds=feeds)
         return report.record("ConvertSigmoidToHardSigmoid")
 
     small = run(1 << 30)  # must not fire: measured (on a mapped model too)

@@ -17,7 +17,8 @@ from fuzz_models import conv_chain, quantizer
 
 from quark_onnx import model_files
 from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
-from quark_onnx.model_io import load_model, save_model, written_files
+from quark_onnx.model_files.load import load_model
+from quark_onnx.model_files.save import save_model, written_files
 
 WEIGHT = "w0"
 

@@ -52,7 +52,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from quark_onnx.errors import QuarkOnnxError
-from quark_onnx.model_io import load_model
+from quark_onnx.model_files.load import load_model
 
 CASES = int(os.environ.get("QUARK_FUZZ_CASES", "2000"))
 CASE_TIMEOUT = float(os.environ.get("QUARK_FUZZ_CASE_TIMEOUT", "120"))

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from quark_onnx import safetensors_io
-from quark_onnx.config import Config, get_default_config
+from quark_onnx.config.quantization import Config, get_default_config
 from quark_onnx.errors import QuarkOnnxError
-from quark_onnx.quantizer import ModelQuantizer
-from quark_onnx.recipe import read_recipe, save_recipe
+from quark_onnx.formats import safetensors_io
+from quark_onnx.formats.recipe import read_recipe, save_recipe
+from quark_onnx.pipeline.quantizer import ModelQuantizer
 
 CASES = max(200, int(os.environ.get("QUARK_FUZZ_CASES", "0")) // 10)
 FUZZ = settings(

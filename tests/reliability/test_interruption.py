@@ -24,7 +24,7 @@ import pytest
 from fuzz_models import conv_chain, quantizer
 
 from quark_onnx.errors import ModelSaveError
-from quark_onnx.model_io import load_model
+from quark_onnx.model_files.load import load_model
 
 CHILD = r"""
 import sys
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from quark_onnx import model_io
-from quark_onnx.model_io import load_model, save_model, sigterm_as_interrupt
+from quark_onnx.model_files.files import sigterm_as_interrupt
+from quark_onnx.model_files.load import load_model
+from quark_onnx.model_files.save import save_model
 
 mode, src, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 sys.path.insert(0, sys.argv[4])
@@ -163,22 +164,21 @@ def test_output_equal_to_input_is_refused_unless_overwrite(tmp_path):
 
 
 def test_report_and_calibration_files_are_atomic(tmp_path, monkeypatch):
-    from quark_onnx import model_io
 
     src = tmp_path / "m.onnx"
     src.write_bytes(conv_chain().SerializeToString())
     q = quantizer()
     q.quantize_model(src, tmp_path / "q.onnx", save_calibration=tmp_path / "calib.json")
     q.report.save(tmp_path / "report.json")
-    real = model_io.os.replace
+    real = os.replace
 
     def interrupted(a, b):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_io.os, "replace", interrupted)
+    monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         q.report.save(tmp_path / "report2.json")
-    monkeypatch.setattr(model_io.os, "replace", real)
+    monkeypatch.setattr(os, "replace", real)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["calib.json", "m.onnx", "q.onnx", "report.json"]
 

@@ -21,7 +21,6 @@ import onnx
 import pytest
 from fuzz_models import conv_chain, quantizer
 
-from quark_onnx import model_io, safetensors_io
 from quark_onnx.calibration import CalibrationResult, RandomDataReader
 from quark_onnx.calibration.readers import NpzDataReader
 from quark_onnx.errors import (
@@ -30,6 +29,10 @@ from quark_onnx.errors import (
     ModelLoadError,
     ModelSaveError,
 )
+from quark_onnx.formats import safetensors_io
+from quark_onnx.model_files.files import atomic_write_bytes
+from quark_onnx.model_files.load import load_model
+from quark_onnx.model_files.paths import check_output_path
 
 REPO = Path(__file__).resolve().parents[2]
 PEAK_MB = 500
@@ -178,9 +181,9 @@ def test_fifo_and_device_outputs_are_refused(tmp_path):
         quantizer().quantize_model(path, fifo)
     assert fifo.is_fifo()
     with pytest.raises(ModelSaveError, match="not a regular file"):
-        model_io.check_output_path("/dev/null")
+        check_output_path("/dev/null")
     with pytest.raises(ModelSaveError, match="not a regular file"):
-        model_io.atomic_write_bytes(fifo, b"x")
+        atomic_write_bytes(fifo, b"x")
     assert fifo.is_fifo()
 
 
@@ -241,7 +244,7 @@ def test_external_length_larger_than_dims_is_refused_before_reading(tmp_path):
 def test_check_refuses_a_length_that_does_not_match_the_dims(tmp_path):
     path = external_model(tmp_path, length=100)
     with pytest.raises(ModelLoadError, match="length 100 does not match"):
-        model_io.load_model(path)
+        load_model(path)
 
 
 # --- 6: npz / npy headers ------------------------------------------------------------------------
@@ -347,7 +350,7 @@ def test_cli_load_calibration_dev_zero(tmp_path):
 
 
 def _recipe(tmp_path: Path) -> Path:
-    from quark_onnx.recipe import save_recipe
+    from quark_onnx.formats.recipe import save_recipe
 
     model = conv_chain()
     q = quantizer().quantize_model(model)
@@ -370,7 +373,7 @@ def test_recipe_files_linked_to_a_huge_file_are_refused_unread(tmp_path, name):
     (folder / name).symlink_to(huge)
     proc, peak = run_measured(
         f"""
-        from quark_onnx.recipe import read_recipe
+        from quark_onnx.formats.recipe import read_recipe
         from quark_onnx.errors import QuarkOnnxError
         try:
             read_recipe({str(folder)!r})
@@ -391,7 +394,8 @@ def test_deeply_nested_json_is_a_named_error(tmp_path, where):
         with pytest.raises(safetensors_io.SafetensorsError, match="not UTF-8 JSON"):
             safetensors_io.deserialize(len(head).to_bytes(8, "little") + head, "p.safetensors")
     elif where == "recipe":
-        from quark_onnx.recipe import RecipeError, read_recipe
+        from quark_onnx.formats.recipe import read_recipe
+        from quark_onnx.formats.recipe_format import RecipeError
 
         folder = tmp_path / "r"
         folder.mkdir()
@@ -504,7 +508,7 @@ def test_unknown_tensor_data_type_is_a_load_error(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(model.SerializeToString())
     with pytest.raises(ModelLoadError, match="'unused'.*unknown tensor data type 200"):
-        model_io.load_model(path)
+        load_model(path)
 
 
 def test_non_utf8_string_tensor_hashes():
@@ -525,7 +529,8 @@ def test_non_utf8_string_tensor_hashes():
 
 
 def test_a_job_failing_after_writing_leaves_nothing(tmp_path, monkeypatch, capsys):
-    from quark_onnx import cli, compare
+    from quark_onnx import cli
+    from quark_onnx.fidelity import compare
 
     path = external_model(tmp_path / "in")
     before = {p: sha(p) for p in (path, path.parent / "w.bin")}
@@ -698,7 +703,7 @@ def test_unusable_external_locations_are_unsafe_path_errors(tmp_path, location):
             entry.value = location
     path.write_bytes(model.SerializeToString())
     with pytest.raises(UnsafePathError, match="external data location"):
-        model_io.load_model(path)
+        load_model(path)
 
 
 @pytest.mark.parametrize("out", ["/proc/quark_out", "/dev/null/x"])

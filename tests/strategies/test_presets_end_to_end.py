@@ -46,9 +46,9 @@ from quark_onnx import (
     QuantizationConfig,
     QuantType,
     get_default_config,
-    qparams,
 )
-from quark_onnx.presets import preset_names
+from quark_onnx.config.presets import preset_names
+from quark_onnx.params import qparams
 
 #: (integer activations, float types or weight-only) -> K, per model
 K_BLOCK = (6, 1)

@@ -14,8 +14,8 @@ from quark_onnx import (
     QuantType,
     get_default_config,
 )
-from quark_onnx.config import QuantStrategy, quant_strategy
-from quark_onnx.presets import preset_descriptions, preset_names
+from quark_onnx.config.presets import preset_descriptions, preset_names
+from quark_onnx.config.quantization import QuantStrategy, quant_strategy
 
 NEW_PRESETS = {
     "A8W8": QuantStrategy.STATIC,

@@ -9,16 +9,19 @@ from conftest import make_model
 from onnx import TensorProto, helper
 from transformer_block import block_inputs, build_block
 
-from quark_onnx import QuantizationConfig, QuantType, get_default_config, model_io, qparams
+from quark_onnx import QuantizationConfig, QuantType, get_default_config
 from quark_onnx.calibration import calibrate
-from quark_onnx.plan import TensorKind, build_plan
-from quark_onnx.strategy import calibrated_names, compute_params, needs_calibration
+from quark_onnx.model_files.load import to_ir
+from quark_onnx.params import qparams
+from quark_onnx.params.strategy import calibrated_names, compute_params, needs_calibration
+from quark_onnx.plan.build import build_plan
+from quark_onnx.plan.types import TensorKind
 
 LINEAR_WEIGHTS = ["wq", "wk", "wv", "wo", "w1", "w2"]
 
 
 def block_plan(qc: QuantizationConfig, gelu: str = "op"):
-    model = model_io.to_ir(build_block(gelu=gelu))
+    model = to_ir(build_block(gelu=gelu))
     return model, build_plan(model, qc, qc.validate())
 
 
@@ -143,12 +146,12 @@ def _erf_model(div_by: float, first_half: bool) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("first_half", [True, False])
 def test_erf_gelu_arrangements(first_half):
-    model = model_io.to_ir(_erf_model(np.sqrt(2.0), first_half))
+    model = to_ir(_erf_model(np.sqrt(2.0), first_half))
     plan = build_plan(model, a8w8())
     assert {f.name for f in plan.float_nodes} == {"div", "erf", "add", "half_mul"}
     # not a Gelu (x / 2 inside Erf): every node is quantized on its own, the Erf too (an
     # activation: its own input and output positions)
-    model = model_io.to_ir(_erf_model(2.0, first_half))
+    model = to_ir(_erf_model(2.0, first_half))
     plan = build_plan(model, a8w8())
     assert {f.name for f in plan.float_nodes} == set()
     assert {"d", "e"} <= set(plan.tensors)
@@ -171,15 +174,15 @@ def test_float8_does_not_requantize_relu_outputs():
             "w2": rng.standard_normal((2, 2, 1, 1)).astype(np.float32),
         },
     )
-    fp8 = build_plan(model_io.to_ir(proto), get_default_config("FP8_E4M3"))
+    fp8 = build_plan(to_ir(proto), get_default_config("FP8_E4M3"))
     assert "r" not in fp8.tensors and "c" in fp8.tensors
-    int8 = build_plan(model_io.to_ir(proto), get_default_config("A8W8"))
+    int8 = build_plan(to_ir(proto), get_default_config("A8W8"))
     assert "r" in int8.tensors
 
 
 def _calibrated_params(qc: QuantizationConfig):
     proto = build_block()
-    model = model_io.to_ir(proto)
+    model = to_ir(proto)
     options = qc.validate()
     plan = build_plan(model, qc, options)
     result = None

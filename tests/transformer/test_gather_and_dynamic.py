@@ -11,8 +11,9 @@ from conftest import make_model, run_ort
 from encoder_fixtures import SMALL, build_encoder, embedding_cosines, encoder_inputs
 from onnx import TensorProto, helper, numpy_helper
 
-from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config, qparams
-from quark_onnx.enums import QuantType
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
+from quark_onnx.config.enums import QuantType
+from quark_onnx.params import qparams
 
 
 def gather_model(table: np.ndarray) -> onnx.ModelProto:

@@ -8,10 +8,11 @@ import pytest
 from encoder_fixtures import SMALL, build_encoder, embedding_cosines, encoder_inputs
 from onnx import TensorProto, helper, numpy_helper
 
-from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config, model_io
+from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.errors import QuantizationError
-from quark_onnx.masks import FILL_MAGNITUDE, MAX_ACTIVATION_ABS, find_saturating
-from quark_onnx.plan import build_plan
+from quark_onnx.model_files.load import to_ir
+from quark_onnx.plan.build import build_plan
+from quark_onnx.plan.masks import FILL_MAGNITUDE, MAX_ACTIVATION_ABS, find_saturating
 
 STATIC = ["A8W8", "A16W8", "U8S8", "FP8_E4M3", "BF16", "FP16"]
 
@@ -24,7 +25,7 @@ def encoder(request):
 
 def test_the_mask_and_the_masked_scores_are_recognised(encoder):
     model, _, _ = encoder
-    found = find_saturating(model_io.to_ir(model).graph)
+    found = find_saturating(to_ir(model).graph)
     maker = "mask/Mul" if "mask/Mul" in found else "mask/Where"
     adds = {f"encoder/layer.{i}/attention/Add" for i in range(SMALL.layers)}
     assert set(found) == {maker, "mask/min", *adds}
@@ -50,7 +51,7 @@ def test_large_divisors_and_ordinary_models_are_not_masks():
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert find_saturating(model_io.to_ir(model).graph) == {}
+    assert find_saturating(to_ir(model).graph) == {}
 
 
 @pytest.mark.parametrize("preset", STATIC)
@@ -59,7 +60,7 @@ def test_no_mask_like_tensor_gets_a_scale(encoder, preset):
     qc = get_default_config(preset)
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     quantized = quantizer.quantize_model(model, None, ArrayDataReader(calib, batch_size=4))
-    masks = set(find_saturating(model_io.to_ir(model).graph))
+    masks = set(find_saturating(to_ir(model).graph))
     inits = {i.name: numpy_helper.to_array(i) for i in quantized.graph.initializer}
     checked = 0
     for node in quantized.graph.node:
@@ -104,7 +105,7 @@ def test_an_unrecognised_fill_is_refused_not_quantized():
     mask[:, 5:] = np.finfo(np.float32).min
     feeds = {"scores": rng.standard_normal((16, 8)).astype(np.float32), "mask": mask}
     feeds["v"] = rng.standard_normal((16, 8)).astype(np.float32)
-    assert find_saturating(model_io.to_ir(model).graph) == {}
+    assert find_saturating(to_ir(model).graph) == {}
     quantizer = ModelQuantizer(Config(global_quant_config=get_default_config("A16W8")))
     with pytest.raises(QuantizationError, match="'mask'.*nodes_to_exclude"):
         quantizer.quantize_model(model, None, ArrayDataReader(feeds))
@@ -119,7 +120,7 @@ def test_an_unrecognised_fill_is_refused_not_quantized():
 
 def test_plan_lists_the_mask_nodes_as_float_with_the_reason(encoder):
     model, _, _ = encoder
-    plan = build_plan(model_io.to_ir(model), get_default_config("A16W8"))
+    plan = build_plan(to_ir(model), get_default_config("A16W8"))
     reasons = {f.name: f.reason for f in plan.float_nodes}
     assert "mask-like" in reasons["encoder/layer.0/attention/Add"]
     assert not any(name in plan.tensors for name in plan.saturating)
@@ -139,9 +140,9 @@ def test_fill_constant_detection_needs_a_large_value():
             opset_imports=[helper.make_opsetid("", 17)],
         )
 
-    assert find_saturating(model_io.to_ir(const(-1e4)).graph) != {}
-    assert find_saturating(model_io.to_ir(const(-np.inf)).graph) != {}
-    assert find_saturating(model_io.to_ir(const(-9999.0)).graph) == {}
+    assert find_saturating(to_ir(const(-1e4)).graph) != {}
+    assert find_saturating(to_ir(const(-np.inf)).graph) != {}
+    assert find_saturating(to_ir(const(-9999.0)).graph) == {}
 
 
 def test_constant_of_shape_and_expanded_fills_are_masks():
@@ -167,5 +168,5 @@ def test_constant_of_shape_and_expanded_fills_are_masks():
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    found = find_saturating(model_io.to_ir(model).graph)
+    found = find_saturating(to_ir(model).graph)
     assert {"filled", "a", "causal", "y"} <= set(found)

@@ -17,7 +17,7 @@ import pytest
 from encoder_fixtures import build_encoder, embedding_cosines, encoder_inputs
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-from quark_onnx.presets import preset_names
+from quark_onnx.config.presets import preset_names
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from encoder_fixtures import SMALL, build_encoder, encoder_inputs
 from onnx import TensorProto, helper
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
-from quark_onnx.compare import ErrorAccumulator
 from quark_onnx.errors import CalibrationError, ConfigError
+from quark_onnx.fidelity.compare import ErrorAccumulator
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_xint8_on_a_conv_free_model_warns_before_work(encoder, caplog):
     with pytest.raises(ConfigError, match="no Conv node.*A16W8"):
         q.quantize_model(model, None, ArrayDataReader(calib), require_ready=True)
     assert "prepare" not in q.report.timings  # refused before any work
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.pipeline.quantizer"):
         q.quantize_model(model, None, ArrayDataReader(calib))
     assert any("no Conv node" in r.getMessage() for r in caplog.records)
 
@@ -52,7 +52,7 @@ def test_xint8_on_a_cnn_does_not_warn(caplog):
     ]
     model = make_model(nodes, [x], [y], {"w": w})
     feeds = {"x": np.random.default_rng(1).standard_normal((1, 2, 6, 6)).astype(np.float32)}
-    with caplog.at_level(logging.WARNING, logger="quark_onnx.quantizer"):
+    with caplog.at_level(logging.WARNING, logger="quark_onnx.pipeline.quantizer"):
         quantizer("XINT8").quantize_model(model, None, ArrayDataReader(feeds), require_ready=True)
     assert not any("no Conv node" in r.getMessage() for r in caplog.records)
 

@@ -1,0 +1,6 @@
+"""Quantization parameters: from a plan and calibration to scales and zero points.
+
+``qparams`` (the :class:`QuantParams` record and its numpy arithmetic), ``pof2`` (the one
+power-of-two arithmetic), ``pof2_params`` (XINT8 positions from calibration, then the NPU rules)
+and ``strategy`` (the float-scale strategies: static, weight-only, dynamic).
+"""

@@ -1,0 +1,188 @@
+"""The record of one quantization: settings, what each stage did, positions, check, timings.
+
+Plain data (JSON-able) so that the CLI can write it beside the output model and tools can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class QuantizationReport:
+    """What happened to one model; ``to_dict()`` is the JSON report."""
+
+    model: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    float_nodes: list[dict[str, str]] = field(default_factory=list)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
+    adjustments: list[dict[str, Any]] = field(default_factory=list)
+    unfixable: list[str] = field(default_factory=list)
+    #: Activations an NPU rule clips to less than half their calibrated range (XINT8).
+    range_clips: list[dict[str, Any]] = field(default_factory=list)
+    #: Activations an NPU rule moved off their calibrated position, with the loss of their own
+    #: SQNR (:func:`quark_onnx.npu.costs.forced_position_costs`), largest first (XINT8).
+    position_costs: list[dict[str, Any]] = field(default_factory=list)
+    layer_errors: list[dict[str, Any]] = field(default_factory=list)
+    bias_correction: dict[str, Any] = field(default_factory=dict)
+    adaround: dict[str, Any] = field(default_factory=dict)
+    check: dict[str, Any] = field(default_factory=dict)
+    comparison: dict[str, Any] = field(default_factory=dict)
+    #: The fidelity guard's verdict (:meth:`quark_onnx.fidelity.verdict.FidelityResult.to_dict`):
+    # every
+    #: output against the original float model; empty when it did not run.
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    #: What the fidelity repair tried when the guard found an output not faithful, or the
+    #: refinement offered to a faithful result, one entry per attempt
+    #: (:func:`quark_onnx.pipeline.repair.repair`): its settings, fidelity and whether it was kept.
+    repairs: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    #: The process's peak RSS (MiB, ``getrusage`` ``ru_maxrss``) when each stage ended: a
+    #: high-water mark, so the stage after which it jumps is the one that set the peak, and the
+    #: last value is the process's peak so far (empty where the OS does not report it). The CLI
+    #: adds its ``compare`` stage.
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    #: Decisions taken for the user that change the written model (e.g. FixShapes taken from the
+    #: calibration data), one sentence each.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return float(sum(self.timings.values()))
+
+    @property
+    def process_peak_rss_mb(self) -> float | None:
+        """The process's high-water mark when the last recorded stage ended (MiB)."""
+        return max(self.peak_rss_mb.values()) if self.peak_rss_mb else None
+
+    @property
+    def ready(self) -> bool | None:
+        return self.check.get("ready") if self.check else None
+
+    @property
+    def faithful(self) -> bool | None:
+        """The fidelity guard's verdict (None when it did not run)."""
+        return self.fidelity.get("faithful") if self.fidelity else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["total_seconds"] = round(self.total_seconds, 4)
+        data["process_peak_rss_mb"] = self.process_peak_rss_mb
+        return data
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the report as JSON, atomically."""
+        from quark_onnx.model_files.files import atomic_write_bytes
+
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
+        atomic_write_bytes(path, text.encode("utf-8"))
+
+    @property
+    def npu_preset(self) -> bool:
+        """The settings target the XINT8 NPU flow (``enable_npu_cnn``), to which the
+        Vitis AI readiness check and the NPU position adjustments apply."""
+        return bool(self.settings.get("enable_npu_cnn", True))
+
+    def summary(self) -> str:
+        """A few human-readable lines.
+
+        The XINT8 check's findings are listed for NPU (XINT8) settings only; for float-scale
+        presets the check's rules (power-of-two scales, shifts) do not apply, so one line says
+        so and the findings stay in ``to_dict()["check"]``.
+        """
+        plan = self.plan or {}
+        lines = [
+            f"model: {self.model}",
+            f"output: {self.output or '-'}",
+            f"quantized nodes: {plan.get('quantized_nodes', 0)}, float nodes: "
+            f"{plan.get('float_nodes', 0)}",
+            f"calibration: {self.calibration.get('samples', 0)} sample(s), "
+            f"{self.calibration.get('method', '-')}",
+        ]
+        if plan.get("mask_like"):
+            lines.append(f"mask-like tensors kept float: {plan['mask_like']}")
+        if self.npu_preset:
+            lines.append(
+                f"NPU position adjustments: {len(self.adjustments)}, "
+                f"unfixable: {len(self.unfixable)}"
+            )
+            lines += [f"  range clipped: {c['message']}" for c in self.range_clips]
+            lines += _position_cost_lines(self.position_costs)
+            lines.append(f"Vitis AI ready: {self.ready}")
+            # each finding once, errors first
+            findings = sorted(
+                self.check.get("findings", []), key=lambda f: f["severity"] != "error"
+            )
+            lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+        else:
+            lines.append("Vitis AI (XINT8) check: not applicable to float-scale settings")
+        lines += self._fidelity_lines()
+        lines += [f"note: {note}" for note in self.notes]
+        lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        peak = self.process_peak_rss_mb
+        if peak is not None:
+            first = next(k for k, v in self.peak_rss_mb.items() if v == peak)
+            lines.append(
+                f"peak memory: {peak:.0f} MiB (process high-water mark, reached by the end of "
+                f"stage {first!r}; per stage in the JSON report)"
+            )
+        return "\n".join(lines)
+
+    def _fidelity_lines(self) -> list[str]:
+        """The fidelity verdict and one line per output (none when the guard did not run)."""
+        fid = self.fidelity
+        if not fid:
+            return []
+        if fid.get("faithful") is None:
+            return [f"faithful to the float model: not measured ({fid.get('error', '')})"]
+        verdict = "yes" if fid["faithful"] else "NO"
+        lines = [f"faithful to the float model: {verdict} ({fid['samples']} sample(s))"]
+        for out in fid.get("outputs", []):
+            agree = out.get("top1_agreement")
+            lines.append(
+                f"  output {out['name']}: SQNR {out['sqnr_db']} dB, cosine {out['cosine']:.4f}"
+                + (f", top-1 agreement {agree:.3f}" if agree is not None else "")
+                + ("" if out["faithful"] else "  <- below threshold")
+            )
+        for entry in self.repairs:
+            outputs = ", ".join(f"{o['name']} SQNR {_db(o['sqnr_db'])}" for o in entry["outputs"])
+            lines.append(
+                f"  {'refinement' if entry.get('refinement') else 'repair'} tried: "
+                f"{entry['repair']}: {outputs}" + (" (kept)" if entry.get("kept") else "")
+            )
+        for layer in fid.get("worst_layers", []):
+            lines.append(
+                f"  loses most: {layer['node'] or layer['tensor']} ({layer['op_type']}), "
+                f"{layer['drop_db']:+.1f} dB"
+            )
+        return lines
+
+
+def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[str]:
+    """The forced position moves costing at least one bit (6 dB) of a tensor's own SQNR."""
+    from quark_onnx.npu.costs import COST_WARN_DB, cost_message
+
+    costly = [e for e in entries if e["cost_db"] >= COST_WARN_DB]
+    lines = [f"  rule cost: {cost_message(e)}" for e in costly[:shown]]
+    if len(costly) > shown:
+        lines.append(f"  rule cost: {len(costly) - shown} more tensor(s) lose >= 6 dB (report)")
+    return lines
+
+
+def _db(value: Any) -> str:
+    return f"{value:.1f} dB" if isinstance(value, float) else f"{value} dB"
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
