@@ -11,11 +11,10 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.graph.channels import value_channels
-from quark_onnx.graph.ir import constant_array
 
 # a range cap written by ConvertClipToRelu is valid only for the unscaled channels, so CLE does
 # not equalize through such a value
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+from quark_onnx.graph.ir import RANGE_MAX_KEY, constant_array
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 

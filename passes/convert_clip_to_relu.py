@@ -35,14 +35,11 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from quark_onnx.graph.ir import constant_array
+from quark_onnx.graph.ir import RANGE_MAX_KEY, constant_array
 from quark_onnx.npu.op_sets import FUSING_PRODUCERS
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
-
-#: Metadata key on a value: the largest value the quantization range of that tensor must cover.
-RANGE_MAX_KEY = "quark_onnx.range_max"
 
 _FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16}

@@ -57,7 +57,7 @@ import numpy as np
 import onnx_ir as ir
 
 from quark_onnx.graph.channels import value_channels
-from quark_onnx.graph.ir import NameGenerator, is_standard
+from quark_onnx.graph.ir import RANGE_MAX_KEY, NameGenerator, is_standard
 from quark_onnx.passes._channel_scaling import (
     ConvReader,
     conv_reader,
@@ -69,7 +69,6 @@ from quark_onnx.passes._channel_scaling import (
 from quark_onnx.passes._cle_noise import column_energy, quant_error
 from quark_onnx.passes._cle_pairs import homogeneity_problem
 from quark_onnx.passes.base import QuarkPass
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 from quark_onnx.passes.cross_layer_equalization import COMPONENT_MIN_GAIN
 
 if TYPE_CHECKING:

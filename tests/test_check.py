@@ -19,6 +19,24 @@ from quark_onnx.errors import ModelLoadError
 from quark_onnx.npu import op_sets as R
 from quark_onnx.npu.findings import CheckResult, Finding
 from quark_onnx.npu.readiness import check
+from quark_onnx.npu.rules import (
+    MAX_CONV_KERNEL_SIDE,
+    MUL_SHIFT_RANGE,
+    SHIFT_CUT_RANGE,
+    SHIFT_READ_MAX,
+    SHIFT_WRITE_RANGE,
+    hard_sigmoid_shift,
+    hard_sigmoid_violations,
+    in_range,
+    mul_shift,
+    position_of_scale,
+    scale_of_position,
+    shift_bias,
+    shift_bias_range,
+    shift_cut,
+    shift_read,
+    shift_write,
+)
 
 SHAPE = [1, 4, 8, 8]
 CONV_ATTRS = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
@@ -504,7 +522,7 @@ def _depthwise_mean(side: int) -> onnx.ModelProto:
 
 
 def test_conv_kernel_size_limit_holds_for_depthwise_convs():
-    limit = R.MAX_CONV_KERNEL_SIDE
+    limit = MAX_CONV_KERNEL_SIDE
     assert rules_of(_depthwise_mean(limit)) == set()  # 4 + 5 - 6 = shift_cut 3: clean
     result = check(_depthwise_mean(limit + 1))
     assert result.rules() == {"conv_kernel_size"}
@@ -577,51 +595,51 @@ def test_digits_float_model_not_ready():
 
 # ------------------------------------------------------------------------- npu_rules
 def test_position_of_scale_is_exact():
-    assert R.position_of_scale(2.0**-7) == 7
-    assert R.position_of_scale(np.float32(2.0**-7)) == 7
-    assert R.position_of_scale(1.0) == 0
-    assert R.position_of_scale(4.0) == -2
-    assert R.position_of_scale(float(np.float32(2.0**-149))) == 149  # float32 subnormal
-    assert R.position_of_scale(np.float32(2.0**-7) * np.float32(1 + 2**-23)) is None
+    assert position_of_scale(2.0**-7) == 7
+    assert position_of_scale(np.float32(2.0**-7)) == 7
+    assert position_of_scale(1.0) == 0
+    assert position_of_scale(4.0) == -2
+    assert position_of_scale(float(np.float32(2.0**-149))) == 149  # float32 subnormal
+    assert position_of_scale(np.float32(2.0**-7) * np.float32(1 + 2**-23)) is None
     for bad in (0.1, 1 / 3, 0.0, -0.5, float("inf"), float("nan"), 3.0):
-        assert R.position_of_scale(bad) is None, bad
+        assert position_of_scale(bad) is None, bad
     for p in range(-20, 40):
-        assert R.position_of_scale(R.scale_of_position(p)) == p
+        assert position_of_scale(scale_of_position(p)) == p
 
 
 def test_shift_cut_rule():
-    assert R.shift_cut(p_w=7, p_in=5, p_out=4) == 8
-    assert R.in_range(16, R.SHIFT_CUT_RANGE) and not R.in_range(17, R.SHIFT_CUT_RANGE)
-    assert R.in_range(0, R.SHIFT_CUT_RANGE) and not R.in_range(-1, R.SHIFT_CUT_RANGE)
+    assert shift_cut(p_w=7, p_in=5, p_out=4) == 8
+    assert in_range(16, SHIFT_CUT_RANGE) and not in_range(17, SHIFT_CUT_RANGE)
+    assert in_range(0, SHIFT_CUT_RANGE) and not in_range(-1, SHIFT_CUT_RANGE)
 
 
 def test_shift_bias_rule():
-    assert R.shift_bias(p_w=7, p_in=5, p_bias=9) == 3
-    assert R.shift_bias_range(16, False) == (0, 15)
-    assert R.shift_bias_range(15, False) == (-1, 15)
-    assert R.shift_bias_range(8, False) == (-8, 15)
-    assert R.shift_bias_range(0, False) == (-16, 15)
-    assert R.shift_bias_range(20, False) == (0, 15)  # min(0, ...) caps at 0
-    assert R.shift_bias_range(0, True) == (0, 15)
+    assert shift_bias(p_w=7, p_in=5, p_bias=9) == 3
+    assert shift_bias_range(16, False) == (0, 15)
+    assert shift_bias_range(15, False) == (-1, 15)
+    assert shift_bias_range(8, False) == (-8, 15)
+    assert shift_bias_range(0, False) == (-16, 15)
+    assert shift_bias_range(20, False) == (0, 15)  # min(0, ...) caps at 0
+    assert shift_bias_range(0, True) == (0, 15)
 
 
 def test_add_mul_rules():
-    assert R.shift_read([5, 12]) == 7 <= R.SHIFT_READ_MAX
-    assert R.shift_read([5, 13]) == 8 > R.SHIFT_READ_MAX
-    assert R.shift_write([5, 9], 12) == -7 and R.in_range(-7, R.SHIFT_WRITE_RANGE)
-    assert not R.in_range(-8, R.SHIFT_WRITE_RANGE) and not R.in_range(26, R.SHIFT_WRITE_RANGE)
-    assert R.in_range(25, R.SHIFT_WRITE_RANGE)
-    assert R.mul_shift([5, 7], -20) == 32 and R.in_range(32, R.MUL_SHIFT_RANGE)
-    assert not R.in_range(33, R.MUL_SHIFT_RANGE) and not R.in_range(-1, R.MUL_SHIFT_RANGE)
+    assert shift_read([5, 12]) == 7 <= SHIFT_READ_MAX
+    assert shift_read([5, 13]) == 8 > SHIFT_READ_MAX
+    assert shift_write([5, 9], 12) == -7 and in_range(-7, SHIFT_WRITE_RANGE)
+    assert not in_range(-8, SHIFT_WRITE_RANGE) and not in_range(26, SHIFT_WRITE_RANGE)
+    assert in_range(25, SHIFT_WRITE_RANGE)
+    assert mul_shift([5, 7], -20) == 32 and in_range(32, MUL_SHIFT_RANGE)
+    assert not in_range(33, MUL_SHIFT_RANGE) and not in_range(-1, MUL_SHIFT_RANGE)
 
 
 def test_hard_sigmoid_rule():
-    assert R.hard_sigmoid_violations(0, 13) == []
-    assert R.hard_sigmoid_violations(15, 7) == []
-    assert len(R.hard_sigmoid_violations(16, 7)) == 1
-    assert len(R.hard_sigmoid_violations(-1, 7)) == 1
-    assert len(R.hard_sigmoid_violations(5, 6)) == 1
-    assert R.hard_sigmoid_shift(0, 14) == 0 and len(R.hard_sigmoid_violations(0, 14)) == 1
+    assert hard_sigmoid_violations(0, 13) == []
+    assert hard_sigmoid_violations(15, 7) == []
+    assert len(hard_sigmoid_violations(16, 7)) == 1
+    assert len(hard_sigmoid_violations(-1, 7)) == 1
+    assert len(hard_sigmoid_violations(5, 6)) == 1
+    assert hard_sigmoid_shift(0, 14) == 0 and len(hard_sigmoid_violations(0, 14)) == 1
 
 
 def test_op_sets():

@@ -14,10 +14,20 @@ from conftest import make_model
 from onnx import TensorProto, helper
 
 from quark_onnx.config.quantization import QuantizationConfig
-from quark_onnx.npu import op_sets as rules
-from quark_onnx.npu.solver import solve_positions
-from quark_onnx.npu.verify import verify
+from quark_onnx.npu.rules import (
+    SHIFT_WRITE_RANGE,
+    hard_sigmoid_violations,
+    in_range,
+    mul_shift,
+    position_of_scale,
+    shift_bias,
+    shift_cut,
+    shift_read,
+    shift_write,
+)
 from quark_onnx.params import pof2
+from quark_onnx.params.solver import solve_positions
+from quark_onnx.params.verify import verify
 from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan.build import build_plan
 
@@ -50,7 +60,7 @@ def written_positions(proto: onnx.ModelProto) -> dict[str, int]:
     for node in proto.graph.node:
         if node.op_type == "DequantizeLinear":
             tensor = node.name.removesuffix("_DequantizeLinear")
-            p = rules.position_of_scale(float(inits[node.input[1]]))
+            p = position_of_scale(float(inits[node.input[1]]))
             assert p is not None, f"{node.name}: scale is not a power of two"
             out[tensor] = p
     return out
@@ -82,7 +92,7 @@ def conv_graph(leaky=False):
 def test_shift_cut_too_large_lowers_the_weight():
     proto, plan, qc = conv_graph()
     result, p = solve_and_write(proto, plan, qc, {"x": 10, "W": 12, "y": 2, "B": 3})
-    assert rules.shift_cut(p["W"], p["x"], p["y"]) == 16
+    assert shift_cut(p["W"], p["x"], p["y"]) == 16
     assert (p["W"], p["x"], p["y"]) == (8, 10, 2)  # the local weight moved, not the activations
     assert result.ok
 
@@ -90,7 +100,7 @@ def test_shift_cut_too_large_lowers_the_weight():
 def test_shift_cut_negative_lowers_the_output():
     proto, plan, qc = conv_graph()
     result, p = solve_and_write(proto, plan, qc, {"x": 2, "W": 3, "y": 8, "B": 3})
-    assert rules.shift_cut(p["W"], p["x"], p["y"]) == 0
+    assert shift_cut(p["W"], p["x"], p["y"]) == 0
     assert (p["W"], p["x"], p["y"]) == (3, 2, 5)  # lowering never clips
     assert result.ok
 
@@ -125,7 +135,7 @@ def test_shift_bias_places_the_bias_and_reports_int8_overflow():
     proto, plan, qc = conv_graph()
     # acc = 20, shift_cut = 10 -> bias window [5, 26]; the bias' own NonOverflow position is 0
     result, p = solve_and_write(proto, plan, qc, {"x": 8, "W": 12, "y": 10, "B": 0})
-    sb = rules.shift_bias(p["W"], p["x"], p["B"])
+    sb = shift_bias(p["W"], p["x"], p["B"])
     assert sb == 15 and p["B"] == 5
     assert [v.rule for v in result.bias_overflows] == ["bias_range"]
     assert result.ok
@@ -165,17 +175,17 @@ def add_graph(op="Add"):
 def test_shift_read(op):
     proto, plan, qc = add_graph(op)
     result, p = solve_and_write(proto, plan, qc, {"a": 2, "b": 12, "y": 2})
-    assert rules.shift_read([p["a"], p["b"]]) == 7 and (p["a"], p["b"]) == (2, 9)
+    assert shift_read([p["a"], p["b"]]) == 7 and (p["a"], p["b"]) == (2, 9)
     assert result.ok
 
 
 def test_shift_write_both_directions():
     proto, plan, qc = add_graph()
     _, p = solve_and_write(proto, plan, qc, {"a": 10, "b": 10, "y": 20})
-    assert rules.shift_write([p["a"], p["b"]], p["y"]) == -7 and p["y"] == 17
+    assert shift_write([p["a"], p["b"]], p["y"]) == -7 and p["y"] == 17
     _, p = solve_and_write(proto, plan, qc, {"a": 30, "b": 31, "y": 0})
-    sw = rules.shift_write([p["a"], p["b"]], p["y"])
-    assert rules.in_range(sw, rules.SHIFT_WRITE_RANGE) and p["y"] == 0
+    sw = shift_write([p["a"], p["b"]], p["y"])
+    assert in_range(sw, SHIFT_WRITE_RANGE) and p["y"] == 0
 
 
 def test_add_satisfied_is_left_alone():
@@ -204,9 +214,9 @@ def mul_graph():
 def test_mul_shift_too_large_and_negative():
     proto, plan, qc = mul_graph()
     result, p = solve_and_write(proto, plan, qc, {"a": 20, "b": 20, "y": 4})
-    assert rules.mul_shift([p["a"], p["b"]], p["y"]) == 32 and result.ok
+    assert mul_shift([p["a"], p["b"]], p["y"]) == 32 and result.ok
     result, p = solve_and_write(proto, plan, qc, {"a": 1, "b": 1, "y": 5})
-    assert rules.mul_shift([p["a"], p["b"]], p["y"]) == 0 and p["y"] == 2
+    assert mul_shift([p["a"], p["b"]], p["y"]) == 0 and p["y"] == 2
 
 
 def test_mul_satisfied_is_left_alone():
@@ -234,7 +244,7 @@ def test_hard_sigmoid(given, expected):
     proto, plan, qc = hs_graph()
     result, p = solve_and_write(proto, plan, qc, given)
     assert p == expected and result.ok
-    assert not rules.hard_sigmoid_violations(p["x"], p["y"])
+    assert not hard_sigmoid_violations(p["x"], p["y"])
     if given == expected:
         assert not result.adjustments
 
@@ -319,7 +329,8 @@ def test_missing_position_raises():
 
 
 def test_solver_matches_the_checker_on_a_written_model():
-    check = pytest.importorskip("quark_onnx.check")
+    from quark_onnx.npu import readiness
+
     w = RNG.normal(size=(2, 2, 1, 1)).astype(np.float32)
     b = RNG.normal(size=(2,)).astype(np.float32)
     nodes = [
@@ -337,13 +348,13 @@ def test_solver_matches_the_checker_on_a_written_model():
     assert result.ok
     model = ir.serde.deserialize_model(proto)
     InsertQDQ(plan, result.positions)(model)
-    found = check.check(ir.serde.serialize_model(model))
+    found = readiness.check(ir.serde.serialize_model(model))
     shift_rules = {"shift_cut", "shift_bias", "shift_read", "shift_write", "mul_shift"}
     assert not [f for f in found.findings if f.rule in shift_rules]
     # and the same graph without solving is caught by the checker
     model = ir.serde.deserialize_model(proto)
     InsertQDQ(plan, positions)(model)
-    found = check.check(ir.serde.serialize_model(model))
+    found = readiness.check(ir.serde.serialize_model(model))
     assert {f.rule for f in found.findings} & shift_rules
 
 
@@ -368,7 +379,7 @@ from onnx import TensorProto, helper
 sys.path.insert(0, sys.argv[1])
 from conftest import make_model
 from quark_onnx.config.quantization import QuantizationConfig
-from quark_onnx.npu.solver import solve_positions
+from quark_onnx.params.solver import solve_positions
 from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan.build import build_plan
 vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])

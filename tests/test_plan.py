@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from quark_onnx.config.enums import QuantType
 from quark_onnx.config.quantization import QuantizationConfig
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+from quark_onnx.graph.ir import RANGE_MAX_KEY
 from quark_onnx.plan.build import build_plan
 from quark_onnx.plan.types import TensorKind
 

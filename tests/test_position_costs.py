@@ -11,7 +11,7 @@ from conftest import box_and_score_model
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.npu.costs import forced_position_costs
-from quark_onnx.npu.solver import Adjustment
+from quark_onnx.params.solver import Adjustment
 
 
 def _fake_quant(x: np.ndarray, p: int) -> np.ndarray:

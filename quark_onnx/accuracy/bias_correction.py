@@ -84,7 +84,7 @@ from quark_onnx.accuracy.layers import Layer, find_layers, set_codes, tensor_nam
 from quark_onnx.accuracy.replay import Replay
 from quark_onnx.accuracy.sequential_rounding import SequentialRounding
 from quark_onnx.config.options import ExtraOptions
-from quark_onnx.npu import op_sets
+from quark_onnx.npu.rules import shift_bias_range
 from quark_onnx.params.pof2 import POSITION_MAX, POSITION_MIN
 from quark_onnx.plan.types import PlannedNode, QuantPlan
 from quark_onnx.runtime.progress import Progress
@@ -202,7 +202,7 @@ def bias_window(node: PlannedNode, positions: dict[str, int]) -> tuple[int, int]
         return None
     assert weight is not None and data is not None and output is not None
     acc = positions[weight] + positions[data]
-    lo, hi = op_sets.shift_bias_range(acc - positions[output], node.before_leaky_relu)
+    lo, hi = shift_bias_range(acc - positions[output], node.before_leaky_relu)
     return max(acc - hi, POSITION_MIN), min(acc - lo, POSITION_MAX)
 
 

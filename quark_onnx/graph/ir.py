@@ -7,6 +7,10 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
+#: Metadata key on a value: the largest value the quantization range of that tensor must cover
+#: (ConvertClipToRelu writes it; the planner and the equalization passes read it).
+RANGE_MAX_KEY = "quark_onnx.range_max"
+
 
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
     """The value's data if it is an initializer or the output of a Constant node, else None."""

@@ -283,7 +283,7 @@ def to_proto(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto
     the proto is small whatever the weights; pass that folder to onnxruntime
     (``session.model_external_initializers_file_folder_path``) to run it.
     """
-    from quark_onnx.runtime.counters import COUNTS
+    from quark_onnx.counters import COUNTS
 
     COUNTS.serialisations += 1
     return serialize_ir(model, keep_external=keep_external)

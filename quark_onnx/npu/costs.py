@@ -2,7 +2,7 @@
 
 The NPU gives one power-of-two position to every tensor of a shared-scale group (a Concat's
 inputs and output, a pool's input and output) and bounds the shifts between a layer's tensors
-(:mod:`quark_onnx.npu.solver`). When the tensors of a group have ranges several bits apart, the
+(:mod:`quark_onnx.params.solver`). When the tensors of a group have ranges several bits apart, the
 group position clips the large ones or coarsens the small ones: a detector head concatenating
 box offsets (``|x| <= 3``) with sigmoid scores (``<= 1``) stores the scores with 2 bits fewer; a
 squeeze-excite block's GlobalAveragePool output (a channel mean) keeps its input's position, 3 to
@@ -50,7 +50,7 @@ def forced_position_costs(
 
     ``errors[t](p)``: mean squared quantization error of ``t`` at position ``p``;
     ``mean_squares[t]``: ``mean(x^2)`` of its calibration values; ``adjustments``: the solver's
-    :class:`~quark_onnx.npu.solver.Adjustment` records (objects or their dicts), whose rules are
+    :class:`~quark_onnx.params.solver.Adjustment` records (objects or their dicts), whose rules are
     named in the entry. Entries are sorted by cost, largest first (ties by name: deterministic).
     """
     rules: dict[str, list[str]] = {}

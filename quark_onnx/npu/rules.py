@@ -30,8 +30,8 @@ HardSigmoid Quark's docstring allows ``14 + p_in - p_out`` up to 31 and its code
 hold once ``p_in <= 15`` and ``p_out >= 7``).
 
 A rule is evaluated on a :class:`Site`: the positions around one node, by role. The solver
-(:mod:`quark_onnx.npu.solver`) builds sites from the plan and its positions, the readiness checker
-(:mod:`quark_onnx.npu.readiness`) from the Q/DQ scales of a written model; both call
+(:mod:`quark_onnx.params.solver`) builds sites from the plan and its positions, the readiness
+checker (:mod:`quark_onnx.npu.readiness`) from the Q/DQ scales of a written model; both call
 :meth:`Rule.evaluate`, so a rule's arithmetic, limits and message exist once.
 """
 

@@ -41,7 +41,7 @@ Choosing positions:
 All-zero tensors. Every position represents an all-zero tensor exactly, so the choice is a
 convention; it is :data:`ZERO_POSITION` ``=`` :data:`POSITION_MAX` (the finest scale), for
 weights, biases and activations alike (also for a tensor with no finite value). The reason is the
-NPU constraint solver (:mod:`quark_onnx.npu.solver`): it only ever *lowers* shared (activation)
+NPU constraint solver (:mod:`quark_onnx.params.solver`): it only ever *lowers* shared (activation)
 positions, starts a shared-scale group at its members' lowest position, and reports a bias whose
 position ends above its preferred (NonOverflow) position as saturating. With the top position a
 zero tensor never binds: it does not drag a Concat group down, never forces a neighbour of an Add

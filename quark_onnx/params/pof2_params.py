@@ -3,7 +3,7 @@
 * :func:`initial_positions`: activations from the calibration result (NonOverflow or MinMSE,
   never wider than a folded clip bound), weights and biases from their values; the error curves
   the solver minimises where a rule moves a position;
-* :func:`solve`: the positions after :func:`quark_onnx.npu.solver.solve_positions`, graph
+* :func:`solve`: the positions after :func:`quark_onnx.params.solver.solve_positions`, graph
   outputs capped at their NonOverflow position + :data:`CLIP_CEILING`;
 * :func:`range_clips`: activations the rules moved to a position that clips their range.
 """
@@ -132,10 +132,10 @@ def solve(
     ranges: dict[str, tuple[float, int]],
     options: ExtraOptions,
 ) -> Any:
-    """The positions after the NPU rules (:class:`quark_onnx.npu.solver.Solution`), each graph
+    """The positions after the NPU rules (:class:`quark_onnx.params.solver.Solution`), each graph
     output (and the shared-scale group it is in) starting no higher than :data:`CLIP_CEILING`
     above its NonOverflow position."""
-    from quark_onnx.npu.solver import solve_positions
+    from quark_onnx.params.solver import solve_positions
 
     ceilings = {
         name: p + CLIP_CEILING

@@ -331,7 +331,7 @@ def _saturator(
 
 def _saturate_capped_relus(proto: onnx.ModelProto, saturation: Callable[[float], float]) -> None:
     """Run each Relu of ``proto`` whose output has a range cap as ``Clip(0, saturation(cap))``."""
-    from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
+    from quark_onnx.graph.ir import RANGE_MAX_KEY
 
     graph = proto.graph
     caps = {

@@ -41,12 +41,11 @@ import onnx
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import Config, QuantizationConfig
 from quark_onnx.errors import ConfigError, QuantizationError
-from quark_onnx.fidelity import guard
 from quark_onnx.model_files.external import external_data_dir
 from quark_onnx.model_files.load import load_ir, signature_proto, to_ir, to_proto, validate_proto
 from quark_onnx.model_files.paths import check_output_path
 from quark_onnx.model_files.save import save_model
-from quark_onnx.pipeline import preflight, sequencer
+from quark_onnx.pipeline import guard, preflight, sequencer
 from quark_onnx.pipeline import prepare as pipeline
 from quark_onnx.pipeline import repair as fidelity_repair
 from quark_onnx.pipeline.report import QuantizationReport

@@ -288,7 +288,7 @@ def _attempt(
     ``held_out``: the accuracy stages fit on the kept samples after the guard's (the guard's are
     the first ones), so the guard's measurement of the attempt is on samples it was not fitted
     on; None when no sample is left for the fit."""
-    from quark_onnx.fidelity import guard
+    from quark_onnx.pipeline import guard
     from quark_onnx.pipeline.report import QuantizationReport
 
     trial = copy.copy(run)

@@ -49,13 +49,12 @@ import onnx_ir as ir
 from quark_onnx.config.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import QuantizationConfig, QuantStrategy, quant_strategy
-from quark_onnx.graph.ir import constant_array, is_standard, single_consumer
+from quark_onnx.graph.ir import RANGE_MAX_KEY, constant_array, is_standard, single_consumer
 from quark_onnx.graph.patterns import erf_gelu, is_constant
 from quark_onnx.npu.ops import OpSpec as OpPolicy
 from quark_onnx.npu.ops import Share
 from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
 from quark_onnx.npu.policy import policy_for
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 from quark_onnx.plan.masks import find_saturating
 from quark_onnx.plan.types import (
     ACTIVATION_EQUALITY_OPS,

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.runtime.counters import COUNTS, Counts
+from quark_onnx.counters import COUNTS, Counts
 
 __all__ = [
     "COUNTS",

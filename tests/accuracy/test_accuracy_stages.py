@@ -112,7 +112,7 @@ def _quantize(proto: onnx.ModelProto, samples: list[dict], **extra):
             positions[t] = pof2.weight_position(consts[t])
         else:
             positions[t] = pof2.bias_position(consts[t])
-    from quark_onnx.npu.solver import solve_positions
+    from quark_onnx.params.solver import solve_positions
 
     solved = solve_positions(plan, positions, options)
     InsertQDQ(plan, solved.positions)(model)

@@ -26,7 +26,7 @@ from quark_onnx.config.quantization import QuantizationConfig
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.readiness import check
-from quark_onnx.npu.solver import verify
+from quark_onnx.params.solver import verify
 from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan.build import build_plan
 

@@ -1,7 +1,7 @@
 """The solver's verification and the readiness check agree, rule for rule, on every rule op.
 
 For random positions on a graph holding every op with an NPU position rule or fact
-(:mod:`graphs`), the violations :func:`quark_onnx.npu.solver.verify` reports from the plan and
+(:mod:`graphs`), the violations :func:`quark_onnx.params.solver.verify` reports from the plan and
 positions are exactly the position findings :func:`quark_onnx.check` reports on the model written
 with those positions (same rule, same node, same count). Then the same after solving.
 """
@@ -22,7 +22,7 @@ from quark_onnx.config.enums import QuantType
 from quark_onnx.config.quantization import QuantizationConfig
 from quark_onnx.npu import rules
 from quark_onnx.npu.readiness import check
-from quark_onnx.npu.solver import solve_positions, verify
+from quark_onnx.params.solver import solve_positions, verify
 from quark_onnx.passes import InsertQDQ
 from quark_onnx.plan.build import build_plan
 from quark_onnx.plan.types import TensorKind

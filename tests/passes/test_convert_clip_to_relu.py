@@ -10,8 +10,8 @@ from conftest import make_model, run_ort
 from onnx import TensorProto as T
 from onnx import helper as h
 
+from quark_onnx.graph.ir import RANGE_MAX_KEY
 from quark_onnx.passes import ConvertClipToRelu
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 
 X = np.linspace(-10, 10, 2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
 IN = h.make_tensor_value_info("x", T.FLOAT, [2, 3, 4, 4])

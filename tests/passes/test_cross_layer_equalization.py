@@ -17,9 +17,9 @@ from quark_onnx.graph.channels import (
     input_channel_ranges,
     output_channel_ranges,
 )
+from quark_onnx.graph.ir import RANGE_MAX_KEY
 from quark_onnx.params import pof2
 from quark_onnx.passes import CrossLayerEqualization
-from quark_onnx.passes.convert_clip_to_relu import RANGE_MAX_KEY
 
 RTOL = 1e-4  # max |new - old| / max |old| over the model's outputs
 

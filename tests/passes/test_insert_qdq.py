@@ -210,7 +210,7 @@ def test_digits_cnn_end_to_end_keeps_top1():
     from conftest import shared_path
 
     from quark_onnx.graph.ir import constant_array
-    from quark_onnx.npu.solver import solve_positions
+    from quark_onnx.params.solver import solve_positions
     from quark_onnx.passes import (
         ConvertAvgPoolToDPUVersion,
         ConvertHardSigmoidToDPUVersion,

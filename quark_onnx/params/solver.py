@@ -66,8 +66,8 @@ from quark_onnx.errors import QuantizationError
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.rules import Violation
-from quark_onnx.npu.verify import verify
 from quark_onnx.params.pof2 import POSITION_MAX, POSITION_MIN
+from quark_onnx.params.verify import verify
 from quark_onnx.plan.types import PlannedNode, QuantPlan, TensorKind, UnionFind
 
 logger = logging.getLogger(__name__)
