@@ -33,7 +33,7 @@ reverses the channels when needed. Greyscale images (one channel from 0.15) are 
 equal channels; PNG alpha is dropped, 16-bit PNG samples are cut to 8 bits. The JPEG decoder is
 IJG libjpeg 9 (not libjpeg-turbo as in Pillow): on chroma-subsampled JPEGs its pixels differ from
 Pillow's by up to a few dozen grey levels at colour edges (mean about 0.1 level; measured in
-tests/test_images.py).
+tests/calibration/test_images.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ builds one graph holding the model before the pass plus, under new names, only t
 tensors of the model after it that differ or read something that differs; one run per sample
 gives both sets of outputs. Every node computes exactly what it computes in its own model (the
 same kernel on the same input values), so the values are those of two separate runs, bit for bit
-(``tests/test_paired_run.py`` compares them).
+(``tests/fidelity/test_paired_run.py`` compares them).
 
 The combined graph is not built (:func:`run_before_after` returns None, and the caller runs the
 two models separately) when the models cannot be paired simply: different inputs, opsets,

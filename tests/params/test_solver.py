@@ -403,7 +403,7 @@ def test_solve_and_insert_are_deterministic_across_processes(tmp_path):
     import sys
     from pathlib import Path
 
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])
     outputs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

@@ -171,7 +171,7 @@ def test_quantizer_with_pieces_writes_the_same_model_and_fidelity(tmp_path, monk
 
     from quark_onnx import Config, ModelQuantizer, get_default_config
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_scaling import build_chain
 
     build_chain("conv", 12, tmp_path / "chain.onnx")
