@@ -15,8 +15,7 @@ Measured, each ``--repeat`` times, interleaved (medians reported):
 * ``jobs2_api``: the same batch runner (:func:`quark_onnx.cli.run_batch`, 2 processes) called in
   this process: ``jobs2`` without the console script's own start (interpreter and imports);
 * ``ray_warm``: :func:`quark_onnx.cli.ray_runner.quantize_batch_on_ray` in this process, on a
-cluster
-  of 2 CPUs started once beforehand (what a batch costs on a cluster that is already up: a
+  cluster of 2 CPUs started once beforehand (what a batch costs on a cluster that is already up: a
   nightly pipeline pointed at a running cluster with ``--ray ADDRESS``); its peer is
   ``jobs2_api``;
 * ``ray_start``: starting and stopping that local cluster (``ray.init`` + ``ray.shutdown``);

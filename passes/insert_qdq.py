@@ -144,9 +144,8 @@ class InsertQDQ(QuarkPass):
     """Write quantization parameters into the graph (see the module docstring for the forms).
 
     Args:
-        params: tensor name -> :class:`~quark_onnx.params.qparams.QuantParams`, written in this
-        order;
-            or, for the XINT8 flow, a :class:`~quark_onnx.plan.types.QuantPlan` from
+        params: tensor name -> :class:`~quark_onnx.params.qparams.QuantParams`, written in
+            this order; or, for the XINT8 flow, a :class:`~quark_onnx.plan.types.QuantPlan` from
             :func:`quark_onnx.plan.build.build_plan` on this model, with ``positions``.
         positions: with a plan: tensor -> power-of-two position (``SolveResult.positions``), one
             per planned tensor.

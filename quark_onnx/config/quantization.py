@@ -100,9 +100,8 @@ class QuantizationConfig:
             that their reference numerics do not depend on the machine).
         use_external_data_format: write the quantized model's tensors of 1 KiB and more to
             ``<output>.data`` beside it (otherwise only models above 2 GB are split).
-        print_summary: log the report's summary (logger ``quark_onnx.pipeline.quantizer``, INFO)
-        when the
-            model is written.
+        print_summary: log the report's summary (logger ``quark_onnx.pipeline.quantizer``,
+            INFO) when the model is written.
         input_nodes / output_nodes / reduce_range / enable_npu_transformer: accepted for
             compatibility with Quark and not supported: set to anything but the default, each
             is named in a warning and in the report's notes (:meth:`unsupported_settings`).

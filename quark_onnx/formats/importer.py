@@ -90,9 +90,8 @@ def read_qdq(
     """Read the quantization parameters of a QDQ model and (optionally) its float model.
 
     Args:
-        model: the QDQ model (a path is read with :func:`quark_onnx.model_files.load.load_model`,
-        without
-            opset upgrade).
+        model: the QDQ model (a path is read with
+            :func:`quark_onnx.model_files.load.load_model`, without opset upgrade).
         float_model: also build the float model (the patterns removed); False only reads.
         source: the model's name in messages (default: the path, or ``<model>``).
 

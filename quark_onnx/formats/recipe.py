@@ -274,9 +274,8 @@ def save_recipe(
 
     Args:
         directory: the recipe folder (created; its parent must exist).
-        quantized_model: the model :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` wrote (or
-        its
-            path).
+        quantized_model: the model :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` wrote
+            (or its path).
         config: the configuration it was quantized with (a ``Config``, a
             ``QuantizationConfig`` or a preset name).
         float_model: the float model it was quantized from (or its path).

@@ -291,8 +291,7 @@ def to_proto(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto
 
 def serialize_ir(model: ir.Model, *, keep_external: bool = False) -> onnx.ModelProto:
     """:func:`to_proto` without counting it (``quark_onnx.runtime.sessions`` counts a model it
-    serializes
-    to build a session as part of that session)."""
+    serializes to build a session as part of that session)."""
     proto = ir.serde.serialize_model(model)
     if not keep_external:
         external = _external_tensors(proto)

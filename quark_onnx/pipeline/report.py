@@ -36,8 +36,7 @@ class QuantizationReport:
     check: dict[str, Any] = field(default_factory=dict)
     comparison: dict[str, Any] = field(default_factory=dict)
     #: The fidelity guard's verdict (:meth:`quark_onnx.fidelity.verdict.FidelityResult.to_dict`):
-    # every
-    #: output against the original float model; empty when it did not run.
+    #: every output against the original float model; empty when it did not run.
     fidelity: dict[str, Any] = field(default_factory=dict)
     #: What the fidelity repair tried when the guard found an output not faithful, or the
     #: refinement offered to a faithful result, one entry per attempt

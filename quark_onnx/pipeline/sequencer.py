@@ -8,9 +8,8 @@
 :func:`run` calls the stages of a :class:`Stages` object in that order; the two users differ only
 in what some stages do:
 
-* :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` (``quantize_model``): the parameters come
-from
-  calibration (power-of-two positions solved against the NPU rules, or float scales), the
+* :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` (``quantize_model``): the parameters
+  come from calibration (power-of-two positions solved against the NPU rules, or float scales), the
   accuracy stages (AdaRound, bias correction) change codes and return the parameters the model
   then holds, ``measure`` runs the per-layer error analysis and the fidelity guard, and the model
   is checked and saved;
