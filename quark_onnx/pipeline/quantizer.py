@@ -18,8 +18,9 @@ One pipeline serves every strategy and data type; the config selects what each s
   :class:`~quark_onnx.params.qparams.QuantParams`
   (:func:`quark_onnx.params.strategy.compute_params`), then ``InsertQDQ(params)``.
 
-This module gives each stage its work (``_Run``, the :class:`~quark_onnx.pipeline.sequencer.Stages`
-of one call), times it and collects what it reports; it holds no quantization logic of its own.
+This module gives each stage its work (``QuantizationRun``, the
+:class:`~quark_onnx.pipeline.sequencer.Stages` of one call), times it and collects what it reports;
+it holds no quantization logic of its own.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class ModelQuantizer:
                 what="calibration result",
             )
 
-        run = _Run(
+        run = QuantizationRun(
             self,
             report,
             source,
@@ -276,9 +277,11 @@ def _stage(report: QuantizationReport, name: str) -> Iterator[None]:
             report.peak_rss_mb[name] = peak
 
 
-class _Run(sequencer.Stages):
+class QuantizationRun(sequencer.Stages):
     """The stages of one :meth:`ModelQuantizer.quantize_model` call (run by
-    :func:`quark_onnx.pipeline.sequencer.run`), with what they hand each other."""
+    :func:`quark_onnx.pipeline.sequencer.run`), with what they hand each other: the run state,
+    public, which the fidelity repair reads and runs again
+    (:class:`~quark_onnx.pipeline.repair.RepairableRun`)."""
 
     def __init__(
         self,
@@ -409,14 +412,27 @@ class _Run(sequencer.Stages):
         self.samples = kept[: self.q._samples_to_keep()]
         self.q.kept_samples = kept[: self.q.keep_samples]
         if self.power_of_two:
-            return self._positions(model, plan, result)
+            return self.xint8_positions(model, plan, result)
         with _stage(report, "params"):
             params = strategy.compute_params(plan, result, model, self.qconfig, self.options)
             report.plan["params"] = len(params)
             report.plan["types"] = sorted({p.qtype.name for p in params.values()})
         return params
 
-    def _positions(self, model: Any, plan: Any, result: Any) -> dict[str, int]:
+    def trial(
+        self, qconfig: QuantizationConfig, options: ExtraOptions, samples: list | None = None
+    ) -> QuantizationRun:
+        """A run of the same model, calibration and samples (``samples``: others) with other
+        settings, a fresh report and no positions yet: one fidelity repair attempt."""
+        trial = copy.copy(self)
+        trial.qconfig, trial.options = qconfig, options
+        if samples is not None:
+            trial.samples = samples
+        trial.report = QuantizationReport(model=self.source)
+        trial.positions, trial.quantized = {}, {}
+        return trial
+
+    def xint8_positions(self, model: Any, plan: Any, result: Any) -> dict[str, int]:
         """The XINT8 positions: calibrated, then moved where an NPU rule needs it."""
         from quark_onnx.params import pof2_params
 

@@ -46,19 +46,50 @@ lower on its test images).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from quark_onnx.config.enums import PowerOfTwoMethod
 from quark_onnx.errors import QuantizationError
 from quark_onnx.model_files.load import to_ir
 
 logger = logging.getLogger("quark_onnx.pipeline.quantizer")
+
+
+class RepairableRun(Protocol):
+    """What a repair reads of a quantizer run and calls on it (the run state of
+    :class:`~quark_onnx.pipeline.quantizer.QuantizationRun`, public): the settings, the samples,
+    the prepared float model and its calibration, and the stages an attempt runs again."""
+
+    source: str
+    report: Any  # QuantizationReport
+    qconfig: Any  # QuantizationConfig
+    options: Any  # ExtraOptions
+    samples: list[dict[str, Any]]
+    fidelity_samples: list[dict[str, Any]]
+    reference: list[dict[str, Any]] | None
+    prepared: Any  # onnx.ModelProto: the float copy calibration read
+    external_dir: Any
+    calibration: Any
+    positions: dict[str, int]
+    quantized: dict[str, Any]
+
+    def trial(
+        self, qconfig: Any, options: Any, samples: list[dict[str, Any]] | None = None
+    ) -> RepairableRun:
+        """A run of the same model and calibration with other settings (fresh report)."""
+        ...
+
+    def xint8_positions(self, model: Any, plan: Any, result: Any) -> dict[str, int]: ...
+
+    def insert(self, model: Any, plan: Any, parameters: Any) -> dict[str, Any]: ...
+
+    def accuracy(self, model: Any, plan: Any, params: dict[str, Any]) -> dict[str, Any]: ...
+
 
 __all__ = [
     "Repair",
@@ -194,7 +225,9 @@ def score(result: Any) -> tuple[int, float, float, float]:
     )
 
 
-def repair(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[Any, Any, Any]:
+def repair(
+    run: RepairableRun, model: Any, params: Any, plan: Any, first: Any
+) -> tuple[Any, Any, Any]:
     """Try :func:`candidates` on ``run`` when its guard found ``first`` not faithful (option
     ``FidelityRepair``), else the :func:`refinement`; return the model, parameters and fidelity
     result kept. The report gets one ``repairs`` entry per attempt, and the kept attempt's stage
@@ -269,7 +302,7 @@ class Repairer:
     """The fidelity guard's repair hook for one quantizer run: after the guard calls it,
     :attr:`model` and :attr:`params` are the ones kept (until then, the run's own)."""
 
-    def __init__(self, run: Any, model: Any, params: Any, plan: Any) -> None:
+    def __init__(self, run: RepairableRun, model: Any, params: Any, plan: Any) -> None:
         self.run, self.model, self.params, self.plan = run, model, params, plan
 
     def __call__(self, first: Any) -> tuple[Any, Any]:
@@ -280,8 +313,8 @@ class Repairer:
 
 
 def _attempt(
-    run: Any, plan: Any, cand: Repair, held_out: bool = False
-) -> tuple[Any, Any, Any, Any] | None:
+    run: RepairableRun, plan: Any, cand: Repair, held_out: bool = False
+) -> tuple[RepairableRun, Any, Any, Any] | None:
     """Positions, insertion and accuracy stages again with ``cand``'s settings, on a fresh copy
     of the prepared float model; the trial run, its model, parameters and fidelity result.
 
@@ -289,12 +322,11 @@ def _attempt(
     the first ones), so the guard's measurement of the attempt is on samples it was not fitted
     on; None when no sample is left for the fit."""
     from quark_onnx.pipeline import guard
-    from quark_onnx.pipeline.report import QuantizationReport
 
-    trial = copy.copy(run)
+    samples = None
     if held_out:
-        trial.samples = run.samples[len(run.fidelity_samples) :]
-        if not trial.samples:
+        samples = run.samples[len(run.fidelity_samples) :]
+        if not samples:
             logger.info(
                 "%s: %s not tried: the %d kept calibration samples are all the fidelity guard's "
                 "(AccuracySamples > FidelitySamples leaves some to fit on)",
@@ -303,14 +335,15 @@ def _attempt(
                 len(run.samples),
             )
             return None
-    trial.qconfig = dataclasses.replace(run.qconfig, **dict(cand.config))
-    trial.options = dataclasses.replace(run.options, **dict(cand.extra_options))
-    trial.report = QuantizationReport(model=run.source)
-    trial.positions, trial.quantized = {}, {}
+    trial = run.trial(
+        dataclasses.replace(run.qconfig, **dict(cand.config)),
+        dataclasses.replace(run.options, **dict(cand.extra_options)),
+        samples,
+    )
     guard.materialize(run.prepared, run.external_dir)
     model = to_ir(run.prepared)
     with _quiet():  # the first attempt's warnings were given; the kept one is summarised
-        positions = trial._positions(model, plan, run.calibration)
+        positions = trial.xint8_positions(model, plan, run.calibration)
         params = trial.insert(model, plan, positions)
         params = trial.accuracy(model, plan, params)
         result = guard.measure(

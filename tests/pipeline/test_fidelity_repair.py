@@ -352,13 +352,13 @@ def test_the_refinement_fits_on_samples_the_guard_does_not_measure(tmp_path, mon
     from quark_onnx.pipeline import quantizer as quantizer_module
 
     seen: list[int] = []
-    original = quantizer_module._Run.accuracy
+    original = quantizer_module.QuantizationRun.accuracy
 
     def counting(self, model, plan, params):
         seen.append(len(self.samples))
         return original(self, model, plan, params)
 
-    monkeypatch.setattr(quantizer_module._Run, "accuracy", counting)
+    monkeypatch.setattr(quantizer_module.QuantizationRun, "accuracy", counting)
     quantizer = _quantizer(FidelityRefine=True)  # AccuracySamples 32, FidelitySamples 16
     quantizer.quantize_model(_model(), tmp_path / "a.onnx", ArrayDataReader(_samples(24)))
     assert seen == [24, 8]  # the first attempt on all 24 kept, the refinement on the last 8
