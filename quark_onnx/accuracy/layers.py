@@ -9,7 +9,6 @@ quantized graph keeps the float tensor names except that an activation read thro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from quark_onnx.errors import QuantizationError
+from quark_onnx.npu.rules import position_of_scale
 
 #: Op types whose weights (input 1) and bias (input 2) the accuracy stages adjust.
 LAYER_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
@@ -51,14 +51,6 @@ class Layer:
     @property
     def bias_codes(self) -> np.ndarray | None:
         return None if self.bias is None else self.bias.const_value.numpy()
-
-
-def position_of_scale(scale: float) -> int | None:
-    """``p`` with ``scale == 2^-p`` exactly, or None when the scale is not a power of two."""
-    if not (scale > 0 and math.isfinite(scale)):
-        return None
-    mantissa, exponent = math.frexp(scale)
-    return 1 - exponent if mantissa == 0.5 else None
 
 
 def _dq_constant(value: ir.Value | None) -> tuple[ir.Value, int] | None:

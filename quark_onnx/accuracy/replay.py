@@ -38,7 +38,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from quark_onnx.accuracy.layers import position_of_scale
 from quark_onnx.accuracy.replay_graph import (
     IRNode,
     ReplayGraph,
@@ -48,6 +47,7 @@ from quark_onnx.accuracy.replay_graph import (
     tensor_proto,
 )
 from quark_onnx.errors import QuantizationError
+from quark_onnx.npu.rules import position_of_scale
 from quark_onnx.runtime import memory
 from quark_onnx.runtime.arena import release_arena, session_options
 from quark_onnx.runtime.sessions import create_session, subgraph_reads

@@ -23,12 +23,13 @@ from quark_onnx.accuracy.error_analysis import (
     worst_layers,
 )
 from quark_onnx.accuracy.layer_statistics import im2col
-from quark_onnx.accuracy.layers import find_layers, position_of_scale
+from quark_onnx.accuracy.layers import find_layers
 from quark_onnx.accuracy.replay import Replay
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import get_default_config
 from quark_onnx.errors import ConfigError
 from quark_onnx.model_files.load import to_ir, to_proto
+from quark_onnx.npu.rules import position_of_scale
 from quark_onnx.params import pof2
 from quark_onnx.passes.insert_qdq import InsertQDQ
 from quark_onnx.plan.build import build_plan
