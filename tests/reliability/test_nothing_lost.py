@@ -223,7 +223,7 @@ def test_external_length_larger_than_dims_is_refused_before_reading(tmp_path):
     proc, peak = run_measured(
         f"""
         from fuzz_models import quantizer
-        from quark_onnx.check import check
+        from quark_onnx.npu.readiness import check
         from quark_onnx.errors import ModelLoadError
         out = {str(tmp_path / "q.onnx")!r}
         for call in (lambda: check({str(path)!r}),
