@@ -146,7 +146,10 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 
 #: Modules allowed above MAX_MODULE_LINES, and why (each one is a split still to make).
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "quark_onnx/quantizer.py": "the run's stages move to a pipeline package with the layout change",
+    "quark_onnx/plan.py": "the planner moves to a plan package with the layout change",
+}
 
 #: Functions allowed above MAX_FUNCTION_LINES ("path::name"), and why.
 LONG_FUNCTIONS: dict[str, str] = {}

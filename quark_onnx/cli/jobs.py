@@ -236,7 +236,8 @@ def _quantize_into(
     comparison = None
     feeds: Any = None
     if compare_count(settings) > 0 and quantizer.kept_samples:
-        feeds = iter(quantizer.kept_samples)  # the calibration's first samples, not read again
+        # the verdict's held-out samples (or the calibration's first ones), not read again
+        feeds = iter(quantizer.kept_samples)
     else:
         feeds = comparison_feeds(settings, qconfig, model_path)
     if feeds is not None:
@@ -270,7 +271,8 @@ def _quantize_into(
 
     lines = [report.summary()]
     if comparison is not None:
-        lines += ["", "float vs quantized on the first calibration samples:", comparison.summary()]
+        which = "held-out" if quantizer.kept_held_out else "first calibration"
+        lines += ["", f"float vs quantized on the {which} samples:", comparison.summary()]
     report_txt = out_dir / f"{job.name}.report.txt"
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
 

@@ -134,7 +134,8 @@ def test_image_folder_calibration_equals_the_same_arrays_from_npz(tmp_path):
     assert npz.returncode == 0, npz.stderr
     a = json.loads((tmp_path / "images" / "squeezenet1.1.report.json").read_text())
     b = json.loads((tmp_path / "npz" / "squeezenet1.1.report.json").read_text())
-    assert a["calibration"]["samples"] == b["calibration"]["samples"] == count
+    # 8 of the 32 held out for the verdict, the same ones from both sources
+    assert a["calibration"]["samples"] == b["calibration"]["samples"] == count - 8
     # every activation, weight and bias of SqueezeNet has a position (95 with Conv->Relu fused)
     assert len(a["positions"]) > 90
     assert a["positions"] == b["positions"]
