@@ -129,6 +129,8 @@ def _job_outputs(job: Job) -> list[Path]:
         f"{job.name}.compare.json",
         f"{job.name}.report.txt",
     ]
+    if job.settings.report_html:
+        names.append(f"{job.name}.report.html")
     if job.settings.save_calibration:
         names.append(f"{job.name}.calibration.json")
     return [out_dir / n for n in names]
@@ -275,6 +277,12 @@ def _quantize_into(
         lines += ["", f"float vs quantized on the {which} samples:", comparison.summary()]
     report_txt = out_dir / f"{job.name}.report.txt"
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
+    if settings.report_html:
+        from quark_onnx.report_html import render
+
+        compared = comparison.to_dict() if comparison is not None else None
+        page = render(report.to_dict(), compared, title=job.name)
+        atomic_write_bytes(out_dir / f"{job.name}.report.html", page.encode("utf-8"))
 
 
 class _LogStream:

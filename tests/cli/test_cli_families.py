@@ -1,5 +1,5 @@
 """The CLI on small generated detectors, segmenters and OCR models (non-square, letterboxed,
-fixed-height, dynamic-shape inputs): image-folder calibration with the README's specs, FixShapes
+fixed-height, dynamic-shape inputs): image-folder calibration with the documented specs, FixShapes
 from the calibration data, summaries that fit each output, findings printed once.
 
 Oracles: the calibration statistics of the model input (min, max, element count, saved with
@@ -84,7 +84,7 @@ def image_folder(path: Path, sizes: list[tuple[int, int]]) -> Path:
 # Image sizes: landscape, portrait, very wide (clamped by resize=height), square.
 SIZES = [(50, 70), (90, 60), (20, 200), (64, 64), (41, 97)]
 
-#: (family, model input, head, spec, agreement column) -- the README's worked specs.
+#: (family, model input, head, spec, agreement column) -- docs/preprocessing.md's worked specs.
 FAMILIES = [
     (
         "face_detector",
