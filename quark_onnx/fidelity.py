@@ -24,7 +24,8 @@ options (``FidelityMinSQNR``, ``FidelityMinAgreement``).
 
 * what each numerics-changing graph pass cost (:func:`quark_onnx.pipeline.run_passes`);
 * the fidelity guard of :class:`quark_onnx.ModelQuantizer`: the original float model against the
-  quantized one on the first calibration samples (:class:`FidelityResult`).
+  quantized one, part by part, on the samples held out from calibration
+  (:mod:`quark_onnx.fidelity_guard`, :class:`FidelityResult`).
 """
 
 from __future__ import annotations
