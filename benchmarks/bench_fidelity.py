@@ -468,7 +468,21 @@ def quantize(entry: Entry, qc: Any, out: Path) -> dict[str, Any]:
         "quant_seconds": round(seconds, 2),
         "report_ready": report.ready if report is not None else None,
         "calibration_samples": (report.calibration or {}).get("samples") if report else None,
+        # the tool's own held-out verdict, and the first part it finds not faithful
+        "verdict": report.faithful if report is not None else None,
+        "verdict_samples": (report.fidelity or {}).get("samples") if report else None,
+        "verdict_part": _first_unfaithful_part(report.fidelity if report else {}),
     }
+
+
+def _first_unfaithful_part(fidelity: dict) -> str | None:
+    for output in fidelity.get("outputs", []):
+        for part in output.get("parts", []):
+            if not part["faithful"]:
+                return f"{part['part']} ({part['kind']})"
+        if not output.get("faithful", True):
+            return output["name"]
+    return None
 
 
 def evaluate(
@@ -494,6 +508,14 @@ def evaluate(
     if entry.task == "detector":
         row["detection"] = detection_match(f_out[first], q_out[first])
     return row
+
+
+def _verdict(row: dict) -> str:
+    """The tool's held-out verdict: ``yes (16)``, or ``NO (16): <the part>``."""
+    if row.get("verdict") is None:
+        return "-"
+    head = f"{'yes' if row['verdict'] else 'NO'} ({row.get('verdict_samples')})"
+    return head if row["verdict"] else f"{head}: {row.get('verdict_part')}"
 
 
 def check_ready(path: Path) -> bool | None:
@@ -559,10 +581,12 @@ def table(rows: list[dict], runs: list[dict]) -> str:
         "top-1 and drop (points) against the ORIGINAL float model; SQNR = min over graph outputs "
         "(dB); cos = mean per-image cosine of the first output; agree = argmax agreement; "
         "det = share of float detections matched (IoU >= 0.5); check = quark_onnx.check ready; "
-        "rerun = identical bytes on a second run",
+        "rerun = identical bytes on a second run; verdict = the tool's own, on the calibration "
+        "samples it held out (count), with the first part it finds not faithful",
         "",
         f"{'model':<22} {'config':<9} {'float':>6} {'top-1':>6} {'drop':>6} {'SQNR':>7} "
-        f"{'cos':>7} {'agree':>6} {'det':>6} {'NaN':>4} {'quant s':>8} {'check':>6} {'rerun':>6}",
+        f"{'cos':>7} {'agree':>6} {'det':>6} {'NaN':>4} {'quant s':>8} {'check':>6} {'rerun':>6} "
+        "verdict",
     ]
     tech_rows = [r for r in rows if r.get("technique_off") not in (None, "", REFERENCE)]
     for r in rows:
@@ -581,7 +605,8 @@ def table(rows: list[dict], runs: list[dict]) -> str:
             f"{_fmt(r['min_sqnr_db'], '.2f', 7)} {_fmt(first['cosine'], '.4f', 7)} "
             f"{_fmt(r.get('agreement'), '.3f', 6)} {_fmt(det, '.3f', 6)} "
             f"{'yes' if r['nan_inf'] else 'no':>4} {_fmt(r['quant_seconds'], '.1f', 8)} "
-            f"{_fmt(r.get('check_ready'), '', 6)} {_fmt(r.get('rerun_identical'), '', 6)}"
+            f"{_fmt(r.get('check_ready'), '', 6)} {_fmt(r.get('rerun_identical'), '', 6)} "
+            f"{_verdict(r)}"
         )
     dets = [r for r in rows if r.get("detection") and not r.get("technique_off")]
     if dets:
