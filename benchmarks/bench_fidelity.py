@@ -532,26 +532,20 @@ def _key(row: dict) -> tuple:
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
+    """This run's rows and the line naming its command and commit (a results file holds the
+    latest output only: a subset of models goes to its own --name)."""
     common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     jpath = common.RESULTS_DIR / f"{name}.json"
     tpath = common.RESULTS_DIR / f"{name}.txt"
-    old: list[dict] = []
-    runs: list[dict] = []
-    if jpath.exists():
-        previous = json.loads(jpath.read_text())
-        old, runs = previous.get("rows", []), previous.get("runs", [])
-    runs = [*runs, meta]
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in rows})
     order = {m: i for i, m in enumerate(ALL_MODELS)}
     all_rows = sorted(
-        merged.values(),
+        rows,
         key=lambda r: (r.get("technique_off", "") != "", order.get(r["model"], 99), r["config"],
                        r.get("technique_off", "")),
     )  # fmt: skip
-    payload = {"runs": runs, "rows": all_rows}
+    payload = {"runs": [meta], "rows": all_rows}
     _atomic_text(jpath, json.dumps(payload, indent=1, default=float) + "\n")
-    _atomic_text(tpath, table(all_rows, runs))
+    _atomic_text(tpath, table(all_rows, [meta]))
     return tpath, jpath
 
 
