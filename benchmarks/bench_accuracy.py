@@ -50,6 +50,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,7 +59,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+#: the benchmark data folder (models/, data/imagenet/): QUARK_ONNX_SHARED, else ../shared
+SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", ROOT.parent / "shared")).resolve()
 WORK = Path(__file__).resolve().parent / ".work" / "accuracy"
 
 SPECS = {

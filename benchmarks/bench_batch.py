@@ -54,7 +54,8 @@ import onnx
 from onnx import numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "models"
+#: the benchmark models: $QUARK_ONNX_SHARED/models, else ../shared/models
+SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", REPO.parent / "shared")).resolve() / "models"
 RESULTS = REPO / "benchmarks" / "results"
 BASES = ("digits_cnn", "squeezenet1.1")
 

@@ -470,7 +470,21 @@ def quantize(entry: Entry, qc: Any, out: Path) -> dict[str, Any]:
         "quant_seconds": round(seconds, 2),
         "report_ready": report.ready if report is not None else None,
         "calibration_samples": (report.calibration or {}).get("samples") if report else None,
+        # the tool's own held-out verdict, and the first part it finds not faithful
+        "verdict": report.faithful if report is not None else None,
+        "verdict_samples": (report.fidelity or {}).get("samples") if report else None,
+        "verdict_part": _first_unfaithful_part(report.fidelity if report else {}),
     }
+
+
+def _first_unfaithful_part(fidelity: dict) -> str | None:
+    for output in fidelity.get("outputs", []):
+        for part in output.get("parts", []):
+            if not part["faithful"]:
+                return f"{part['part']} ({part['kind']})"
+        if not output.get("faithful", True):
+            return output["name"]
+    return None
 
 
 def evaluate(
@@ -498,6 +512,14 @@ def evaluate(
     return row
 
 
+def _verdict(row: dict) -> str:
+    """The tool's held-out verdict: ``yes (16)``, or ``NO (16): <the part>``."""
+    if row.get("verdict") is None:
+        return "-"
+    head = f"{'yes' if row['verdict'] else 'NO'} ({row.get('verdict_samples')})"
+    return head if row["verdict"] else f"{head}: {row.get('verdict_part')}"
+
+
 def check_ready(path: Path) -> bool | None:
 
     return bool(check(str(path)).ready)
@@ -511,26 +533,20 @@ def _key(row: dict) -> tuple:
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
+    """This run's rows and the line naming its command and commit (a results file holds the
+    latest output only: a subset of models goes to its own --name)."""
     common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     jpath = common.RESULTS_DIR / f"{name}.json"
     tpath = common.RESULTS_DIR / f"{name}.txt"
-    old: list[dict] = []
-    runs: list[dict] = []
-    if jpath.exists():
-        previous = json.loads(jpath.read_text())
-        old, runs = previous.get("rows", []), previous.get("runs", [])
-    runs = [*runs, meta]
-    merged = {_key(r): r for r in old}
-    merged.update({_key(r): r for r in rows})
     order = {m: i for i, m in enumerate(ALL_MODELS)}
     all_rows = sorted(
-        merged.values(),
+        rows,
         key=lambda r: (r.get("technique_off", "") != "", order.get(r["model"], 99), r["config"],
                        r.get("technique_off", "")),
     )  # fmt: skip
-    payload = {"runs": runs, "rows": all_rows}
+    payload = {"runs": [meta], "rows": all_rows}
     _atomic_text(jpath, json.dumps(payload, indent=1, default=float) + "\n")
-    _atomic_text(tpath, table(all_rows, runs))
+    _atomic_text(tpath, table(all_rows, [meta]))
     return tpath, jpath
 
 
@@ -560,10 +576,12 @@ def table(rows: list[dict], runs: list[dict]) -> str:
         "top-1 and drop (points) against the ORIGINAL float model; SQNR = min over graph outputs "
         "(dB); cos = mean per-image cosine of the first output; agree = argmax agreement; "
         "det = share of float detections matched (IoU >= 0.5); check = quark_onnx.check ready; "
-        "rerun = identical bytes on a second run",
+        "rerun = identical bytes on a second run; verdict = the tool's own, on the calibration "
+        "samples it held out (count), with the first part it finds not faithful",
         "",
         f"{'model':<22} {'config':<9} {'float':>6} {'top-1':>6} {'drop':>6} {'SQNR':>7} "
-        f"{'cos':>7} {'agree':>6} {'det':>6} {'NaN':>4} {'quant s':>8} {'check':>6} {'rerun':>6}",
+        f"{'cos':>7} {'agree':>6} {'det':>6} {'NaN':>4} {'quant s':>8} {'check':>6} {'rerun':>6} "
+        "verdict",
     ]
     tech_rows = [r for r in rows if r.get("technique_off") not in (None, "", REFERENCE)]
     for r in rows:
@@ -582,7 +600,8 @@ def table(rows: list[dict], runs: list[dict]) -> str:
             f"{_fmt(r['min_sqnr_db'], '.2f', 7)} {_fmt(first['cosine'], '.4f', 7)} "
             f"{_fmt(r.get('agreement'), '.3f', 6)} {_fmt(det, '.3f', 6)} "
             f"{'yes' if r['nan_inf'] else 'no':>4} {_fmt(r['quant_seconds'], '.1f', 8)} "
-            f"{_fmt(r.get('check_ready'), '', 6)} {_fmt(r.get('rerun_identical'), '', 6)}"
+            f"{_fmt(r.get('check_ready'), '', 6)} {_fmt(r.get('rerun_identical'), '', 6)} "
+            f"{_verdict(r)}"
         )
     dets = [r for r in rows if r.get("detection") and not r.get("technique_off")]
     if dets:

@@ -2,7 +2,7 @@
 
 One command runs everything (see benchmarks/README.md)::
 
-    /work/venv/bin/python benchmarks/bench_peers.py
+    python benchmarks/bench_peers.py
 
 Steps:
 
@@ -258,7 +258,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
         f"{meta['machine']['memory_gb']} GiB, {meta['machine']['os']}, "
         f"Python {meta['machine']['python']}",
-        f"- command: `{meta['command']}`",
+        f"- command: `{meta['command']}` at commit {meta.get('commit', 'unknown')}",
         f"- total wall time: {meta['total_s']:.0f} s; quantization runs per tool and model: "
         f"{meta.get('repeat', 1)} (the fastest is reported)",
         f"- JPEG decoding: {meta.get('decoder', 'Pillow')} (short side 256 bilinear, centre "
@@ -514,7 +514,8 @@ def run(args: argparse.Namespace) -> int:
             "name": args.name,
             "repeat": args.repeat,
             "machine": common.machine_info(),
-            "command": " ".join([Path(own_python).as_posix(), *sys.argv]),
+            "command": " ".join(["python", *sys.argv]),
+            "commit": common.git_commit(),
             "decoder": decoder,
             "eval_onnxruntime": onnxruntime.__version__,
             "data": {k: v for k, v in prep_info.items() if k != "decoder"},

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import resource
 import sys
 import tempfile
@@ -52,7 +53,8 @@ from quark_onnx.runtime.memory import resident_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / ".work" / "data"
-SHARED = ROOT.parent / "shared" / "models"
+#: the benchmark models: $QUARK_ONNX_SHARED/models, else ../shared/models
+SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", ROOT.parent / "shared")).resolve() / "models"
 SHARED_MODELS = {
     "digits_cnn": ("digits_cnn.onnx", "digits_cnn_calib.npy"),
     "squeezenet1.1": ("squeezenet1.1.onnx", "squeezenet1.1_calib.npy"),

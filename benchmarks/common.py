@@ -655,6 +655,21 @@ def latency_ms(paths: list[Path], model: str, warmup: int = 5, runs: int = 30) -
     return [float(np.median(t) * 1000.0) for t in times]
 
 
+def git_commit() -> str:
+    """The short hash of this checkout's HEAD (``unknown`` outside a git checkout), so that a
+    results file names the code that produced it."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_DIR), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def machine_info() -> dict[str, Any]:
     """Date, CPU, core count and memory of this machine."""
     cpu = platform.processor() or platform.machine()

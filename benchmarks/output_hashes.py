@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -34,7 +35,8 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+#: the benchmark data folder: QUARK_ONNX_SHARED, else ../shared
+SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", REPO.parent / "shared")).resolve()
 HASHES = REPO / "tests" / "data" / "output_hashes.json"
 
 # XINT8 and the float-scale presets; the no-data presets (BF16, FP16, INT8_DYNAMIC,

@@ -526,9 +526,11 @@ class Replay:
                 for x in seg.inputs
             ],
             [
-                onnx.helper.make_tensor_value_info(
-                    o, self.types.get(o, onnx.TensorProto.FLOAT), None
-                )
+                # a type shape inference left unknown (an unsimplified export's shape
+                # arithmetic) stays unset: onnxruntime infers it, a guessed float is rejected
+                onnx.helper.make_tensor_value_info(o, self.types[o], None)
+                if o in self.types
+                else onnx.helper.make_empty_tensor_value_info(o)
                 for o in seg.outputs
             ],
             [tensor_proto(x, self.initializers[x]) for x in used],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +154,16 @@ class CalibrationSource:
     #: :func:`~quark_onnx.calibration.readers.reader_for` takes it as it is
     calibration_ready = True
 
-    def __init__(self, reader: Any, keep: int = 0, specs: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        keep: int = 0,
+        specs: Sequence[Any] = (),
+        fresh: Callable[[int], list[dict[str, np.ndarray]]] | None = None,
+    ) -> None:
         self._reader = reader
+        # random data: the verdict's samples are drawn anew instead of taken from calibration
+        self._fresh = fresh
         self._specs = list(specs)  # the model's inputs: peeked feeds are checked against them
         self._ahead: list[dict[str, np.ndarray]] = []  # read by peek, not yet by get_next
         self._ended = False
@@ -191,6 +199,32 @@ class CalibrationSource:
                         raise CalibrationError(f"calibration data reader {name}: {exc}") from exc
                 self._ahead.append(feed)
         return [{k: np.array(v, copy=True) for k, v in f.items()} for f in self._ahead[:count]]
+
+    def hold_out(self, count: int) -> list[dict[str, np.ndarray]]:
+        """Take up to ``count`` samples out of the stream for the fidelity verdict: calibration,
+        the accuracy stages and every choice made on calibration samples never see them.
+
+        The split is fixed and reproducible: every second sample of the first ``2 * count``
+        (indices 1, 3, 5, ...), so that a source ordered by class or scene lends the verdict
+        samples from its whole beginning and calibration keeps the others beside them. At most a
+        quarter of a source of known length is held out (``count`` is lowered to fit), so that
+        calibration keeps most of a small set; the caller warns when few are left to judge.
+        Random data (``UseRandomData``) loses none: ``count`` more feeds (at most
+        ``RandomDataSamples``) are drawn with the next seed.
+        """
+        if count <= 0:
+            return []
+        if self._fresh is not None:
+            return self._fresh(count)
+        self.peek(2 * count + 1)  # one more: a source of exactly 2 * count samples is known
+        total = len(self._ahead) if self._ended else self.num_samples
+        if total is not None:
+            count = min(count, total // 4)
+        held = self._ahead[1 : 2 * count : 2]
+        self._ahead = self._ahead[0 : 2 * count : 2] + self._ahead[2 * count :]
+        if self.num_samples is not None:
+            self.num_samples = max(self.num_samples - len(held), 0)
+        return [{k: np.array(v, copy=True) for k, v in f.items()} for f in held]
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._ahead:
@@ -228,10 +262,20 @@ def calibration_source(
         )
     # the API's path is a file (an image folder needs a PreprocessSpec: an ImageFolderDataReader)
     data = open_reader(npz_path, model) if npz_path is not None else reader
+    fresh = None
     if isinstance(data, Mapping):
         data = ArrayDataReader(data)
     elif data is None:
         data = open_reader(None, model, options)  # kept samples then serve bias correction too
+        if data is not None:
+
+            def fresh(count: int) -> list[dict[str, np.ndarray]]:
+                # as many as calibration reads at most: random data judges no better with more
+                count = min(count, options.RandomDataSamples)
+                seed = (options.RandomDataSeed + 1) % 2**64
+                reader = random_reader(model, options, samples=count, seed=seed)
+                return list(iter(reader.get_next, None))
+
     if data is None:
         return None
     if not callable(getattr(data, "get_next", None)):
@@ -241,4 +285,6 @@ def calibration_source(
         )
     if callable(getattr(data, "bind", None)):
         data.bind(model)  # readers that take their input name from the model (.npz files)
-    return CalibrationSource(GuardedReader(data, options), keep=keep, specs=input_specs(model))
+    return CalibrationSource(
+        GuardedReader(data, options), keep=keep, specs=input_specs(model), fresh=fresh
+    )

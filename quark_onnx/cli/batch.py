@@ -120,7 +120,7 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     ``faithful`` is the fidelity guard's verdict on every output against the original float
     model (:mod:`quark_onnx.fidelity.verdict`); a model can be ready and not faithful.
 
-    Fidelity is of the first graph output, quantized vs float on the first calibration samples:
+    Fidelity is of the first graph output, quantized vs float on the verdict's held-out samples:
     SQNR and cosine always; ``agreement`` is the top-1 agreement of a score vector output
     (``top-1``) or the per-pixel agreement of the argmax over the channel axis of a dense output
     (``pixels``, segmentation maps), and ``-`` for other outputs (boxes, embeddings).
@@ -178,7 +178,8 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     if any(o.output_sqnr_db is not None for o in outcomes):
         lines.append(
             "output SQNR, cosine, agreement: the first output, quantized vs float model on the "
-            "first calibration samples (count in brackets)"
+            "samples held out from calibration (count in brackets); faithful judges every part "
+            "of every output (report.txt)"
         )
         lines.append(
             "agreement: top-1 = same argmax of a score vector; pixels = same argmax over the "

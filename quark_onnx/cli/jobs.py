@@ -130,6 +130,8 @@ def _job_outputs(job: Job) -> list[Path]:
         f"{job.name}.compare.json",
         f"{job.name}.report.txt",
     ]
+    if job.settings.report_html:
+        names.append(f"{job.name}.report.html")
     if job.settings.save_calibration:
         names.append(f"{job.name}.calibration.json")
     return [out_dir / n for n in names]
@@ -237,7 +239,8 @@ def _quantize_into(
     comparison = None
     feeds: Any = None
     if compare_count(settings) > 0 and quantizer.kept_samples:
-        feeds = iter(quantizer.kept_samples)  # the calibration's first samples, not read again
+        # the verdict's held-out samples (or the calibration's first ones), not read again
+        feeds = iter(quantizer.kept_samples)
     else:
         feeds = comparison_feeds(settings, qconfig, model_path)
     if feeds is not None:
@@ -271,9 +274,16 @@ def _quantize_into(
 
     lines = [report.summary()]
     if comparison is not None:
-        lines += ["", "float vs quantized on the first calibration samples:", comparison.summary()]
+        which = "held-out" if quantizer.kept_held_out else "first calibration"
+        lines += ["", f"float vs quantized on the {which} samples:", comparison.summary()]
     report_txt = out_dir / f"{job.name}.report.txt"
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
+    if settings.report_html:
+        from quark_onnx.pipeline.report_html import render
+
+        compared = comparison.to_dict() if comparison is not None else None
+        page = render(report.to_dict(), compared, title=job.name)
+        atomic_write_bytes(out_dir / f"{job.name}.report.html", page.encode("utf-8"))
 
 
 class _LogStream:

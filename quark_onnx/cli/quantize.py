@@ -107,7 +107,7 @@ def _settings(args: argparse.Namespace) -> QuantizeSettings:
         preprocess=args.preprocess,
         calib_limit=args.calib_limit,
         compare_samples=args.compare_samples,
-        compare_layers=args.compare_layers,
+        compare_layers=args.compare_layers or args.report_html,  # the HTML's per-layer chart
         fix_shapes_from_calib=args.fix_shapes_from_calib,
         save_calibration=args.save_calibration,
         load_calibration=args.load_calibration,
@@ -115,6 +115,7 @@ def _settings(args: argparse.Namespace) -> QuantizeSettings:
         log_level=log_level(args),
         require_fidelity=args.require_fidelity,
         require_ready=args.require_ready,
+        report_html=args.report_html,
         calib_shards=args.calib_shards,
         shard_backend="ray" if args.ray is not None else "processes",
     )
@@ -177,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     stop_resource_tracker()
     print(summary_table(outcomes))
+    if args.report_html:
+        from quark_onnx.pipeline.report_html import write_batch_page
+
+        write_batch_page(out_dir, outcomes)
     if stopped_by is not None:
         finished = sum(o.ok for o in outcomes)
         print(
@@ -339,6 +344,13 @@ def _add_run_flags(q: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also compare every quantized activation (per-layer SQNR in MODEL.compare.json; "
         "runs both models with all intermediate tensors as outputs: slower, more memory)",
+    )
+    q.add_argument(
+        "--report-html",
+        action="store_true",
+        help="also write OUT_DIR/MODEL.report.html (fidelity per output, per-layer error chart, "
+        "NPU/CPU partition, pass costs, time and memory per stage; one self-contained file; "
+        "implies --compare-layers) and OUT_DIR/index.html, the batch's page",
     )
     q.add_argument(
         "--fix-shapes-from-calib",

@@ -118,6 +118,8 @@ class QuantizeSettings:
     log_level: int = logging.WARNING
     require_fidelity: bool = False
     require_ready: bool = False
+    #: also write NAME.report.html (quark_onnx.pipeline.report_html)
+    report_html: bool = False
     # how calibration is spread (not what is computed): the output does not depend on these
     calib_shards: int = 1
     shard_backend: str = "processes"

@@ -256,10 +256,12 @@ class ExtraOptions:
     # ---------------------------------------------------
     FidelityCheck: bool = _opt(
         True,
-        "After quantizing, compare every graph output of the quantized model with the original "
-        "float model on the first FidelitySamples calibration samples (SQNR, cosine, top-1 "
-        "agreement for score vectors); an output below the thresholds is a warning naming it "
-        "and the layers that lose the most. Also measures what each numerics-changing pass cost.",
+        "After quantizing, judge every graph output of the quantized model against the original "
+        "float model, part by part (scores by the decisions they drive, coordinates and other "
+        "values by SQNR, dense maps by argmax over their class axis), on FidelityHoldout "
+        "calibration samples held out from every stage that fits or chooses; an output below "
+        "the thresholds is a warning naming the part and the layers that lose the most. Also "
+        "measures what each numerics-changing pass cost.",
     )
     RevertCostlyPasses: bool = _opt(
         False,
@@ -270,7 +272,32 @@ class ExtraOptions:
         "settings (a recipe exported with --report rebuilds it); a warning names the pass either "
         "way. DPU simulations are never undone.",
     )
-    FidelitySamples: int = _opt(16, "Calibration samples the fidelity guard runs (first ones).")
+    FidelitySamples: int = _opt(
+        16,
+        "Calibration samples (the first ones after the held-out ones are taken) on which the "
+        "numerics-changing passes' costs and the fidelity repair's choices are measured.",
+    )
+    FidelityHoldout: int = _opt(
+        16,
+        "Calibration samples held out for the fidelity verdict: calibration, the accuracy "
+        "stages and every choice never see them (every second sample of the first 2n; at most "
+        "a quarter of a source of known length). 0: the verdict is measured on the first "
+        "FidelitySamples calibration samples, and says so.",
+    )
+    SplitHeterogeneousJoins: bool = _opt(
+        True,
+        "XINT8: a Concat whose inputs' calibrated ranges leave the narrowest input fewer than 6 "
+        "of int8's 8 bits at the shared position (a detector's Concat[boxes, scores]) is not "
+        "quantized as one tensor: its decode tail up to the graph outputs (and the Sigmoid/box "
+        "arithmetic only it reads) stays float on the CPU, each part leaving the NPU at its own "
+        "position (report float_nodes: 'decode tail on the CPU: ...'). A join inside the network "
+        "is only reported.",
+    )
+    FidelityScoreThreshold: float = _opt(
+        0.25,
+        "Fidelity verdict: the score from which a score part (a Sigmoid/Softmax output, e.g. a "
+        "detector's class scores) counts as a decision.",
+    )
     FidelityMinSQNR: float = _opt(
         10.0,
         "Fidelity guard: an output that is not a score vector is not faithful below this SQNR "
@@ -278,8 +305,9 @@ class ExtraOptions:
     )
     FidelityMinAgreement: float = _opt(
         0.75,
-        "Fidelity guard: a score-vector output whose top-1 agreement with float is below this "
-        "is not faithful.",
+        "Fidelity guard: a score part whose decision agreement (F1) with float, a score vector "
+        "whose top-1 agreement, or a dense map whose argmax agreement is below this is not "
+        "faithful.",
     )
     RequireFidelity: bool = _opt(
         False,
@@ -400,6 +428,8 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
     "CLESteps": (-1, 10_000, "a number of iterations (-1: until converged)"),
     "AccuracySamples": (0, 100_000, "a number of samples kept in memory"),
     "FidelitySamples": (1, 100_000, "a number of samples (FidelityCheck=False skips the guard)"),
+    "FidelityHoldout": (0, 100_000, "a number of held-out samples (0: none)"),
+    "FidelityScoreThreshold": (0.0, 1.0, "a score in [0, 1]"),
     "FidelityMinSQNR": (-200.0, 200.0, "an SQNR in dB"),
     "FidelityMinAgreement": (0.0, 1.0, "a share of rows in [0, 1]"),
     "FoldConstantChannelsTolerance": (0.0, 1.0, "a relative bound in [0, 1]"),

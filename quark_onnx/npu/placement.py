@@ -9,6 +9,15 @@ place for the planner and the readiness checker.
   writes before a SiLU's ``Sigmoid`` (a CPU op in XINT8) rescales each channel by its own power
   of two, which one per-tensor int8 position cannot hold for every channel; read in float from
   ``x``'s int8 codes it is exact.
+* **The decode tail after the last NPU layer** (:func:`cpu_tail_nodes`): float nodes fed by a
+  ``DequantizeLinear`` from which no ``QuantizeLinear`` is reachable, other than the layers
+  (Conv, ConvTranspose, Gemm, MatMul),
+  are the model's CPU partition: the graph leaves the NPU once, at the Q/DQ pairs before them,
+  and never comes back. The planner keeps such a tail float where a heterogeneous join needs it
+  (:mod:`quark_onnx.npu.decode_tail`); the checker does not count its nodes as NPU nodes missing
+  a Q/DQ. A layer in it still is one (a Conv without its output Q/DQ cannot run on the NPU).
+* **Shape arithmetic** (:mod:`quark_onnx.graph.shape_arithmetic`): integer tensors and the float
+  tensors that only compute shapes are never quantized; their nodes are not NPU nodes either.
 * **A LayerNorm written op by op** (:func:`~quark_onnx.graph.patterns.decomposed_layer_norm`:
   ``(x - mean) / sqrt(var + eps)``) is the ``LayerNormalization`` op and is treated as its row
   says for XINT8: float inside, quantized at its input and output (by its neighbours), checked
@@ -26,6 +35,8 @@ from quark_onnx.graph.patterns import decomposed_layer_norm, is_constant
 from quark_onnx.npu import ops as npu_ops
 
 _STANDARD = ("", "ai.onnx")
+#: the layers: a decode tail stops at them (they are the last NPU layers)
+LAYERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 _CONSTANT_ARITHMETIC = frozenset({"Mul", "Add", "Sub", "Div"})
 
 
@@ -56,3 +67,31 @@ def layer_norm_members(graph: ir.Graph) -> set[int]:
         if node.op_type == "Pow":
             members.update(id(n) for n in decomposed_layer_norm(node) or ())
     return members
+
+
+def cpu_tail_nodes(graph: ir.Graph) -> set[int]:
+    """``id(node)`` of the top-level nodes of ``graph`` after its last NPU layer: fed (through
+    any path) by a ``DequantizeLinear``, no ``QuantizeLinear`` reachable from them, and not Q/DQ
+    nodes or layers (module doc). Empty for a graph without Q/DQ nodes."""
+    nodes = list(graph)
+    qdq = ("QuantizeLinear", "DequantizeLinear")
+    reaches_q: set[int] = set()
+    for node in reversed(nodes):  # consumers first
+        readers = [use.node for out in node.outputs for use in out.uses()]
+        if any(r.op_type == "QuantizeLinear" or id(r) in reaches_q for r in readers):
+            reaches_q.add(id(node))
+    fed: set[int] = set()
+    for node in nodes:  # producers first
+        producers = [v.producer() for v in node.inputs if v is not None]
+        if any(
+            p is not None and (p.op_type == "DequantizeLinear" or id(p) in fed) for p in producers
+        ):
+            fed.add(id(node))
+    return {
+        id(n)
+        for n in nodes
+        if id(n) in fed
+        and id(n) not in reaches_q
+        and n.op_type not in qdq
+        and n.op_type not in LAYERS
+    }

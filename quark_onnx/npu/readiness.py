@@ -34,7 +34,10 @@ What is checked (rule ids in brackets):
   ``Placement.FUSED`` row, PRelu, is on the NPU when fused into its producer); a model without any
   Q/DQ gets one [not_quantized] finding; in a quantized model, supported float nodes with no Q/DQ
   on any side are [not_quantized] and nodes quantized on one side only are [missing_qdq]
-  (a constant in a slot the row quantizes, e.g. a weight, counts as a side).
+  (a constant in a slot the row quantizes, e.g. a weight, counts as a side). Not counted as NPU
+  nodes: the CPU partition after the last NPU layer (float nodes, not layers, from which no
+  QuantizeLinear is reachable: a detector's decode tail) and shape arithmetic
+  (:mod:`quark_onnx.npu.placement`).
 * Model structure: symbolic/unknown dims of graph inputs [dynamic_shape]; batch > 1
   [batch_size]; Loop/If/Scan [control_flow]; fewer than two Conv nodes [too_few_conv]; Conv nodes
   missing any of kernel_shape, strides, pads, dilations, group [conv_default_attributes] (the
@@ -57,11 +60,12 @@ import onnx
 import onnx_ir as ir
 
 from quark_onnx.graph.ir import constant_array, single_consumer
+from quark_onnx.graph.shape_arithmetic import shape_values
 from quark_onnx.model_files.load import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.findings import CheckResult, Finding, node_label
-from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
+from quark_onnx.npu.placement import cpu_side_arithmetic, cpu_tail_nodes, layer_norm_members
 from quark_onnx.npu.rules import Pos, Site
 from quark_onnx.npu.structure import model_findings
 
@@ -187,6 +191,9 @@ class _Checker:
         self.has_qdq = any(_is_q(n) or _is_dq(n) for n in self.nodes)
         self.layer_norm = layer_norm_members(graph)  # checked as one LayerNormalization
         self.cpu_side = {id(n) for n in self.nodes if cpu_side_arithmetic(n)}  # npu.placement
+        # the CPU partition after the last NPU layer, and shape arithmetic (npu.placement)
+        self.cpu_tail = cpu_tail_nodes(graph)
+        self.shapes = shape_values(graph)
 
     def add(self, rule: str, node: str | None, message: str) -> None:
         self.findings.append(Finding(rule, node, message))
@@ -385,6 +392,8 @@ class _Checker:
             # output's Q/DQ are its neighbours' (npu.placement)
             if _is_q(node) or _is_dq(node) or id(node) in self.layer_norm:
                 continue
+            if id(node) in self.cpu_tail:
+                continue  # the CPU partition after the last NPU layer (npu.placement)
             label = node_label(node)
             if not self._on_npu(node):
                 # constant arithmetic on the CPU side: its readers' findings name the split
@@ -403,6 +412,8 @@ class _Checker:
                         f"supported operators), so the graph is split there; {hint}",
                     )
                 continue
+            if node.outputs and all(id(v) in self.shapes for v in node.outputs):
+                continue  # shape arithmetic: never quantized
             if self.has_qdq:
                 self._quantization_coverage(node, label)
 

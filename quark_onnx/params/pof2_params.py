@@ -1,5 +1,7 @@
 """Power-of-two (XINT8) parameters from calibration: each tensor's position, then the NPU rules.
 
+* :func:`split_joins` (called by :func:`initial_positions`): the decode tail of a join whose
+  parts int8 cannot hold at one position stays float (:mod:`quark_onnx.npu.decode_tail`);
 * :func:`initial_positions`: activations from the calibration result (NonOverflow or MinMSE,
   never wider than a folded clip bound), weights and biases from their values; the error curves
   the solver minimises where a rule moves a position;
@@ -20,11 +22,23 @@ from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import QuantizationError
 from quark_onnx.params import pof2
 
-__all__ = ["CLIP_CEILING", "calibrated_ranges", "initial_positions", "range_clips", "solve"]
+__all__ = [
+    "CLIP_CEILING",
+    "calibrated_ranges",
+    "initial_positions",
+    "range_clips",
+    "solve",
+    "split_joins",
+]
 
 
 def initial_positions(
-    model: ir.Model, plan: Any, result: Any, method: Any, weight_method: Any = None
+    model: ir.Model,
+    plan: Any,
+    result: Any,
+    method: Any,
+    weight_method: Any = None,
+    options: ExtraOptions | None = None,
 ) -> tuple[dict[str, int], dict[str, Any]]:
     """Calibrated activation positions and weight/bias positions, before the NPU rules; and the
     error curves (position -> error) the solver minimises where it must move a position.
@@ -39,6 +53,9 @@ def initial_positions(
             "scales; XINT8 needs PowerOfTwoMethod.MinMSE or NonOverflow"
         )
     weight_method = PowerOfTwoMethod.coerce(weight_method or method)
+    # a join whose parts int8 cannot hold at one position: its decode tail leaves the plan
+    # (quark_onnx.npu.decode_tail; option SplitHeterogeneousJoins)
+    split_joins(model, plan, result, options)
     positions: dict[str, int] = {}
     errors: dict[str, Any] = {}
     constants = constant_values(model)  # one scan; arrays are read one weight at a time
@@ -67,6 +84,18 @@ def initial_positions(
             positions[pre] = positions[post]
             errors.pop(pre, None)
     return positions, errors
+
+
+def split_joins(model: ir.Model, plan: Any, result: Any, options: Any = None) -> list[Any]:
+    """Keep the decode tail of every heterogeneous join float on the CPU: ``plan`` is amended in
+    place (:func:`quark_onnx.npu.decode_tail.split_heterogeneous_joins`); the nodes made float.
+    ``options`` default to the plan's."""
+    from quark_onnx.npu.decode_tail import split_heterogeneous_joins
+
+    if result is None:
+        return []
+    options = options if options is not None else plan.options
+    return split_heterogeneous_joins(model, plan, calibrated_ranges(plan, result), options)
 
 
 #: A graph output (and the shared-scale group it is in) starts no higher than its NonOverflow

@@ -1,16 +1,27 @@
-"""The fidelity guard: the quantized model's outputs against the float model's, on the first
-calibration samples.
+"""The fidelity guard: the quantized model's outputs against the float model's.
 
 The reference is the model the user gave, before any pass (:func:`reference_outputs`), so the
-cost of the numerics-changing passes counts. :func:`guard_fidelity` warns (or, with
-``RequireFidelity``, raises) when an output is not faithful, naming the tensors whose SQNR drops
-the most (:func:`worst_layers`, the per-layer error analysis).
+cost of the numerics-changing passes counts. Two sets of samples serve it (:class:`Evidence`):
+
+* the **selection** samples, the first calibration samples: the repair and the refinement choose
+  between attempts on them (:mod:`quark_onnx.pipeline.repair`);
+* the **verdict** samples, held out from the calibration data before anything reads it
+  (:meth:`quark_onnx.calibration.sources.CalibrationSource.hold_out`): no stage fits ranges,
+  biases or rounding on them and no choice is made on them, so the verdict measures what the
+  user's unseen inputs will meet. Without them (``FidelityHoldout=0``, or too few samples) the
+  verdict is the selection samples' and says so.
+
+Every output is judged part by part (:mod:`quark_onnx.fidelity.anatomy`,
+:mod:`quark_onnx.fidelity`). :func:`guard_fidelity` warns (or, with ``RequireFidelity``, raises)
+when a part is not faithful, naming it and the tensors whose SQNR drops the most
+(:func:`worst_layers`, the per-layer error analysis).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +42,42 @@ if TYPE_CHECKING:
 # the quantizer's stages report through the quantizer's logger
 logger = logging.getLogger("quark_onnx.pipeline.quantizer")
 
-__all__ = ["guard_fidelity", "materialize", "measure", "reference_outputs", "worst_layers"]
+__all__ = [
+    "Evidence",
+    "guard_fidelity",
+    "materialize",
+    "measure",
+    "output_anatomy",
+    "reference_outputs",
+    "worst_layers",
+]
+
+#: Fewer held-out samples than this make a coarse verdict: a warning says so.
+MIN_VERDICT_SAMPLES = 8
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The samples the guard measures on, with the original model's outputs on them."""
+
+    selection: list[dict[str, np.ndarray]]
+    selection_reference: list[dict[str, np.ndarray]]
+    verdict: list[dict[str, np.ndarray]] = field(default_factory=list)
+    verdict_reference: list[dict[str, np.ndarray]] = field(default_factory=list)
+    #: graph output -> its parts (:func:`output_anatomy`); empty: whole outputs
+    anatomy: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def output_anatomy(model: ir.Model, sample: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+    """The parts of ``model``'s outputs (:mod:`quark_onnx.fidelity.anatomy`), their shapes read
+    from one float run on ``sample``; empty when the model cannot be traced or run."""
+    from quark_onnx.fidelity.anatomy import anatomy
+    from quark_onnx.runtime import sessions
+
+    def run(names: list[str]) -> dict[str, np.ndarray]:
+        return sessions.run_outputs(model, [sample], outputs=names, purpose="anatomy")[0]
+
+    return anatomy(model, run)
 
 
 def reference_outputs(
@@ -55,30 +101,72 @@ def guard_fidelity(
     report: QuantizationReport,
     source: str,
     model: Any,
-    samples: list[dict[str, np.ndarray]],
-    reference: list[dict[str, np.ndarray]],
+    evidence: Evidence,
     stages: tuple[onnx.ModelProto, Any, Path | None],
     options: ExtraOptions,
     repair: Callable[[FidelityResult], tuple[Any, FidelityResult]] | None = None,
 ) -> Any:
-    """Measure every output against the original float model; warn (or raise) if unfaithful.
+    """Judge every output against the original float model; warn (or raise) if unfaithful.
 
     The reference is the model the user gave, before any pass: the cost of the
-    numerics-changing passes counts. When an output is not faithful, ``repair`` (when given)
-    may replace the model (:mod:`quark_onnx.pipeline.repair`), then the per-layer error analysis
-    of the model kept (the tensors whose SQNR drops the most) names where it is lost. Returns the
-    model kept.
+    numerics-changing passes counts. ``repair`` (when given) may replace the model after a
+    measurement on the selection samples (:mod:`quark_onnx.pipeline.repair`); the verdict is
+    then measured on the held-out samples. When a part is not faithful, the per-layer error
+    analysis of the model kept (the tensors whose SQNR drops the most) names where it is lost.
+    Returns the model kept.
     """
-    result = measure(report, source, model, samples, reference, options)
+    parts = evidence.anatomy or None
+    result = measure(
+        report, source, model, evidence.selection, evidence.selection_reference, options, parts
+    )
     if result is None:
         return model
     if repair is not None:  # a repair when not faithful, else a refinement (fidelity_repair)
         model, result = repair(result)
+    selection = result
+    if evidence.verdict:
+        held = measure(
+            report,
+            source,
+            model,
+            evidence.verdict,
+            evidence.verdict_reference,
+            options,
+            parts,
+            held_out=True,
+        )
+        if held is None:
+            return model
+        result = held
+        if len(evidence.verdict) < MIN_VERDICT_SAMPLES:
+            logger.warning(
+                "%s: the fidelity verdict rests on %d held-out sample(s) only: give more "
+                "calibration data (FidelityHoldout takes up to a quarter of it)",
+                source,
+                len(evidence.verdict),
+            )
+    elif options.FidelityHoldout > 0:
+        logger.warning(
+            "%s: too few calibration samples to hold any out: the fidelity verdict is measured "
+            "on %d sample(s) the quantizer fitted on, and may be optimistic",
+            source,
+            result.samples,
+        )
     if not result.faithful:
-        result.worst_layers = worst_layers(report, samples, model, *stages)
+        result.worst_layers = worst_layers(report, evidence.selection, model, *stages)
     report.fidelity = result.to_dict()
+    # what the repair and the refinement chose on (the first calibration samples)
+    report.fidelity["selection"] = {
+        k: v for k, v in selection.to_dict().items() if k not in ("worst_layers", "held_out")
+    }
     if result.faithful:
-        logger.info("%s: faithful on %d sample(s): %s", source, result.samples, result.describe())
+        logger.info(
+            "%s: faithful on %d %s: %s",
+            source,
+            result.samples,
+            result.sample_words,
+            result.describe(),
+        )
         return model
     message = result.message(source)
     if _activation_bits(report) == 8:
@@ -110,9 +198,12 @@ def measure(
     samples: list[dict[str, np.ndarray]],
     reference: list[dict[str, np.ndarray]],
     options: ExtraOptions,
+    parts: dict[str, list[Any]] | None = None,
+    *,
+    held_out: bool = False,
 ) -> FidelityResult | None:
-    """Every output of ``model`` against ``reference`` on ``samples`` (None, recorded in the
-    report, when the model does not run)."""
+    """Every output of ``model`` against ``reference`` on ``samples``, part by part when
+    ``parts`` are given (None, recorded in the report, when the model does not run)."""
     from quark_onnx.fidelity import verdict
     from quark_onnx.pipeline.prepare import run_model
 
@@ -130,10 +221,22 @@ def measure(
             quantized,
             min_sqnr_db=options.FidelityMinSQNR,
             min_agreement=options.FidelityMinAgreement,
+            parts=parts,
+            batches=[_batch(feed) for feed in samples],
+            score_threshold=options.FidelityScoreThreshold,
         ),
         min_sqnr_db=options.FidelityMinSQNR,
         min_agreement=options.FidelityMinAgreement,
+        held_out=held_out,
     )
+
+
+def _batch(feed: dict[str, np.ndarray]) -> int | None:
+    """A feed's batch size: the first axis of its inputs (None for scalars)."""
+    for value in feed.values():
+        if np.ndim(value) >= 1:
+            return int(np.shape(value)[0])
+    return None
 
 
 def worst_layers(

@@ -93,6 +93,8 @@ class ModelQuantizer:
         #: float-vs-quantized comparison reuses them instead of reading the data again).
         self.keep_samples = 0
         self.kept_samples: list[dict[str, np.ndarray]] = []
+        #: whether :attr:`kept_samples` are the verdict's held-out samples
+        self.kept_held_out = False
 
     @property
     def qconfig(self) -> QuantizationConfig:
@@ -302,6 +304,10 @@ class QuantizationRun(sequencer.Stages):
         self.reader: Any = None
         self.fidelity_samples: list[dict[str, np.ndarray]] = []
         self.reference: list[dict[str, np.ndarray]] | None = None
+        #: held out from every stage that fits or chooses: the verdict's samples and reference
+        self.verdict_samples: list[dict[str, np.ndarray]] = []
+        self.verdict_reference: list[dict[str, np.ndarray]] = []
+        self.anatomy: dict[str, list[Any]] = {}  # graph output -> its parts (output_anatomy)
         self.samples: list[dict[str, np.ndarray]] = []  # kept for the stages after calibration
         self.prepared: onnx.ModelProto | None = None  # the float copy calibration reads
         self.external_dir: Path | None = None
@@ -335,19 +341,29 @@ class QuantizationRun(sequencer.Stages):
             model=proto,
             keep=max(self.q._samples_to_keep(), self.q.keep_samples),
         )
-        # The first samples serve the measurement of numerics-changing passes and the fidelity
-        # guard; the reader hands them to calibration as well.
+        # The verdict's samples are held out first: no stage fits or chooses on them. The next
+        # ones serve the measurement of numerics-changing passes and the repair's choices; the
+        # reader hands those to calibration as well.
         if self.reader is not None:
+            if self.options.FidelityCheck:
+                self.verdict_samples = self.reader.hold_out(self.options.FidelityHoldout)
             self.fidelity_samples = self.reader.peek(self.q._fidelity_samples())
         return model
 
     def prepare(self, model: Any) -> None:
         report = self.report
         with _stage(report, "prepare"):
-            # the original model's outputs: the reference of the pass costs and of the guard
-            self.reference = guard.reference_outputs(
-                self.source, model, self.fidelity_samples, self.options
+            # the original model's outputs: the reference of the pass costs, of the guard's
+            # choices and of the held-out verdict; the anatomy of its outputs (what each part is)
+            reference = guard.reference_outputs(
+                self.source, model, self.fidelity_samples + self.verdict_samples, self.options
             )
+            if reference is not None:
+                split = len(self.fidelity_samples)
+                self.reference, self.verdict_reference = reference[:split], reference[split:]
+                self.anatomy = guard.output_anatomy(
+                    model, (self.verdict_samples or self.fidelity_samples)[0]
+                )
             report.passes = pipeline.prepare(
                 model, self.qconfig, self.options, self.fidelity_samples, self.reference
             )
@@ -410,7 +426,9 @@ class QuantizationRun(sequencer.Stages):
             self.calibration = result  # a fidelity repair positions again from it
         kept = self.reader.kept if self.reader is not None else []
         self.samples = kept[: self.q._samples_to_keep()]
-        self.q.kept_samples = kept[: self.q.keep_samples]
+        # what the CLI compares on: the verdict's held-out samples when there are any
+        self.q.kept_samples = (self.verdict_samples or kept)[: self.q.keep_samples]
+        self.q.kept_held_out = bool(self.verdict_samples)
         if self.power_of_two:
             return self.xint8_positions(model, plan, result)
         with _stage(report, "params"):
@@ -440,8 +458,13 @@ class QuantizationRun(sequencer.Stages):
         with _stage(report, "positions"):
             method = self.qconfig.calibrate_method
             positions, errors = pof2_params.initial_positions(
-                model, plan, result, method, self.options.WeightPositionMethod
+                model, plan, result, method, self.options.WeightPositionMethod, self.options
             )
+            # a decode tail kept float on the CPU (SplitHeterogeneousJoins) left the plan
+            report.plan.update(plan.summary())
+            report.float_nodes = [
+                {"node": f.name, "op_type": f.op_type, "reason": f.reason} for f in plan.float_nodes
+            ]
             ranges = pof2_params.calibrated_ranges(plan, result)
         with _stage(report, "constraints"):
             solved = pof2_params.solve(plan, positions, errors, ranges, self.options)
@@ -560,8 +583,13 @@ class QuantizationRun(sequencer.Stages):
                 report,
                 self.source,
                 model,
-                self.fidelity_samples,
-                self.reference,
+                guard.Evidence(
+                    self.fidelity_samples,
+                    self.reference,
+                    self.verdict_samples,
+                    self.verdict_reference,
+                    self.anatomy,
+                ),
                 (self.prepared, plan, self.external_dir),
                 self.options,
                 repair=fix,

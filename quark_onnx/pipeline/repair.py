@@ -72,6 +72,7 @@ class RepairableRun(Protocol):
     samples: list[dict[str, Any]]
     fidelity_samples: list[dict[str, Any]]
     reference: list[dict[str, Any]] | None
+    anatomy: dict[str, list[Any]]  # graph output -> its parts (fidelity.anatomy)
     prepared: Any  # onnx.ModelProto: the float copy calibration read
     external_dir: Any
     calibration: Any
@@ -201,25 +202,44 @@ def dominates(result: Any, first: Any) -> bool:
         for o, f in pairs
         for new, old in ((o.sqnr_db, f.sqnr_db), (o.cosine, f.cosine))
         + (((o.top1_agreement, f.top1_agreement),) if f.top1_agreement is not None else ())
+        + _part_agreements(o, f)
     ]
     if any(new is None or not new >= old for new, old in measures):  # NaN fails >=
         return False
     return any(new > old for new, old in measures)
 
 
+def _agreement(output: Any) -> float:
+    """An output's decisions: its top-1 agreement, or the sum of its parts' agreements (scores
+    by their decisions, dense maps by argmax)."""
+    parts = [p.agreement for p in getattr(output, "parts", ()) if p.agreement is not None]
+    return float(sum(parts)) if parts else (output.top1_agreement or 0.0)
+
+
+def _part_agreements(new: Any, old: Any) -> tuple[tuple[float, float], ...]:
+    """The pairs of part agreements two results of one output both have."""
+    pairs = zip(getattr(new, "parts", ()), getattr(old, "parts", ()), strict=False)
+    return tuple(
+        (n.agreement, o.agreement)
+        for n, o in pairs
+        if n.agreement is not None and o.agreement is not None
+    )
+
+
 def score(result: Any) -> tuple[int, float, float, float]:
-    """Order of fidelity results: more faithful outputs; then the higher sum of top-1
-    agreements (score vectors: their decision); then the higher sum of cosines (does each
-    output still follow the float pattern: an output that collapsed to zeros measures about
-    0 dB SQNR, better than a noisy one that still carries the pattern, but cosine 0); then the
-    higher sum of SQNR (each within +-100 dB). NaN counts as the worst value."""
+    """Order of fidelity results: more faithful outputs; then the higher sum of agreements
+    (score vectors: top-1; score parts: their decisions, :func:`_agreement`); then the higher
+    sum of cosines (does each output still follow the float pattern: an output that collapsed
+    to zeros measures about 0 dB SQNR, better than a noisy one that still carries the pattern,
+    but cosine 0); then the higher sum of SQNR (each within +-100 dB). NaN counts as the worst
+    value."""
 
     def finite(value: float, low: float) -> float:
         return low if value != value else max(low, min(-low, value))
 
     return (
         sum(o.faithful for o in result.outputs),
-        sum(o.top1_agreement or 0.0 for o in result.outputs),
+        sum(_agreement(o) for o in result.outputs),
         sum(finite(o.cosine, -1.0) for o in result.outputs),
         sum(finite(o.sqnr_db, -100.0) for o in result.outputs),
     )
@@ -347,7 +367,13 @@ def _attempt(
         params = trial.insert(model, plan, positions)
         params = trial.accuracy(model, plan, params)
         result = guard.measure(
-            trial.report, run.source, model, run.fidelity_samples, run.reference, run.options
+            trial.report,
+            run.source,
+            model,
+            run.fidelity_samples,
+            run.reference,
+            run.options,
+            run.anatomy or None,
         )
     if result is None:
         return None
@@ -355,7 +381,7 @@ def _attempt(
 
 
 def _fidelity_row(result: Any) -> dict[str, Any]:
-    keys = ("name", "sqnr_db", "cosine", "top1_agreement", "faithful")
+    keys = ("name", "sqnr_db", "cosine", "top1_agreement", "faithful", "parts")
     outputs = [o.to_dict() for o in result.outputs]
     return {"faithful": result.faithful, "outputs": [{k: o[k] for k in keys} for o in outputs]}
 

@@ -142,14 +142,18 @@ class QuantizationReport:
         if fid.get("faithful") is None:
             return [f"faithful to the float model: not measured ({fid.get('error', '')})"]
         verdict = "yes" if fid["faithful"] else "NO"
-        lines = [f"faithful to the float model: {verdict} ({fid['samples']} sample(s))"]
+        which = "held-out" if fid.get("held_out") else "calibration"
+        lines = [f"faithful to the float model: {verdict} ({fid['samples']} {which} sample(s))"]
         for out in fid.get("outputs", []):
             agree = out.get("top1_agreement")
             lines.append(
-                f"  output {out['name']}: SQNR {out['sqnr_db']} dB, cosine {out['cosine']:.4f}"
+                f"  output {out['name']}: SQNR {_db(out['sqnr_db'])}, cosine {out['cosine']:.4f}"
                 + (f", top-1 agreement {agree:.3f}" if agree is not None else "")
                 + ("" if out["faithful"] else "  <- below threshold")
             )
+            parts = out.get("parts", [])
+            for part in parts if len(parts) > 1 or any(not p["faithful"] for p in parts) else []:
+                lines.append(f"    {_part_line(part)}")
         for entry in self.repairs:
             outputs = ", ".join(f"{o['name']} SQNR {_db(o['sqnr_db'])}" for o in entry["outputs"])
             lines.append(
@@ -162,6 +166,21 @@ class QuantizationReport:
                 f"{layer['drop_db']:+.1f} dB"
             )
         return lines
+
+
+def _part_line(part: dict[str, Any]) -> str:
+    """One output part's fidelity (:meth:`quark_onnx.fidelity.verdict.PartFidelity.to_dict`)."""
+    head = f"{part['part']} ({part['kind']}): "
+    if part["measure"] == "decisions":
+        body = (
+            f"{100.0 * part['kept']:.0f} % of {part['decisions']} float decisions kept "
+            f"(F1 {part['agreement']:.2f}), SQNR {_db(part['sqnr_db'])}"
+        )
+    elif part["agreement"] is not None:
+        body = f"{part['measure']} agreement {part['agreement']:.3f}, SQNR {_db(part['sqnr_db'])}"
+    else:
+        body = f"SQNR {_db(part['sqnr_db'])}"
+    return head + body + ("" if part["faithful"] else "  <- below threshold")
 
 
 def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[str]:

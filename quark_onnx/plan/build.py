@@ -34,6 +34,11 @@ Mask-like tensors (:mod:`quark_onnx.plan.masks`: an additive attention mask buil
 as ``finfo.min``, and the scores it is added to) are never planned, and the nodes producing them
 stay float; ``saturating`` lists them with the reason.
 
+Shape arithmetic (:mod:`quark_onnx.graph.shape_arithmetic`: integer and boolean tensors, and float
+tensors that only compute shapes, such as ``Shape -> Cast(float) -> Div -> Cast(int64)`` in an
+unsimplified export) is never planned, in every flow; the nodes computing only such tensors stay
+float with that reason.
+
 Graph inputs read by quantized nodes are quantized; graph outputs produced by quantized nodes get a
 Q/DQ pair whose DequantizeLinear keeps the output's name.
 """
@@ -51,6 +56,7 @@ from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import QuantizationConfig, QuantStrategy, quant_strategy
 from quark_onnx.graph.ir import RANGE_MAX_KEY, constant_array, is_standard, single_consumer
 from quark_onnx.graph.patterns import erf_gelu, is_constant
+from quark_onnx.graph.shape_arithmetic import shape_values
 from quark_onnx.npu.ops import OpSpec as OpPolicy
 from quark_onnx.npu.ops import Share
 from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
@@ -241,6 +247,9 @@ class _Planner:
                         self.gelu_inner.update(id(n) for n in inner)
                         self.gelu_tail[id(tail)] = x
 
+        # integer/boolean tensors and float tensors that only compute shapes: never quantized,
+        # their nodes float (quark_onnx.graph.shape_arithmetic)
+        self.shapes = shape_values(graph)
         # masks and other fill-dominated tensors never set a scale (quark_onnx.plan.masks)
         self.saturating = find_saturating(graph)
         self.layer_norm = layer_norm_members(graph) if self.power_of_two else set()
@@ -268,6 +277,8 @@ class _Planner:
 
     def _stays_float(self, node: ir.Node, policy: OpPolicy | None) -> str | None:
         """Why ``node`` stays float, or None when it is quantized."""
+        if node.outputs and all(id(v) in self.shapes for v in node.outputs):
+            return "shape arithmetic: its outputs are integers or only compute shapes"
         reason = _float_reason(node, self.labels[id(node)], policy, self.qconfig)
         if reason is None and node.outputs and node.outputs[0].name in self.saturating:
             why = self.saturating[node.outputs[0].name]
@@ -359,6 +370,8 @@ class _Planner:
         when it is not quantized (not float, fused away, float8 after Relu/Clip, mask-like)."""
         name = value.name
         if not name or not _is_float(value) or id(value) in self.fused_by_value:
+            return None
+        if id(value) in self.shapes:
             return None
         if id(value) in self.unquantized or name in self.saturating:
             return None

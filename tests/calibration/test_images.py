@@ -690,7 +690,7 @@ def reference_general(rgb: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
     return np.ascontiguousarray(x[None], dtype=np.float32)
 
 
-#: A worked spec per model family, as the README gives them (sizes scaled down for speed).
+#: A worked spec per model family, as docs/preprocessing.md gives them (scaled down for speed).
 FAMILY_SPECS = [
     # classifier (ImageNet): short side, centre crop
     "resize=40,crop=32,scale=1/255,mean=0.485;0.456;0.406,std=0.229;0.224;0.225",

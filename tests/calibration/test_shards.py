@@ -179,7 +179,8 @@ def test_squeezenet_sharded_calibration_writes_the_same_bytes(tmp_path):
         out = tmp_path / f"k{shards}.onnx"
         reader = ImageFolderDataReader(images, model, spec, limit=16)
         quantizer.quantize_model(model, out, reader)
-        assert quantizer.report.calibration == {"samples": 16, "method": "MinMSE"}
+        # 4 of the 16 images are held out for the verdict, the same ones for every shard count
+        assert quantizer.report.calibration == {"samples": 12, "method": "MinMSE"}
         written[shards] = out.read_bytes()
         positions[shards] = quantizer.report.positions
     assert written[2] == written[1] and written[4] == written[1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -81,12 +83,25 @@ def test_random_calibration_keeps_the_samples_it_calibrated_on(tmp_path):
         {"w": w},
     )
     qc = get_default_config("XINT8")
-    qc.extra_options.update(UseRandomData=True, RandomDataSamples=4)
+    # without a held-out verdict the kept samples are the calibrated ones
+    qc.extra_options.update(UseRandomData=True, RandomDataSamples=4, FidelityHoldout=0)
     quantizer = ModelQuantizer(Config(global_quant_config=qc))
     quantizer.keep_samples = 4
     quantizer.quantize_model(model, None)
     assert quantizer.report.calibration["samples"] == 4
     expected = _feeds(open_reader(None, model, quantizer.options))
-    assert len(quantizer.kept_samples) == 4
+    assert len(quantizer.kept_samples) == 4 and not quantizer.kept_held_out
+    for kept, drawn in zip(quantizer.kept_samples, expected, strict=True):
+        np.testing.assert_array_equal(kept["x"], drawn["x"])
+    # with one, they are the verdict's: drawn anew with the next seed, none calibrated on
+    qc.extra_options["FidelityHoldout"] = 4
+    quantizer = ModelQuantizer(Config(global_quant_config=qc))
+    quantizer.keep_samples = 4
+    quantizer.quantize_model(model, None)
+    assert quantizer.report.calibration["samples"] == 4 and quantizer.kept_held_out
+    options = dataclasses.replace(
+        quantizer.options, RandomDataSeed=quantizer.options.RandomDataSeed + 1
+    )
+    expected = _feeds(open_reader(None, model, options, random_samples=4))
     for kept, drawn in zip(quantizer.kept_samples, expected, strict=True):
         np.testing.assert_array_equal(kept["x"], drawn["x"])

@@ -145,7 +145,8 @@ def test_cli_ray_flag_on_the_cluster_address(cluster, work, tmp_path):
         "tiny2.onnx",
     ]
     report = json.loads((tmp_path / "out" / "tiny1.report.json").read_text())
-    assert report["model"] == "models/tiny1.onnx" and report["calibration"]["samples"] == 12
+    # 3 of the 12 samples held out for the verdict
+    assert report["model"] == "models/tiny1.onnx" and report["calibration"]["samples"] == 9
     assert "3 of 4 model(s) quantized, 1 failed" in result.stdout
 
 

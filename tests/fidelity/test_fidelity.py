@@ -148,7 +148,7 @@ BAD = {"big": 1000.0, "small": 0.01}
 GOOD = {"big": 1.0, "small": 1.0}
 
 
-def _calibration(n: int = 24) -> list[dict[str, np.ndarray]]:
+def _calibration(n: int = 64) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(1)
     return [{"x": rng.uniform(0, 1, size=(1, 1, 8, 8)).astype(np.float32)} for _ in range(n)]
 
@@ -181,8 +181,10 @@ def test_guard_warns_names_output_and_layer_and_measures_against_float(tmp_path,
     assert "does not follow the float model" in caplog.text and "output 'y'" in caplog.text
     assert "16-bit activations (preset A16W8)" in caplog.text  # int8 activations: the advice
     assert fid["worst_layers"] and fid["worst_layers"][0]["op_type"] in ("Conv", "Relu")
-    # the guard's SQNR is the float model's against the written model's, on the first 16 samples
-    samples = _calibration()[:16]
+    # the verdict's SQNR is the float model's against the written model's, on the 16 held-out
+    # samples (every second one of the first 32: calibration never read them)
+    assert fid["held_out"] is True and fid["samples"] == 16
+    samples = _calibration()[1:32:2]
     f = np.concatenate([run_ort(model, s)[0] for s in samples]).astype(np.float64)
     q = np.concatenate([run_ort(onnx.load(out), s)[0] for s in samples]).astype(np.float64)
     sqnr = 10 * math.log10(np.sum(f**2) / np.sum((f - q) ** 2))

@@ -392,7 +392,11 @@ def test_quantizer_params_are_what_the_model_holds(tmp_path, preset):
 
     model_path = shared_path("models", "digits_cnn.onnx")
     x = np.load(shared_path("models", "digits_calib.npz"))["x"][:16]
-    quantizer = ModelQuantizer(Config(global_quant_config=get_default_config(preset)))
+    config = get_default_config(preset)
+    # calibrated on all 16: held out, 12 calibrate one A8W8 activation to a zero point of 0,
+    # which a model read back cannot tell from a symmetric one
+    config.extra_options["FidelityHoldout"] = 0
+    quantizer = ModelQuantizer(Config(global_quant_config=config))
     quantized = quantizer.quantize_model(model_path, tmp_path / "q.onnx", {"image": x})
     if preset == "XINT8":
         assert quantizer.report.bias_correction["changed_channels"] > 0  # codes were rewritten

@@ -49,6 +49,8 @@ def test_cost_is_the_own_sqnr_difference_of_the_two_positions():
 def _quantize(model: onnx.ModelProto, x: np.ndarray) -> ModelQuantizer:
     config = get_default_config("XINT8")
     config.extra_options["ConvertSigmoidToHardSigmoid"] = False
+    # calibration reads every sample (the oracle's), and the shared position is what is measured
+    config.extra_options.update(FidelityHoldout=0, SplitHeterogeneousJoins=False)
     quantizer = ModelQuantizer(Config(global_quant_config=config))
     quantizer.quantize_model(model, None, ArrayDataReader([{"x": s} for s in x]))
     return quantizer

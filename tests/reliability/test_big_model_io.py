@@ -2,7 +2,7 @@
 
 A model above 2 GB cannot be built in CI, so the 2 GB protobuf limit of ``model_io`` and of the
 calibration collector is lowered to a few kilobytes: the same code paths then run on a small
-model with external data (``benchmarks/bench_big_model.py`` runs a real 2.5 GB model).
+model with external data (``bench_big_model.py``, in git history, measured a 2.5 GB one).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 stages that copy the whole model (onnxsim, pass-difference runs).
 
 The limits are lowered to a few bytes or the weights kept to tens of MiB, so that the code paths
-of a multi-GB model run in CI (``benchmarks/bench_big_model.py`` measures a 2.5 GB one).
+of a multi-GB model run in CI (``bench_big_model.py``, in git history, measured a 2.5 GB one).
 """
 
 from __future__ import annotations

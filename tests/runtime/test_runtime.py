@@ -175,10 +175,12 @@ def test_xint8_digits_serialisations_and_sessions_only_to_run_data(tmp_path, mon
     assert created and all(ran[s] > 0 for s in created), "a session was built that ran no data"
     # the stages that run data: the float reference, the measured passes, the channel ranges
     # of FoldConstantChannels and of CLE's gate, the residual stream's values for its gate
-    # (EqualizeResidualStreams: the digits CNN has one), calibration, the fidelity run of the
-    # quantized model
+    # (EqualizeResidualStreams: the digits CNN has one), calibration, the fidelity runs of the
+    # quantized model (the samples choices are made on, the held-out verdict's), one run for
+    # the shapes of the output anatomy
     assert purposes == {
-        "run_model": 4,
+        "run_model": 5,
+        "anatomy": 1,
         "channel_statistics": 2,
         "residual_streams": 1,
         "calibration": 1,
