@@ -112,3 +112,19 @@ def box_and_score_model(gate: str, **gate_attrs) -> onnx.ModelProto:
             "ws": rng.normal(0, 1.0, (1, 4, 1, 1)).astype(np.float32),
         },
     )
+
+
+#: The extra options of the Vitis AI documentation's XINT8 example (``UseRandomData`` aside, which
+#: each test sets as it needs).
+SNIPPET_OPTIONS = {
+    "ConvertBNToConv": True,
+    "ConvertSigmoidToHardSigmoid": False,
+    "ConvertClipToRelu": True,
+    "SplitLargeKernelPool": False,
+    "ReplaceClip6Relu": True,
+    "ConvertReduceMeanToGlobalAvgPool": False,
+    "RemoveQDQConvClip": False,
+    "RemoveQDQConvPRelu": False,
+    "RemoveQDQConvRelu": False,
+    "RemoveQDQConvLeakyRelu": False,
+}

@@ -8,7 +8,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from conftest import make_model
+from conftest import SNIPPET_OPTIONS, make_model
 from onnx import TensorProto, helper
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
@@ -19,19 +19,7 @@ from quark_onnx.plan.build import build_plan
 
 F = TensorProto.FLOAT
 CONV = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [1, 1], "dilations": [1, 1]}
-SNIPPET = {
-    "UseRandomData": True,
-    "ConvertBNToConv": True,
-    "ConvertSigmoidToHardSigmoid": False,
-    "ConvertClipToRelu": True,
-    "SplitLargeKernelPool": False,
-    "ReplaceClip6Relu": True,
-    "ConvertReduceMeanToGlobalAvgPool": False,
-    "RemoveQDQConvClip": False,
-    "RemoveQDQConvPRelu": False,
-    "RemoveQDQConvRelu": False,
-    "RemoveQDQConvLeakyRelu": False,
-}
+SNIPPET = {"UseRandomData": True, **SNIPPET_OPTIONS}
 #: the tensors of each chain that compute the Reshape's shape
 INT_CHAIN = ("s", "g", "u", "shp")
 FLOAT_CHAIN = ("s", "g", "gf", "half", "hi", "u", "shp")

@@ -6,7 +6,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import box_and_score_model, make_model, quantize_xint8_and_check, shared_path
+from conftest import (
+    SNIPPET_OPTIONS,
+    box_and_score_model,
+    make_model,
+    quantize_xint8_and_check,
+    shared_path,
+)
 
 from quark_onnx import (
     ArrayDataReader,
@@ -19,18 +25,7 @@ from quark_onnx import (
 from quark_onnx.npu.readiness import check
 from quark_onnx.npu.rules import position_of_scale
 
-SEED_OPTIONS = {
-    "ConvertBNToConv": True,
-    "ConvertSigmoidToHardSigmoid": False,
-    "ConvertClipToRelu": True,
-    "SplitLargeKernelPool": False,
-    "ReplaceClip6Relu": True,
-    "ConvertReduceMeanToGlobalAvgPool": False,
-    "RemoveQDQConvClip": False,
-    "RemoveQDQConvPRelu": False,
-    "RemoveQDQConvRelu": False,
-    "RemoveQDQConvLeakyRelu": False,
-}
+SEED_OPTIONS = SNIPPET_OPTIONS
 
 
 def seed_config() -> Config:
