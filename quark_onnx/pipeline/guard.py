@@ -116,16 +116,20 @@ def guard_fidelity(
     Returns the model kept.
     """
     parts = evidence.anatomy or None
-    result = measure(
-        report, source, model, evidence.selection, evidence.selection_reference, options, parts
-    )
-    if result is None:
-        return model
-    if repair is not None:  # a repair when not faithful, else a refinement (fidelity_repair)
-        model, result = repair(result)
-    selection = result
+    selection = None
+    if repair is not None or not evidence.verdict:
+        # measured on the selection samples only where something chooses on them (the repair,
+        # the refinement) or nothing was held out
+        selection = measure(
+            report, source, model, evidence.selection, evidence.selection_reference, options, parts
+        )
+        if selection is None:
+            return model
+        if repair is not None:  # a repair when not faithful, else a refinement (fidelity_repair)
+            model, selection = repair(selection)
+    result = selection
     if evidence.verdict:
-        held = measure(
+        result = measure(
             report,
             source,
             model,
@@ -135,9 +139,8 @@ def guard_fidelity(
             parts,
             held_out=True,
         )
-        if held is None:
+        if result is None:
             return model
-        result = held
         if len(evidence.verdict) < MIN_VERDICT_SAMPLES:
             logger.warning(
                 "%s: the fidelity verdict rests on %d held-out sample(s) only: give more "
@@ -155,10 +158,11 @@ def guard_fidelity(
     if not result.faithful:
         result.worst_layers = worst_layers(report, evidence.selection, model, *stages)
     report.fidelity = result.to_dict()
-    # what the repair and the refinement chose on (the first calibration samples)
-    report.fidelity["selection"] = {
-        k: v for k, v in selection.to_dict().items() if k not in ("worst_layers", "held_out")
-    }
+    if selection is not None and selection is not result:
+        # what the repair and the refinement chose on (the first calibration samples)
+        report.fidelity["selection"] = {
+            k: v for k, v in selection.to_dict().items() if k not in ("worst_layers", "held_out")
+        }
     if result.faithful:
         logger.info(
             "%s: faithful on %d %s: %s",

@@ -79,7 +79,7 @@ def test_the_verdict_samples_are_never_calibrated_on(monkeypatch):
     quantizer.quantize_model(conv_relu_conv_model(), None, ArrayDataReader({"x": data}))
     fid = quantizer.report.fidelity
     assert fid["held_out"] is True and fid["samples"] == 12
-    assert fid["selection"]["samples"] == 16
+    assert "selection" not in fid  # nothing chose on the first calibration samples
     assert read and not set(read) & held_tags
     assert set(read) == set(range(48)) - held_tags
 
