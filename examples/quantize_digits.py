@@ -52,7 +52,7 @@ def main() -> None:
     verdict = check(args.out)
     print(
         f"quantized {model.name} -> {args.out} in {seconds:.1f} s "
-        f"({len(calib['x'])} calibration images)"
+        f"({quantizer.report.calibration['samples']} of {len(calib['x'])} images calibrate it)"
     )
     print(
         f"top-1 on {len(test['y'])} test images: float {float_acc:.4f}, "
@@ -66,7 +66,7 @@ def main() -> None:
     verdict_text = "yes" if fidelity["faithful"] else "NO"
     print(
         f"faithful to the float model: {verdict_text} "
-        f"({outputs}; {fidelity['samples']} calibration samples)"
+        f"({outputs}; on the {fidelity['samples']} images held out from calibration)"
     )
     print(f"Vitis AI readiness: {verdict.summary()}")
 
