@@ -7,6 +7,7 @@ of a multi-GB model run in CI (``bench_big_model.py``, in git history, measured 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -230,6 +231,7 @@ def test_save_streams_mapped_weights(tmp_path):
     k = 4096  # 64 MiB
     path = _save_external(_gemm_reshape(k=k), tmp_path / "in")
     model = load_ir(path)
+    gc.collect()  # what earlier tests left is not freed during the measurement
     try:
         with open("/proc/self/clear_refs", "w") as f:  # reset the peak RSS to the current RSS
             f.write("5")
@@ -237,7 +239,10 @@ def test_save_streams_mapped_weights(tmp_path):
         pytest.skip("cannot reset the peak RSS here")
     before = _rss()
     save_model(model, tmp_path / "q.onnx", external_data=True)
-    assert _rss("VmHWM") - before < 40 * MIB  # pieces of 16 MiB, never the 64 MiB weight
+    # written in pieces of 16 MiB: the peak grows by less than the 64 MiB weight (a copy of the
+    # whole weight would add all of it). Measured 20-50 MiB after the whole suite's other tests,
+    # whose allocator state the save's own buffers land on; 40 MiB failed 2 of 4 full runs.
+    assert _rss("VmHWM") - before < 56 * MIB
     assert (tmp_path / "q.onnx.data").stat().st_size >= k * k * 4
 
 
