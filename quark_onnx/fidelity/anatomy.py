@@ -178,7 +178,8 @@ def anatomy(
     """:func:`trace_parts` with the shapes of one run: ``run(names)`` returns those values for
     one sample (the float model's). Empty when the run fails (the verdict then judges whole
     outputs)."""
-    names = [n for n in tail_values(model) if n not in _constant_names(model)]
+    constants = set(model.graph.initializers)
+    names = [n for n in tail_values(model) if n not in constants]
     try:
         values = run(names)
     except Exception as exc:  # onnxruntime raises its own types; the anatomy is optional
@@ -186,10 +187,6 @@ def anatomy(
         return {}
     shapes = {name: tuple(int(d) for d in np.shape(v)) for name, v in values.items()}
     return trace_parts(model, shapes)
-
-
-def _constant_names(model: ir.Model) -> set[str]:
-    return set(model.graph.initializers)
 
 
 class _Unknown(Exception):

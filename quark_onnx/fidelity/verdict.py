@@ -173,10 +173,13 @@ class _PartJudge:
         fp = np.max(f2, axis=1) >= self.threshold
         qp = np.max(q2, axis=1) >= self.threshold
         both = fp & qp & (fc == qc)
-        for counts, mask in ((self.positive_f, fp), (self.positive_q, qp), (self.both, both)):
-            classes, numbers = np.unique(
-                fc[mask] if counts is not self.positive_q else qc[mask], return_counts=True
-            )
+        # per class: the float decisions, the quantized ones (by their own class), both agreeing
+        for counts, decided in (
+            (self.positive_f, fc[fp]),
+            (self.positive_q, qc[qp]),
+            (self.both, fc[both]),
+        ):
+            classes, numbers = np.unique(decided, return_counts=True)
             for c, n in zip(classes.tolist(), numbers.tolist(), strict=True):
                 counts[c] = counts.get(c, 0) + n
         self.positions += int(f2.shape[0])

@@ -88,7 +88,8 @@ def test_with_the_decode_tail_float_the_detections_survive(detector, tmp_path):
     box, scores = output["parts"]
     assert box["faithful"] and scores["measure"] == "decisions"
     matched, total = _kept(detector, out)
-    assert matched / total > 0.4  # measured 0.6-0.7 (benchmarks: docs/fidelity.md)
+    # at 160 px on 100 images the preset keeps 66.5 % (0 % with the join quantized)
+    assert matched / total > 0.4
     # the verdict's decision share follows the decoder's count on other images
     assert abs(scores["kept"] - matched / total) < 0.25
 
