@@ -114,6 +114,7 @@ def _settings(args: argparse.Namespace) -> QuantizeSettings:
         overwrite=args.overwrite,
         log_level=log_level(args),
         require_fidelity=args.require_fidelity,
+        fidelity_target=args.fidelity_target,
         require_ready=args.require_ready,
         report_html=args.report_html,
         calib_shards=args.calib_shards,
@@ -370,6 +371,15 @@ def _add_run_flags(q: argparse.ArgumentParser) -> None:
         action="store_true",
         help="exit with code 1 also when a quantized model is not Vitis AI-ready (without it "
         "a not-ready model is written, reported and exits 0)",
+    )
+    q.add_argument(
+        "--fidelity-target",
+        metavar="TARGET",
+        default=None,
+        help="e.g. sqnr=20,agreement=0.95: the thresholds every output part must meet; a "
+        "model that misses them after the repair gets the fewest promoted tensors that meet "
+        "them (XINT8: float on the CPU; float scales: 16-bit), within MixedPrecisionBudget "
+        "(extra option FidelityTarget)",
     )
     q.add_argument(
         "--require-fidelity",

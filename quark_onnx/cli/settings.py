@@ -117,6 +117,8 @@ class QuantizeSettings:
     overwrite: bool = False
     log_level: int = logging.WARNING
     require_fidelity: bool = False
+    #: extra option FidelityTarget (None: the preset's or --set's)
+    fidelity_target: str | None = None
     require_ready: bool = False
     #: also write NAME.report.html (quark_onnx.pipeline.report_html)
     report_html: bool = False
@@ -139,6 +141,8 @@ class QuantizeSettings:
             qconfig.extra_options["CalibDataSize"] = self.calib_limit
         if self.require_fidelity:
             qconfig.extra_options["RequireFidelity"] = True
+        if self.fidelity_target is not None:
+            qconfig.extra_options["FidelityTarget"] = self.fidelity_target
         qconfig.validate()
         return qconfig
 

@@ -233,6 +233,13 @@ class ExtraOptions:
         "Calibration samples kept in memory for bias correction, AdaRound and the per-layer "
         "error analysis (the first ones the reader yields).",
     )
+    AccuracySamplesSkip: int = _opt(
+        0,
+        "The first N kept calibration samples are not fitted on by bias correction and AdaRound. "
+        "The fidelity refinement, and the repair and mixed-precision search toward a "
+        "FidelityTarget, set it to FidelitySamples so that the samples judging an attempt are not "
+        "the ones it was fitted on; a recipe records it.",
+    )
     BiasCorrectionMovePositions: bool = _opt(
         False,
         "Bias correction: where a corrected int8 bias saturates, move its position inside the "
@@ -449,6 +456,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
     "WeightBlockSize": (0, 1 << 16, "0 (per channel) or a group size >= 1 (weights per scale)"),
     "CLESteps": (-1, 10_000, "a number of iterations (-1: until converged)"),
     "AccuracySamples": (0, 100_000, "a number of samples kept in memory"),
+    "AccuracySamplesSkip": (0, 100_000, "a number of samples"),
     "FidelitySamples": (1, 100_000, "a number of samples (FidelityCheck=False skips the guard)"),
     "FidelityHoldout": (0, 100_000, "a number of held-out samples (0: none)"),
     "FidelityScoreThreshold": (0.0, 1.0, "a score in [0, 1]"),

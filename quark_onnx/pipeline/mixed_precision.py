@@ -218,7 +218,10 @@ def search(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
         setattr(report, name, getattr(kept.run.report, name))
     run.positions, run.quantized = kept.run.positions, kept.run.quantized
     run.promoted = dict(kept.plan.promoted)
-    report.settings.setdefault("extra_options", {})["MixedPrecisionTensors"] = list(kept.tensors)
+    report.settings.setdefault("extra_options", {}).update(
+        MixedPrecisionTensors=list(kept.tensors),
+        AccuracySamplesSkip=kept.run.options.AccuracySamplesSkip,
+    )
     record.update(_cost(run, kept.plan, kept.tensors, shares, activations))
     logger.log(
         logging.INFO if met is not None else logging.WARNING,
@@ -248,9 +251,12 @@ def _quantize_with(run: Any, tensors: tuple[str, ...]) -> tuple[Any, ...] | None
         if entry.get("kept"):
             repair.apply_settings(qconfig, entry["settings"])
             extra.update({k: v for k, v in entry["settings"].items() if hasattr(run.options, k)})
-    qconfig.extra_options["MixedPrecisionTensors"] = list(tensors)
-    options = dataclasses.replace(run.options, **extra, MixedPrecisionTensors=list(tensors))
-    trial = run.trial(qconfig, options)
+    # fitted apart from the samples that judge it (as the repair's attempts toward a target)
+    skip = len(run.fidelity_samples)
+    extra.update(MixedPrecisionTensors=list(tensors), AccuracySamplesSkip=skip)
+    qconfig.extra_options.update(extra)
+    options = dataclasses.replace(run.options, **extra)
+    trial = run.trial(qconfig, options, run.samples[skip:] or None)
     guard.materialize(run.prepared, run.external_dir)
     model = to_ir(run.prepared)
     with repair._quiet():  # the first attempt's warnings were given
@@ -360,6 +366,9 @@ def rebuild_settings(report: Any, options: Any) -> dict[str, Any]:
         return {}
     return {
         "MixedPrecisionTensors": tensors,
+        "AccuracySamplesSkip": report.settings.get("extra_options", {}).get(
+            "AccuracySamplesSkip", options.AccuracySamplesSkip
+        ),
         "FidelityTarget": "",
         "FidelityRepair": False,
         "FidelityMinSQNR": options.FidelityMinSQNR,

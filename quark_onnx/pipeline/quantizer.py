@@ -444,7 +444,7 @@ class QuantizationRun(sequencer.Stages):
         ):
             self.calibration = result  # a repair or the precision search quantizes again from it
         kept = self.reader.kept if self.reader is not None else []
-        self.samples = kept[: self.q._samples_to_keep()]
+        self.samples = kept[self.options.AccuracySamplesSkip : self.q._samples_to_keep()]
         # what the CLI compares on: the verdict's held-out samples when there are any
         self.q.kept_samples = (self.verdict_samples or kept)[: self.q.keep_samples]
         self.q.kept_held_out = bool(self.verdict_samples)

@@ -262,6 +262,9 @@ def repair(
         (or, with ``better``, if ``better(result)``); whether it is faithful."""
         nonlocal kept
         start = time.perf_counter()
+        if held_out:  # recorded with its settings: a recipe rebuilds it on the same samples
+            skip = ("AccuracySamplesSkip", len(run.fidelity_samples))
+            cand = dataclasses.replace(cand, extra_options=(*cand.extra_options, skip))
         try:
             trial = _attempt(run, plan, cand, held_out=held_out)
         except QuantizationError as exc:  # an attempt that cannot run leaves what was measured
@@ -289,11 +292,16 @@ def repair(
         if refine is not None:
             attempt(refine, better=lambda result: dominates(result, first), held_out=True)
     elif run.options.FidelityRepair:
-        any(attempt(cand) for cand in candidates(run.qconfig, run.options))  # to 1st faithful
+        # toward a FidelityTarget the attempts fit apart from the samples that judge them: the
+        # search after the repair trusts "target met" on those samples (a rounding fitted on
+        # them measured 20.9 dB there and 13.8 dB held out on the PaddleOCR classifier)
+        apart = bool(run.options.FidelityTarget)
+        tries = candidates(run.qconfig, run.options)
+        any(attempt(cand, held_out=apart) for cand in tries)  # to the first faithful one
         best = kept[4][0] if kept[4] is not None else None
         rounding = with_rounding(run.qconfig, run.options, best)
         if rounding is not None:
-            attempt(rounding)
+            attempt(rounding, held_out=apart)
     _, model, params, result, chosen = kept
     for entry in report.repairs:
         entry["kept"] = chosen is not None and entry["repair"] == chosen[0].label
