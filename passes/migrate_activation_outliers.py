@@ -48,10 +48,12 @@ nothing).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array, is_standard
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 MAX_LOG2 = 12
 #: SmoothQuant's default migration strength (``SmoothAlpha``).
 DEFAULT_ALPHA = 0.5
+#: Node metadata on each LayerNorm rescaled: the JSON list of its ``log2 s_j``.
+SCALES_KEY = "quark_onnx.outlier_scales_log2"
 #: A LayerNorm output is rescaled only when its per-tensor range shrinks at least this much
 #: (one bit): the power-of-two rounding moves some channels of any activation by 2x, which
 #: would coarsen weight rows for nothing.
@@ -174,12 +178,19 @@ class MigrateActivationOutliers(QuarkPass):
 
     Args:
         sample_feeds: model inputs (the first calibration samples); the LayerNorm outputs'
-            per-channel ``max |y|`` is measured on them. Without them the pass does not fire.
+            per-channel ``max |y|`` is measured on them. Without them (and without ``scales``)
+            the pass does not fire.
         alpha: migration strength in ``[0, 1]``: the share of an activation channel's range
             moved into the weights (0.5: both end with the same range).
         restore: a LayerNorm output also read by ``Add`` nodes (the residual stream of a
             post-LN encoder) is rescaled and those Adds read it through a ``Mul`` restoring
             it; False where the target takes no float ``Mul`` (NPU configs).
+        scales: LayerNorm node name -> the ``log2`` of its per-channel scales, applied as they
+            are instead of measured (what a recipe recorded; its rebuild has no data).
+
+    Each LayerNorm it rescales carries the ``log2 s`` it chose as node metadata
+    (:data:`SCALES_KEY`, a JSON list), so the quantized model says what was done and a recipe
+    can record it (:func:`recorded_scales`).
     """
 
     def __init__(
@@ -187,11 +198,13 @@ class MigrateActivationOutliers(QuarkPass):
         sample_feeds: Sequence[dict[str, np.ndarray]] | None = None,
         alpha: float = DEFAULT_ALPHA,
         restore: bool = True,
+        scales: dict[str, list[int]] | None = None,
     ) -> None:
         super().__init__()
         self.sample_feeds = list(sample_feeds or [])
         self.alpha = alpha
         self.restore = restore
+        self.scales = dict(scales or {})
         #: (LayerNorm name, channels rescaled, linear readers, Adds restored) per site rescaled
         self.report: list[tuple[str, int, int, int]] = []
 
@@ -199,8 +212,25 @@ class MigrateActivationOutliers(QuarkPass):
         self.report = []
         graph = model.graph
         sites = [s for n in graph if (s := _site(n, self.restore)) is not None]
-        if not sites or not self.sample_feeds:
-            return ir.passes.PassResult(model, modified=False)
+        names = NameGenerator(graph)
+        if self.scales:
+            for site in sites:
+                given = self.scales.get(site.norm.name or "")
+                if given is not None and len(given) == site.gain.size:
+                    self._apply(graph, site, np.exp2(np.asarray(given, np.float64)), names)
+        elif sites and self.sample_feeds:
+            for site, s in self._measured(model, sites):
+                self._apply(graph, site, s, names)
+        if self.report:
+            logger.info(
+                "MigrateActivationOutliers: %d LayerNorm output(s) rescaled, %d channel(s)",
+                len(self.report),
+                sum(r[1] for r in self.report),
+            )
+        return ir.passes.PassResult(model, modified=bool(self.report))
+
+    def _measured(self, model: ir.Model, sites: list[_Site]) -> list[tuple[_Site, np.ndarray]]:
+        """The sites worth rescaling and their scales, from the samples' channel ranges."""
         try:
             ranges = _channel_ranges(model, [s.norm.outputs[0] for s in sites], self.sample_feeds)
         except Exception as exc:  # onnxruntime raises its own exception types
@@ -210,26 +240,21 @@ class MigrateActivationOutliers(QuarkPass):
                 "LayerNorm outputs are left as they are",
                 text.splitlines()[0] if text else type(exc).__name__,
             )
-            return ir.passes.PassResult(model, modified=False)
-        names = NameGenerator(graph)
+            return []
+        chosen = []
         for site in sites:
             r1 = ranges.get(site.norm.outputs[0].name or "")
-            if r1 is not None and r1.shape == site.gain.shape:
-                self._apply(graph, site, r1, names)
-        if self.report:
-            logger.info(
-                "MigrateActivationOutliers: %d LayerNorm output(s) rescaled, %d channel(s)",
-                len(self.report),
-                sum(r[1] for r in self.report),
-            )
-        return ir.passes.PassResult(model, modified=bool(self.report))
+            if r1 is None or r1.shape != site.gain.shape:
+                continue
+            rows = [np.abs(w).max(axis=1 - axis) for _, w, axis in site.linears]
+            r2 = np.max(rows, axis=0).astype(np.float64)
+            s = power_of_two_scales(r1, r2, MAX_LOG2, alpha=self.alpha)
+            if r1.max() >= MIN_RANGE_GAIN * (r1 / s).max():
+                chosen.append((site, s))
+        return chosen
 
-    def _apply(self, graph: ir.Graph, site: _Site, r1: np.ndarray, names: NameGenerator) -> None:
-        rows = [np.abs(w).max(axis=1 - axis) for _, w, axis in site.linears]
-        r2 = np.max(rows, axis=0).astype(np.float64)
-        r1 = r1.astype(np.float64)
-        s = power_of_two_scales(r1, r2, MAX_LOG2, alpha=self.alpha)
-        if not r1.max() >= MIN_RANGE_GAIN * (r1 / s).max():
+    def _apply(self, graph: ir.Graph, site: _Site, s: np.ndarray, names: NameGenerator) -> None:
+        if np.all(s == 1.0):
             return
         norm = site.norm
         store_constant(graph, norm, 1, site.gain / s.astype(site.gain.dtype), names)
@@ -249,9 +274,21 @@ class MigrateActivationOutliers(QuarkPass):
                 for index, value in enumerate(add.inputs):
                     if value is y:
                         add.replace_input_with(index, restored)
+        norm.metadata_props[SCALES_KEY] = json.dumps([int(k) for k in np.log2(s)])
         self.report.append(
             (norm.name or "", int(np.count_nonzero(s != 1.0)), len(site.linears), len(site.adds))
         )
+
+
+def recorded_scales(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """LayerNorm node name -> the ``log2`` scales this pass chose, read from a model it rescaled
+    (the node metadata :data:`SCALES_KEY`); ``{}`` when it rescaled nothing."""
+    found: dict[str, list[int]] = {}
+    for node in model.graph.node:
+        for entry in node.metadata_props:
+            if entry.key == SCALES_KEY:
+                found[node.name] = [int(k) for k in json.loads(entry.value)]
+    return found
 
 
 def _channel_ranges(

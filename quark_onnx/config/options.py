@@ -93,6 +93,12 @@ class ExtraOptions:
         "activation channel's range moved into the weights (0.5: both end with the same range; "
         "AMD Quark's key and default).",
     )
+    MigrateActivationOutliersScales: dict = _opt(
+        {},
+        "MigrateActivationOutliers: LayerNorm node name -> the log2 of its per-channel scales, "
+        "applied instead of measured. A saved recipe records what the quantization chose here "
+        "(its rebuild runs on no data); leave it empty otherwise.",
+    )
     ReplaceClip6Relu: bool = _opt(
         False,
         "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "

@@ -40,6 +40,7 @@ the arrays and the float model, an unknown format version, and parameters
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -134,6 +135,19 @@ def _as_qconfig(config: Config | QuantizationConfig | str | None) -> tuple[Any, 
         f"config: expected a Config, a QuantizationConfig or a preset name, got "
         f"{type(config).__name__}"
     )
+
+
+def _with_recorded_choices(qconfig: Any, qproto: onnx.ModelProto) -> Any:
+    """``qconfig`` with what the quantization chose from its samples and a rebuild (no data)
+    could not choose again: the LayerNorm scales of MigrateActivationOutliers, which the
+    quantized model records as node metadata."""
+    from quark_onnx.passes.migrate_activation_outliers import recorded_scales
+
+    scales = recorded_scales(qproto)
+    if qconfig is None or not scales:
+        return qconfig
+    extra = {**qconfig.extra_options, "MigrateActivationOutliersScales": scales}
+    return dataclasses.replace(qconfig, extra_options=extra)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,6 +316,7 @@ def save_recipe(
     preset = preset or named
     qproto, qlabel = _load_quantized(quantized_model)
     fproto, _ = _load_float(float_model)
+    qconfig = _with_recorded_choices(qconfig, qproto)
     if params is None:
         params = extract_params(qproto)
     if not params:

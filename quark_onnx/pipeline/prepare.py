@@ -183,7 +183,10 @@ def prepare_passes(
             options.MigrateActivationOutliers,
             # an NPU runs no float Mul: there a residual Add blocks the rescaling
             MigrateActivationOutliers(
-                ranges, alpha=options.SmoothAlpha, restore=not qconfig.enable_npu_cnn
+                ranges,
+                alpha=options.SmoothAlpha,
+                restore=not qconfig.enable_npu_cnn,
+                scales=options.MigrateActivationOutliersScales,
             ),
         ),
         (options.ConvertClipToRelu, ConvertClipToRelu),

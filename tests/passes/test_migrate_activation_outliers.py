@@ -15,6 +15,7 @@ from quark_onnx.config.options import resolve_extra_options
 from quark_onnx.errors import ConfigError
 from quark_onnx.passes import MigrateActivationOutliers
 from quark_onnx.passes._channel_scaling import power_of_two_scales
+from quark_onnx.passes.migrate_activation_outliers import recorded_scales
 from quark_onnx.pipeline.prepare import prepare_passes
 
 H, S = 16, 6
@@ -167,3 +168,14 @@ def test_pipeline_switch_alpha_and_npu_configs():
     assert not any(isinstance(p, MigrateActivationOutliers) for p in prepare_passes(qconfig, off))
     with pytest.raises(ConfigError, match="SmoothAlpha"):
         resolve_extra_options({"SmoothAlpha": 1.5})
+
+
+def test_recorded_scales_rebuild_the_same_model_without_data():
+    model = _model(gemm=True)
+    _, measured = _run(model)
+    recorded = recorded_scales(measured)
+    s = _init(model, "ln", 1) / _init(measured, "ln", 1)
+    assert recorded == {"ln": [int(k) for k in np.log2(s)]}
+    rebuilt = MigrateActivationOutliers([], scales=recorded)(ir.from_proto(model)).model
+    assert ir.to_proto(rebuilt).SerializeToString() == measured.SerializeToString()
+    assert recorded_scales(model) == {}
