@@ -218,6 +218,15 @@ class MigrateActivationOutliers(QuarkPass):
                 given = self.scales.get(site.norm.name or "")
                 if given is not None and len(given) == site.gain.size:
                     self._apply(graph, site, np.exp2(np.asarray(given, np.float64)), names)
+            unused = sorted(set(self.scales) - {r[0] for r in self.report})
+            if unused:
+                logger.warning(
+                    "MigrateActivationOutliersScales names %s, which %s no LayerNorm this pass "
+                    "can rescale with that many channels: left as %s",
+                    ", ".join(map(repr, unused)),
+                    "is" if len(unused) == 1 else "are",
+                    "it is" if len(unused) == 1 else "they are",
+                )
         elif sites and self.sample_feeds:
             for site, s in self._measured(model, sites):
                 self._apply(graph, site, s, names)

@@ -179,3 +179,10 @@ def test_recorded_scales_rebuild_the_same_model_without_data():
     rebuilt = MigrateActivationOutliers([], scales=recorded)(ir.from_proto(model)).model
     assert ir.to_proto(rebuilt).SerializeToString() == measured.SerializeToString()
     assert recorded_scales(model) == {}
+
+
+def test_given_scales_for_an_unknown_layer_norm_are_named(caplog):
+    pass_ = MigrateActivationOutliers([], scales={"nope": [0] * H})
+    with caplog.at_level("WARNING"):
+        assert not pass_(ir.from_proto(_model())).modified
+    assert "'nope'" in caplog.text
