@@ -32,8 +32,9 @@ whole variance and the other channels vanish) and puts its own outliers on dimen
 ``OUTLIER_STRIDE``. The last LayerNorm only damps: otherwise the four dimensions dominate the
 sentence embedding and every quantizer's cosine is ~1 on those alone. Measured (hidden 256):
 the widest channel of each LayerNorm output is 45 to 104 times the median channel's maximum;
-A8W8 gives a mean embedding cosine of 0.956 and A16W8 0.9986 (a real 6-layer sentence encoder:
-0.951 and 0.9986).
+A8W8 without MigrateActivationOutliers gives a mean embedding cosine of 0.948 and A16W8 0.9987
+on 128 held-out sentences (``benchmarks/results/transformer.md``; a real 6-layer sentence
+encoder: 0.951 and 0.9986).
 
 :func:`encoder_inputs` makes sentences of random length (padded with token 0, mask 0) with a
 Zipf-like token distribution; :func:`mean_pooled` is the sentence embedding (mask-weighted mean of
