@@ -27,7 +27,10 @@ Rebuilding (:func:`load_recipe`) runs no calibration and needs no data::
 
 which is what :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` does around calibration, so the
 result is byte-identical to the model the recipe was saved from (:func:`save_recipe` checks that
-before writing anything). An imported recipe has no configuration: its float model is already
+before writing anything). What a prepare pass chose from the calibration samples is recorded in
+the configuration so that the rebuild needs none: the LayerNorm scales of
+MigrateActivationOutliers (``MigrateActivationOutliersScales``, read from the quantized model's
+node metadata). An imported recipe has no configuration: its float model is already
 prepared, and the rebuild is ``InsertQDQ(params)`` alone.
 
 Loading executes nothing from the files: JSON via :func:`json.loads` (duplicate keys refused) and
