@@ -2,8 +2,14 @@
 
 The model is ``tests/transformer/bert_like.py``'s encoder (default: 4 layers, hidden 256, 4
 heads, FFN 1024, a 30522-row word embedding, 64 tokens, an additive attention mask written as
-PyTorch's exporter writes it, seeded random weights scaled like a trained model's). Calibration:
-64 sentences (seed 1); evaluation: 128 held-out sentences (seed 2), random lengths, padded.
+PyTorch's exporter writes it, seeded random weights scaled like a trained model's) with the
+outlier channels of trained encoders (``with_outliers``: LayerNorm gains 20-60 on four hidden
+dimensions per LayerNorm, compensated in the weights reading them; ``--plain``: without).
+Calibration: 64 sentences (seed 1); evaluation: 128 held-out sentences (seed 2), random lengths,
+padded. ``A8W8 without MigrateActivationOutliers`` is the A8W8 preset with that pass off: what
+the outlier channels cost per-tensor int8 activations; ``INT8_DYNAMIC with
+MigrateActivationOutliers`` turns it on in the dynamic preset (which then needs the calibration
+data the pass measures on).
 
 For each tool it prints and records:
 
@@ -23,7 +29,8 @@ warns). ``UINT4_WEIGHT_ONLY_G32 MatMulNBits`` is the same model exported by
 
 Usage (repository root)::
 
-    python benchmarks/bench_transformer.py [--layers 4 --hidden 256 --seq 64] [--name transformer]
+    python benchmarks/bench_transformer.py [--layers 4 --hidden 256 --seq 64] [--plain]
+        [--name transformer] [--tools A8W8,A16W8]
 
 Writes ``benchmarks/results/<name>.json`` and ``<name>.md``.
 """
@@ -53,6 +60,7 @@ from bert_like import (  # noqa: E402
     cosines,
     encoder_inputs,
     mean_pooled,
+    with_outliers,
 )
 
 from quark_onnx import (  # noqa: E402
@@ -147,9 +155,11 @@ def _ort_static(src: Path, dst: Path, calib: dict[str, np.ndarray]) -> None:
     )
 
 
-def _quark_onnx(preset: str):
+def _quark_onnx(preset: str, **extra_options: Any):
     def run(src: Path, dst: Path, calib: dict[str, np.ndarray]) -> None:
-        quantizer = ModelQuantizer(Config(global_quant_config=get_default_config(preset)))
+        qconfig = get_default_config(preset)
+        qconfig.extra_options.update(extra_options)
+        quantizer = ModelQuantizer(Config(global_quant_config=qconfig))
         quantizer.quantize_model(src, dst, ArrayDataReader(calib, batch_size=8))
 
     return run
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--plain", action="store_true", help="no outlier channels")
     parser.add_argument("--name", default="transformer")
     parser.add_argument("--tools", default="", help="comma-separated subset of the rows")
     args = parser.parse_args(argv)
@@ -172,13 +183,23 @@ def main(argv: list[str] | None = None) -> int:
         ffn=4 * args.hidden,
         seq=args.seq,
     )
+    if not args.plain:
+        shape = with_outliers(shape)
     calib = encoder_inputs(64, 1, shape)
     test = encoder_inputs(128, 2, shape)
     timing_feed = {k: v[:1] for k, v in encoder_inputs(1, 3, shape).items()}
     timing_feed["attention_mask"][:] = 1  # one full-length sentence
     timing_feed["input_ids"][:] = np.maximum(timing_feed["input_ids"], 101)
 
-    tools: dict[str, Any] = {p: _quark_onnx(p) for p in preset_names()}
+    tools: dict[str, Any] = {}
+    for preset in preset_names():
+        tools[preset] = _quark_onnx(preset)
+        if preset == "A8W8":
+            off = _quark_onnx(preset, MigrateActivationOutliers=False)
+            tools[f"{preset} without MigrateActivationOutliers"] = off
+        if preset == "INT8_DYNAMIC":
+            on = _quark_onnx(preset, MigrateActivationOutliers=True)
+            tools[f"{preset} with MigrateActivationOutliers"] = on
     tools["onnxruntime quantize_dynamic"] = _ort_dynamic
     tools["onnxruntime quantize_static (QDQ, per-channel)"] = _ort_static
     wanted = [t for t in args.tools.split(",") if t]
@@ -239,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.processor() or platform.machine()}, onnxruntime {ort.__version__}",
         "model": {**shape.__dict__, "float_mb": round(float_size / 1e6, 2)},
+        "outlier_channels": not args.plain,
         "calibration_sentences": 64,
         "test_sentences": 128,
         "latency": f"median of {RUNS} interleaved with float, 1 thread, batch 1, {shape.seq} "
@@ -247,13 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = BENCH_DIR / "results"
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    outliers = (
+        f", with the outlier channels of trained encoders (LayerNorm gains "
+        f"{shape.outlier_scale / 2:g}-{1.5 * shape.outlier_scale:g} on "
+        f"{len(shape.outlier_dims)} dimensions per LayerNorm, compensated in the weights reading "
+        f"them; `tests/transformer/bert_like.py`)"
+        if shape.outlier_dims
+        else " without outlier channels (`--plain`)"
+    )
+    command = "python benchmarks/bench_transformer.py" + (" --plain" if args.plain else "")
     lines = [
         f"# Transformer encoder: every preset and onnxruntime's quantizers ({result['date']})",
         "",
         f"Model: {shape.layers}-layer BERT-style encoder, hidden {shape.hidden}, "
-        f"{shape.vocab}-row embedding, {shape.seq} tokens, float file {float_size / 1e6:.1f} MB. "
+        f"{shape.vocab}-row embedding, {shape.seq} tokens, float file {float_size / 1e6:.1f} MB"
+        f"{outliers}. "
         f"Cosine of mean-pooled embeddings vs float on 128 held-out sentences; latency "
-        f"{result['latency']}. `python benchmarks/bench_transformer.py`",
+        f"{result['latency']}. `{command}`",
         "",
         "| tool | cosine mean / min | quantize s | file vs float | latency vs float |",
         "|---|---|---|---|---|",

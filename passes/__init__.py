@@ -30,6 +30,7 @@ _PASSES = {
     "FoldConstantChannels": "fold_constant_channels",
     "EqualizeGatedActivations": "equalize_gated_activations",
     "EqualizeResidualStreams": "equalize_residual_streams",
+    "MigrateActivationOutliers": "migrate_activation_outliers",
     # hardware simulation and legalization
     "ConvertLeakyReluToDPUVersion": "convert_leaky_relu_to_dpu_version",
     "ConvertHardSigmoidToDPUVersion": "convert_hard_sigmoid_to_dpu_version",

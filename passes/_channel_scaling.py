@@ -78,20 +78,28 @@ def conv_reader(node: ir.Node, index: int, offset: int, width: int) -> ConvReade
 
 
 def power_of_two_scales(
-    r1: np.ndarray, r2: np.ndarray, max_log2: int = MAX_LOG2, offset: float = 0.0
+    r1: np.ndarray,
+    r2: np.ndarray,
+    max_log2: int = MAX_LOG2,
+    offset: float = 0.0,
+    alpha: float = 0.5,
 ) -> np.ndarray:
     """Per-channel ``s = 2^k`` (``|k| <= max_log2``) balancing producer ranges ``r1 / s``
     against reader ranges ``r2 * s``; ~0 channels on either side get ``k = 0``.
 
-    ``k = round(0.5 log2(r1 / r2) + offset)``, centred on the median. Every offset gives float-
-    exact scales, but which channels round up moves the quantized model by up to several dB
+    ``k = round(log2(r1^alpha / r2^(1 - alpha)) + offset)``, centred on the median: ``alpha =
+    0.5`` equalizes the two ranges, a larger ``alpha`` moves more of the producer's range into
+    the readers (SmoothQuant's migration strength). Every offset gives float-exact scales, but
+    which channels round up moves the quantized model by up to several dB
     (``benchmarks/bench_equalization_offsets.py`` varies it; neither a noise prediction nor a
     measurement on calibration samples ranked the offsets as the test images did)."""
     usable = (r1 > NEGLIGIBLE_RANGE * r1.max()) & (r2 > NEGLIGIBLE_RANGE * r2.max())
     k = np.zeros(r1.shape, dtype=np.float64)
     if not usable.any():
         return np.ones_like(k)
-    k[usable] = np.round(0.5 * np.log2(r1[usable] / r2[usable]) + offset)
+    a, b = r1[usable], r2[usable]
+    # alpha log r1 - (1 - alpha) log r2, written so that alpha = 0.5 adds exactly 0
+    k[usable] = np.round(0.5 * np.log2(a / b) + (alpha - 0.5) * np.log2(a * b) + offset)
     k[usable] -= np.round(np.median(k[usable]))
     return np.exp2(np.clip(k, -max_log2, max_log2))
 

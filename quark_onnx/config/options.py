@@ -76,6 +76,29 @@ class ExtraOptions:
         "divided by powers of two, the readers' multiplied; kept only where the predicted "
         "quantization noise at the readers at least halves. Float-exact (bit-identical outputs).",
     )
+    MigrateActivationOutliers: bool = _opt(
+        False,
+        "SmoothQuant-style migration of activation outliers: for each LayerNormalization read by "
+        "MatMul/Gemm layers with constant weights, divide its wide channels (gain and bias) by "
+        "powers of two s_j = 2^round(log2(max|x_j|^SmoothAlpha / max|W_j|^(1-SmoothAlpha))), "
+        "measured on the first calibration samples, and multiply the readers' weight rows by "
+        "s_j, so one per-tensor activation scale no longer serves a few 10-100x channels. "
+        "Residual Adds reading the LayerNorm (post-LN encoders) get the value back through a "
+        "float Mul by s, except on NPU configs (enable_npu_cnn), where such a LayerNorm is left "
+        "alone. Float-exact (bit-identical outputs).",
+    )
+    SmoothAlpha: float = _opt(
+        0.5,
+        "MigrateActivationOutliers: the migration strength in [0, 1], the share of an "
+        "activation channel's range moved into the weights (0.5: both end with the same range; "
+        "AMD Quark's key and default).",
+    )
+    MigrateActivationOutliersScales: dict = _opt(
+        {},
+        "MigrateActivationOutliers: LayerNorm node name -> the log2 of its per-channel scales, "
+        "applied instead of measured. A saved recipe records what the quantization chose here "
+        "(its rebuild runs on no data); leave it empty otherwise.",
+    )
     ReplaceClip6Relu: bool = _opt(
         False,
         "Replace a layer's Clip(0, 6) (ReLU6) by Relu and keep 6 as the output's range cap, so "
@@ -383,7 +406,6 @@ UNSUPPORTED_QUARK_OPTIONS: frozenset[str] = frozenset(
         "AdjustShiftSwish",
         "RemoveQDQInstanceNorm",
         "Int16Bias",
-        "SmoothAlpha",
         "MatMulConstBOnly",
         "CopySharedInit",
         "CalibTensorRangeSymmetric",
@@ -464,6 +486,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
     "FidelityMinAgreement": (0.0, 1.0, "a share of rows in [0, 1]"),
     "FoldConstantChannelsTolerance": (0.0, 1.0, "a relative bound in [0, 1]"),
     "MixedPrecisionBudget": (0.0, 1.0, "a share of the activation tensors in [0, 1]"),
+    "SmoothAlpha": (0.0, 1.0, "a migration strength in [0, 1]"),
 }
 
 

@@ -27,7 +27,10 @@ Rebuilding (:func:`load_recipe`) runs no calibration and needs no data::
 
 which is what :class:`~quark_onnx.pipeline.quantizer.ModelQuantizer` does around calibration, so the
 result is byte-identical to the model the recipe was saved from (:func:`save_recipe` checks that
-before writing anything). An imported recipe has no configuration: its float model is already
+before writing anything). What a prepare pass chose from the calibration samples is recorded in
+the configuration so that the rebuild needs none: the LayerNorm scales of
+MigrateActivationOutliers (``MigrateActivationOutliersScales``, read from the quantized model's
+node metadata). An imported recipe has no configuration: its float model is already
 prepared, and the rebuild is ``InsertQDQ(params)`` alone.
 
 Loading executes nothing from the files: JSON via :func:`json.loads` (duplicate keys refused) and
@@ -40,6 +43,7 @@ the arrays and the float model, an unknown format version, and parameters
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -134,6 +138,19 @@ def _as_qconfig(config: Config | QuantizationConfig | str | None) -> tuple[Any, 
         f"config: expected a Config, a QuantizationConfig or a preset name, got "
         f"{type(config).__name__}"
     )
+
+
+def _with_recorded_choices(qconfig: Any, qproto: onnx.ModelProto) -> Any:
+    """``qconfig`` with what the quantization chose from its samples and a rebuild (no data)
+    could not choose again: the LayerNorm scales of MigrateActivationOutliers, which the
+    quantized model records as node metadata."""
+    from quark_onnx.passes.migrate_activation_outliers import recorded_scales
+
+    scales = recorded_scales(qproto)
+    if qconfig is None or not scales:
+        return qconfig
+    extra = {**qconfig.extra_options, "MigrateActivationOutliersScales": scales}
+    return dataclasses.replace(qconfig, extra_options=extra)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,6 +319,7 @@ def save_recipe(
     preset = preset or named
     qproto, qlabel = _load_quantized(quantized_model)
     fproto, _ = _load_float(float_model)
+    qconfig = _with_recorded_choices(qconfig, qproto)
     if params is None:
         params = extract_params(qproto)
     if not params:

@@ -19,6 +19,7 @@ Order and switches (each pass only when its switch is on; ``*``: changes numeric
  4b   CrossLayerEqualization                ``qconfig.include_cle``
  4c   EqualizeGatedActivations              ``ExtraOptions.EqualizeGatedActivations``
  4d   EqualizeResidualStreams               ``ExtraOptions.EqualizeResidualStreams``
+ 4e   MigrateActivationOutliers             ``ExtraOptions.MigrateActivationOutliers``
  5    ConvertClipToRelu *                   ``ExtraOptions.ConvertClipToRelu``
  6    ConvertReduceMeanToGlobalAvgPool      ``ExtraOptions.ConvertReduceMeanToGlobalAvgPool``
  7    SplitLargeKernelPool                  ``ExtraOptions.SplitLargeKernelPool``
@@ -87,6 +88,7 @@ from quark_onnx.passes import (
     FoldConstantChannels,
     FoldConvAffine,
     MakeConvAttributesExplicit,
+    MigrateActivationOutliers,
     RemoveIdentity,
     RemoveInferenceDropout,
     ReplaceClip6Relu,
@@ -145,7 +147,8 @@ def prepare_passes(
     also fold channels the samples show clamped to one value with a wide margin, and lets
     CrossLayerEqualization's component gate weigh the activations it rescales.
     ``range_samples`` (the first calibration samples; default ``[sample_feeds]``) give
-    EqualizeGatedActivations and EqualizeResidualStreams the activations' channel ranges.
+    EqualizeGatedActivations, EqualizeResidualStreams and MigrateActivationOutliers the
+    activations' channel ranges.
 
     Cross-layer equalization (``include_cle``) runs after ReplaceClip6Relu and before
     ConvertClipToRelu: a ReLU6, or the range cap either pass leaves, blocks a pair (the cap holds
@@ -176,6 +179,16 @@ def prepare_passes(
         (qconfig.include_cle, cle),
         (options.EqualizeGatedActivations, EqualizeGatedActivations(ranges)),
         (options.EqualizeResidualStreams, EqualizeResidualStreams(ranges)),
+        (
+            options.MigrateActivationOutliers,
+            # an NPU runs no float Mul: there a residual Add blocks the rescaling
+            MigrateActivationOutliers(
+                ranges,
+                alpha=options.SmoothAlpha,
+                restore=not qconfig.enable_npu_cnn,
+                scales=options.MigrateActivationOutliersScales,
+            ),
+        ),
         (options.ConvertClipToRelu, ConvertClipToRelu),
         (options.ConvertReduceMeanToGlobalAvgPool, ConvertReduceMeanToGlobalAvgPool),
         (options.SplitLargeKernelPool, SplitLargeKernelPool),

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from bert_like import EncoderShape, build_encoder, cosines, encoder_inputs, mean_pooled
+from bert_like import (
+    EncoderShape,
+    build_encoder,
+    cosines,
+    encoder_inputs,
+    mean_pooled,
+    with_outliers,
+)
 
 #: Small enough to quantize in about a second, still >= 4 layers and a >= 30k-row embedding.
 SMALL = EncoderShape(layers=4, hidden=64, heads=2, ffn=128, vocab=30522, seq=32)
@@ -45,4 +52,5 @@ __all__ = [
     "encoder_inputs",
     "hidden_states",
     "session",
+    "with_outliers",
 ]

@@ -5,7 +5,7 @@ Fidelity is the cosine of mean-pooled sentence embeddings against the float mode
 held-out sentences (calibration: 32 others). Bounds: A16W8 >= 0.995, A8W8 >= 0.97,
 INT8_DYNAMIC >= 0.975, UINT4_WEIGHT_ONLY_G32 >= 0.97 (mean), every preset >= 0.9 on every
 sentence. Before masks were kept float, A16W8 measured 0.26 mean on this model
-(benchmarks/results/transformer.md). Files: every preset with int8 (or narrower) weights that
+(docs/formats.md). Files: every preset with int8 (or narrower) weights that
 quantizes embedding tables is at most 0.35x the float file.
 """
 
