@@ -177,8 +177,11 @@ def guard_fidelity(
         # measured: a seal text detector (activations with max/RMS near 40 in ~60 blocks, each
         # losing a little) 0.3 dB in XINT8, 9.1 dB with A16W8 (benchmarks/results/unseen.md)
         message += (
-            "; where many layers each lose a little, 8-bit activations are the limit: "
-            "16-bit activations (preset A16W8) keep more"
+            "; where many layers each lose a little, 8-bit activations are the limit: a "
+            "FidelityTarget (--fidelity-target) promotes only the tensors that cost the most, "
+            "16-bit activations for the whole model (preset A16W8) keep more"
+            if not options.FidelityTarget
+            else "; 16-bit activations for the whole model (preset A16W8) keep more"
         )
     if options.RequireFidelity:
         raise FidelityError(message + " (RequireFidelity is set: no model was written)")
