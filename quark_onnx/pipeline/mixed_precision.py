@@ -107,136 +107,151 @@ def search(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[An
     """Promote the fewest ranked tensors that make ``model`` meet the target (see the module
     docstring); return the model, parameters and fidelity result kept. The report gets
     ``mixed_precision``."""
-    from quark_onnx.accuracy.contribution import activation_contributions
-    from quark_onnx.pipeline import repair
+    found = _Search(run, model, plan)
+    met = found.smallest_meeting()
+    kept = met if met is not None else found.best_better_than(first)
+    return found.keep(kept, met is not None, (model, params, first))
 
-    start = time.perf_counter()
-    options, report = run.options, run.report
-    manual = tuple(options.MixedPrecisionTensors)
-    activations = plan.activation_names()
-    limit = int(options.MixedPrecisionBudget * len(activations))
-    samples = run.fidelity_samples[:RANKING_SAMPLES]
-    error, shares = activation_contributions(
-        model, samples, run.reference[: len(samples)], run.anatomy or None
-    )
-    planned = set(activations)
-    ranked = [
-        t
-        for t, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0]))
-        if share > 0 and t in planned and t not in manual
-    ][:limit]
-    record: dict[str, Any] = {
-        "target": parse_target(options.FidelityTarget).describe(),
-        "budget": options.MixedPrecisionBudget,
-        "activation_tensors": len(activations),
-        "ranking": {"samples": len(samples), "error": error, "candidates": len(shares)},
-        "attempts": [],
-    }
-    report.mixed_precision = record
-    tried: dict[int, _Attempt] = {}
 
-    def attempt(count: int) -> _Attempt | None:
-        if count in tried:
-            return tried[count]
+class _Search:
+    """The state of one :func:`search`: the ranked candidates, the attempts and the record."""
+
+    def __init__(self, run: Any, model: Any, plan: Any) -> None:
+        from quark_onnx.accuracy.contribution import activation_contributions
+
+        self.run, self.start = run, time.perf_counter()
+        options = run.options
+        self.manual = tuple(options.MixedPrecisionTensors)
+        self.plan, self.activations = plan, plan.activation_names()
+        self.limit = int(options.MixedPrecisionBudget * len(self.activations))
+        samples = run.fidelity_samples[:RANKING_SAMPLES]
+        error, self.shares = activation_contributions(
+            model, samples, run.reference[: len(samples)], run.anatomy or None
+        )
+        planned = set(self.activations)
+        self.ranked = [
+            t
+            for t, share in sorted(self.shares.items(), key=lambda kv: (-kv[1], kv[0]))
+            if share > 0 and t in planned and t not in self.manual
+        ][: self.limit]
+        self.tried: dict[int, _Attempt] = {}
+        self.record: dict[str, Any] = {
+            "target": parse_target(options.FidelityTarget).describe(),
+            "budget": options.MixedPrecisionBudget,
+            "activation_tensors": len(self.activations),
+            "ranking": {"samples": len(samples), "error": error, "candidates": len(self.shares)},
+            "attempts": [],
+        }
+        run.report.mixed_precision = self.record
+
+    def attempt(self, count: int) -> _Attempt | None:
+        """The model quantized with the first ``count`` ranked tensors promoted, measured."""
+        if count in self.tried:
+            return self.tried[count]
         begin = time.perf_counter()
-        tensors = manual + tuple(ranked[:count])
+        tensors = self.manual + tuple(self.ranked[:count])
         try:
-            found = _quantize_with(run, tensors)
+            found = _quantize_with(self.run, tensors)
         except QuarkOnnxError as exc:  # e.g. a tensor the calibration never saw
-            logger.warning("%s: promoting %d tensor(s) not tried: %s", run.source, count, exc)
+            logger.warning("%s: promoting %d tensor(s) not tried: %s", self.run.source, count, exc)
             return None
         if found is None:
             return None
-        trial, trial_model, trial_params, trial_plan, result = found
-        tried[count] = _Attempt(
-            count,
-            tensors,
-            trial,
-            trial_model,
-            trial_params,
-            trial_plan,
-            result,
-            time.perf_counter() - begin,
-        )
-        record["attempts"].append(
+        seconds = time.perf_counter() - begin
+        self.tried[count] = _Attempt(count, tensors, *found, seconds)
+        result = found[-1]
+        self.record["attempts"].append(
             {
                 "promoted": len(tensors),
                 "faithful": result.faithful,
                 "measured": result.describe(),
-                "seconds": round(time.perf_counter() - begin, 4),
+                "seconds": round(seconds, 4),
             }
         )
-        return tried[count]
+        return self.tried[count]
 
-    met: _Attempt | None = None
-    miss = 0
-    count = 1
-    while ranked:
-        current = attempt(min(count, len(ranked)))
-        if current is not None and current.result.faithful:
-            met = current
-            break
-        miss = min(count, len(ranked))
-        if count >= len(ranked):
-            break
-        count *= 2
-    if met is not None:
+    def _meets(self, count: int) -> _Attempt | None:
+        current = self.attempt(count)
+        return current if current is not None and current.result.faithful else None
+
+    def smallest_meeting(self) -> _Attempt | None:
+        """Double the count (1, 2, 4, ... up to the budget) to the first attempt that meets the
+        target, then bisect between the last miss and it; None when none meets it."""
+        met, miss, count = None, 0, 1
+        while self.ranked and met is None:
+            count = min(count, len(self.ranked))
+            met = self._meets(count)
+            if met is None:
+                if count >= len(self.ranked):
+                    break
+                miss, count = count, count * 2
+        if met is None:
+            return None
         low, high = miss, met.count
-        while high - low > 1:  # the smallest count that meets the target
+        while high - low > 1:
             middle = (low + high) // 2
-            current = attempt(middle)
-            if current is not None and current.result.faithful:
-                high, met = middle, current
-            else:
-                low = middle
-    kept = met
-    if kept is None and tried:
-        best = max(tried.values(), key=lambda a: repair.score(a.result))
-        kept = best if repair.score(best.result) > repair.score(first) else None
-    record["met"] = met is not None
-    record["seconds"] = round(time.perf_counter() - start, 4)
-    if not ranked:
-        record["note"] = (
-            "no tensor to promote: the budget allows none"
-            if limit < 1
-            else "no quantized activation measurably adds to the output error"
+            found = self._meets(middle)
+            low, high, met = (low, middle, found) if found is not None else (middle, high, met)
+        return met
+
+    def best_better_than(self, first: Any) -> _Attempt | None:
+        """The best-measuring attempt when it measures better than no promotion."""
+        from quark_onnx.pipeline import repair
+
+        if not self.tried:
+            return None
+        best = max(self.tried.values(), key=lambda a: repair.score(a.result))
+        return best if repair.score(best.result) > repair.score(first) else None
+
+    def keep(self, kept: _Attempt | None, met: bool, unchanged: tuple[Any, Any, Any]) -> Any:
+        """Make ``kept`` the run's model (its stage records, positions and promotions) and
+        complete the record; ``unchanged`` (model, parameters, result) when None."""
+        run, report, record = self.run, self.run.report, self.record
+        first = unchanged[2]
+        record["met"] = met
+        record["seconds"] = round(time.perf_counter() - self.start, 4)
+        if not self.ranked:
+            record["note"] = (
+                "no tensor to promote: the budget allows none"
+                if self.limit < 1
+                else "no quantized activation measurably adds to the output error"
+            )
+        if kept is None:
+            record.update(_cost(run, self.plan, self.manual, self.shares, self.activations))
+            logger.warning(
+                "%s: mixed precision: the target (%s) is not met within MixedPrecisionBudget %g "
+                "(%d of %d activation tensors); no promotion measured better (%s)",
+                run.source,
+                record["target"],
+                run.options.MixedPrecisionBudget,
+                self.limit,
+                len(self.activations),
+                first.describe(),
+            )
+            return unchanged
+        for name in _STAGE_FIELDS:
+            setattr(report, name, getattr(kept.run.report, name))
+        run.positions, run.quantized = kept.run.positions, kept.run.quantized
+        run.promoted = dict(kept.plan.promoted)
+        report.settings.setdefault("extra_options", {}).update(
+            MixedPrecisionTensors=list(kept.tensors),
+            AccuracySamplesSkip=kept.run.options.AccuracySamplesSkip,
         )
-    if kept is None:
-        record.update(_cost(run, plan, manual, shares, activations))
-        logger.warning(
-            "%s: mixed precision: the target (%s) is not met within MixedPrecisionBudget %g "
-            "(%d of %d activation tensors); no promotion measured better (%s)",
+        record.update(_cost(run, kept.plan, kept.tensors, self.shares, self.activations))
+        logger.log(
+            logging.INFO if met else logging.WARNING,
+            "%s: mixed precision: %d of %d activation tensor(s) promoted to %s %s the target "
+            "(%s): %s instead of %s",
             run.source,
+            len(kept.tensors),
+            len(self.activations),
+            record["precision"],
+            "meet" if met else "do not meet",
             record["target"],
-            options.MixedPrecisionBudget,
-            limit,
-            len(activations),
+            kept.result.describe(),
             first.describe(),
         )
-        return model, params, first
-    for name in _STAGE_FIELDS:
-        setattr(report, name, getattr(kept.run.report, name))
-    run.positions, run.quantized = kept.run.positions, kept.run.quantized
-    run.promoted = dict(kept.plan.promoted)
-    report.settings.setdefault("extra_options", {}).update(
-        MixedPrecisionTensors=list(kept.tensors),
-        AccuracySamplesSkip=kept.run.options.AccuracySamplesSkip,
-    )
-    record.update(_cost(run, kept.plan, kept.tensors, shares, activations))
-    logger.log(
-        logging.INFO if met is not None else logging.WARNING,
-        "%s: mixed precision: %d of %d activation tensor(s) promoted to %s %s the target (%s): "
-        "%s instead of %s",
-        run.source,
-        len(kept.tensors),
-        len(activations),
-        record["precision"],
-        "meet" if met is not None else "do not meet",
-        record["target"],
-        kept.result.describe(),
-        first.describe(),
-    )
-    return kept.model, kept.params, kept.result
+        return kept.model, kept.params, kept.result
 
 
 def _quantize_with(run: Any, tensors: tuple[str, ...]) -> tuple[Any, ...] | None:

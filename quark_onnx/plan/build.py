@@ -387,6 +387,7 @@ class _Planner:
             partner[id(producer)], partner[id(activation)] = activation, producer
         self.fused_by_value, self.fused_act_output = {}, {}
         island: dict[int, tuple[ir.Node, str]] = {}
+        around: dict[str, list[ir.Node]] = {}  # promoted tensor -> the nodes kept float for it
         for name in sorted(self.promoted):
             value = values[name]
             members: list[tuple[ir.Node, str]] = []
@@ -402,8 +403,27 @@ class _Planner:
             for node, why in members:
                 if id(node) in self.policies:  # the others are float already, for their reason
                     island.setdefault(id(node), (node, why))
+            around[name] = [n for n, _ in members]
+        # the float nodes joined to an island (float for their own reason: no policy, shape
+        # arithmetic...) lose their Q/DQ on the island's side: they are part of its CPU partition
+        for name, nodes in around.items():
+            found = {id(n): n for n in nodes}
+            pending = list(nodes)
+            while pending:
+                node = pending.pop()
+                neighbours = [v.producer() for v in node.inputs if v is not None]
+                neighbours += [use.node for v in node.outputs for use in v.uses()]
+                for other in neighbours:
+                    if (
+                        other is not None
+                        and id(other) not in found
+                        and id(other) not in self.policies
+                        and other.op_type != "Constant"
+                    ):
+                        found[id(other)] = other
+                        pending.append(other)
             # named as the readiness checker names nodes: it reads them back from the model
-            self.promoted_nodes[name] = tuple(sorted({checked_label(n) for n, _ in members}))
+            self.promoted_nodes[name] = tuple(sorted({checked_label(n) for n in found.values()}))
         for node in self.nodes:
             if id(node) in island and id(node) in self.policies:
                 del self.policies[id(node)]
