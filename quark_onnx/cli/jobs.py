@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,6 +65,10 @@ class Outcome:
     agreement: float | None = None
     agreement_kind: str | None = None
     compared_samples: int = 0
+    #: the fidelity guard's verdict (``report.fidelity``): the per-part numbers of the summary
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    #: the settings the model was quantized with, in words (the summary's settings lines)
+    settings_text: str = ""
     message: str = ""
     traceback: str = ""
 
@@ -116,6 +120,7 @@ def quantize_one(job: Job) -> Outcome:
         outcome.agreement = outcome.agreement_kind = None
         outcome.output_sqnr_db = outcome.output_cosine = None
         outcome.compared_samples = 0
+        outcome.fidelity = {}
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -232,6 +237,7 @@ def _quantize_into(
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
     outcome.faithful = report.faithful
+    outcome.fidelity = report.fidelity
 
     report_json = out_dir / f"{job.name}.report.json"
     report.save(report_json)  # now, so that a failing comparison leaves the report
@@ -275,7 +281,13 @@ def _quantize_into(
     lines = [report.summary()]
     if comparison is not None:
         which = "held-out" if quantizer.kept_held_out else "first calibration"
-        lines += ["", f"float vs quantized on the {which} samples:", comparison.summary()]
+        compared = comparison.summary().splitlines()
+        if report.fidelity.get("outputs"):
+            # the verdict's per-part numbers above are the outputs' fidelity (one number per
+            # part, as in the summary table); the comparison adds the layers only
+            compared = [line for line in compared if not line.startswith("output ")]
+        if len(compared) > 1:
+            lines += ["", f"float vs quantized on the {which} samples:", *compared]
     report_txt = out_dir / f"{job.name}.report.txt"
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
     if settings.report_html:
