@@ -18,7 +18,9 @@ def _two_output_model() -> onnx.ModelProto:
     """The tiny CNN with a second graph output: its scores ``y`` [1, 6] and the feature map
     ``r2`` [1, 6, 8, 8] (a score vector and a dense output: two parts, two measures)."""
     model = tiny_cnn(3)
-    model.graph.output.append(helper.make_tensor_value_info("r2", onnx.TensorProto.FLOAT, [1, 6, 8, 8]))
+    model.graph.output.append(
+        helper.make_tensor_value_info("r2", onnx.TensorProto.FLOAT, [1, 6, 8, 8])
+    )
     return model
 
 
