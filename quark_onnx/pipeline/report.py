@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from quark_onnx.npu.findings import group_lines
+
 
 @dataclass
 class QuantizationReport:
@@ -85,6 +87,24 @@ class QuantizationReport:
         atomic_write_bytes(path, text.encode("utf-8"))
 
     @property
+    def reverted_passes(self) -> dict[str, str]:
+        """The graph passes this run measured and undid (``RevertCostlyPasses``), each with what
+        it cost: the readiness check does not propose them (:func:`quark_onnx.npu.readiness.check`
+        ``reverted_passes``)."""
+        undone = {}
+        for record in self.passes:
+            if not record.get("reverted"):
+                continue
+            costs = [o["sqnr_db"] for o in record.get("fidelity", []) if "sqnr_db" in o]
+            worst = min(costs, key=float) if costs else None
+            undone[record["name"]] = (
+                "RevertCostlyPasses"
+                if worst is None
+                else f"it took the float outputs to SQNR {_db(worst)}; RevertCostlyPasses"
+            )
+        return undone
+
+    @property
     def npu_preset(self) -> bool:
         """The settings target the XINT8 NPU flow (``enable_npu_cnn``), to which the
         Vitis AI readiness check and the NPU position adjustments apply."""
@@ -116,11 +136,8 @@ class QuantizationReport:
             lines += [f"  range clipped: {c['message']}" for c in self.range_clips]
             lines += _position_cost_lines(self.position_costs)
             lines.append(f"Vitis AI ready: {self.ready}")
-            # each finding once, errors first
-            findings = sorted(
-                self.check.get("findings", []), key=lambda f: f["severity"] != "error"
-            )
-            lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+            # errors first, one line per op type (every node in the JSON report)
+            lines += [f"  {line}" for line in group_lines(self.check.get("findings", []))]
         else:
             lines.append("Vitis AI (XINT8) check: not applicable to float-scale settings")
         lines += self._fidelity_lines()
