@@ -44,22 +44,23 @@ def collect_models(paths: Sequence[str]) -> list[Path]:
     return models
 
 
-def output_names(models: Sequence[Path]) -> list[str]:
-    """The output name (file stem) of each model.
+def output_names(models: Sequence[Path], names: Sequence[str] | None = None) -> list[str]:
+    """The output name of each model: ``names`` (a manifest's), else the file stem.
 
     Raises:
         ConfigError: two models would write the same output.
     """
-    names = [m.stem if m.suffix.lower() == ".onnx" else m.name for m in models]
+    if names is None:
+        names = [m.stem if m.suffix.lower() == ".onnx" else m.name for m in models]
     seen: dict[str, Path] = {}
     for model, name in zip(models, names, strict=True):
         if name in seen:
             raise ConfigError(
                 f"{seen[name]} and {model} would both be written as {name}.onnx; quantize them "
-                "into different output folders"
+                "into different output folders (or give them names in the manifest)"
             )
         seen[name] = model
-    return names
+    return list(names)
 
 
 class Console:
