@@ -69,6 +69,10 @@ class Outcome:
     fidelity: dict[str, Any] = field(default_factory=dict)
     #: the settings the model was quantized with, in words (the summary's settings lines)
     settings_text: str = ""
+    #: what the model declares about its input, and its float top-1 confidence above chance on
+    #: the held-out calibration samples (quark_onnx.cli.consistency: one batch, one source)
+    declared_input: dict[str, str] = field(default_factory=dict)
+    float_confidence: float | None = None
     message: str = ""
     traceback: str = ""
 
@@ -241,6 +245,12 @@ def _quantize_into(
 
     report_json = out_dir / f"{job.name}.report.json"
     report.save(report_json)  # now, so that a failing comparison leaves the report
+
+    if settings.calib is not None:  # real data: is it the data this model expects?
+        from quark_onnx.cli.consistency import declared_input, float_confidence
+
+        outcome.declared_input = declared_input(model_path)
+        outcome.float_confidence = float_confidence(model_path, quantizer.kept_samples)
 
     comparison = None
     feeds: Any = None

@@ -239,6 +239,11 @@ def run(args: argparse.Namespace) -> int:
     if args.manifest is not None:  # each model's own settings, in the summary
         for outcome in outcomes:
             outcome.settings_text = jobs[outcome.index].settings.describe()
+    else:  # one calibration source for all: does it fit each model?
+        from quark_onnx.cli.consistency import batch_warnings
+
+        for warning in batch_warnings(outcomes):
+            logger.warning("%s", warning)
     print(summary_table(outcomes))
     if args.report_html:
         from quark_onnx.pipeline.report_html import write_batch_page

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from cli_helpers import run_cli, tiny_cnn
+from cli_helpers import png_folder, run_cli, tiny_cnn
 
-from quark_onnx.calibration.image_graph import _png_rgb
 from quark_onnx.cli import QuantizeSettings
 from quark_onnx.cli.manifest import read_manifest
 from quark_onnx.errors import ConfigError
@@ -23,19 +21,11 @@ SPECS = [
 ]
 
 
-def _images(folder: Path, count: int = 12) -> Path:
-    folder.mkdir()
-    for i in range(count):
-        rgb = np.random.default_rng(i).integers(0, 256, (10 + i, 12, 3), dtype=np.uint8)
-        (folder / f"img{i}.png").write_bytes(_png_rgb(rgb))
-    return folder
-
-
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     for i in range(3):
         onnx.save(tiny_cnn(i), tmp_path / f"m{i}.onnx")
-    _images(tmp_path / "images")
+    png_folder(tmp_path / "images")
     return tmp_path
 
 
