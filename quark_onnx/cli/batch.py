@@ -24,6 +24,13 @@ from quark_onnx.model_files.files import Terminated
 logger = logging.getLogger("quark_onnx.cli")
 
 
+def count(n: int, noun: str) -> str:
+    """``1 model``, ``2 models``, ``2 processes``: a count with its noun in the right number."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
 def collect_models(paths: Sequence[str]) -> list[Path]:
     """Expand folders to the ``*.onnx`` files directly inside them (sorted); keep files as
     given (a missing file is kept: it fails on its own, not the whole batch).
@@ -178,7 +185,7 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     failed = sum(not o.ok for o in outcomes)
     lines.append("")
     lines.append(
-        f"{len(outcomes) - failed} of {len(outcomes)} model(s) quantized"
+        f"{len(outcomes) - failed} of {count(len(outcomes), 'model')} quantized"
         + (f", {failed} failed" if failed else "")
     )
     if any(o.fidelity for o in outcomes):
@@ -314,7 +321,8 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
             )
             try:
                 console.line(
-                    f"quantizing {len(jobs)} models in {min(workers, len(jobs))} processes"
+                    f"quantizing {count(len(jobs), 'model')} in "
+                    f"{count(min(workers, len(jobs)), 'process')}"
                 )
                 futures = {pool.submit(worker, job): job for job in jobs}
                 for future in concurrent.futures.as_completed(futures):
