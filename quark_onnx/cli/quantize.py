@@ -283,6 +283,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "  quark-onnx quantize models/ -o out --calib calib.npz --ray auto --calib-shards 4\n"
         "  quark-onnx quantize squeezenet.onnx -o out --calib images/ \\\n"
         "      --preprocess 'resize=256,crop=224,mean=104;117;123,order=BGR'\n"
+        "  quark-onnx quantize --manifest models.toml -o out   (each model its own settings)\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz --set include_cle=true \\\n"
         "      --set ActivationSymmetric=true --exclude /head/Gemm",
     )
