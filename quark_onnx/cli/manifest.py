@@ -50,8 +50,9 @@ MODEL_TYPES: dict[str, type | tuple[type, ...]] = {"file": str, "name": str}
 
 
 @dataclass(frozen=True)
-class ManifestModel:
-    """One model of a manifest: its file, output name and the settings it is quantized with."""
+class BatchModel:
+    """One model of a batch (a manifest's, or of the command line): its file, output name and
+    the settings it is quantized with."""
 
     model: Path
     name: str
@@ -97,7 +98,7 @@ def _apply(settings: QuantizeSettings, table: dict[str, Any], folder: Path) -> Q
     return dataclasses.replace(settings, **changes)
 
 
-def read_manifest(path: str | os.PathLike, base: QuantizeSettings) -> list[ManifestModel]:
+def read_manifest(path: str | os.PathLike, base: QuantizeSettings) -> list[BatchModel]:
     """The models of the manifest at ``path``, each with ``base`` (the command line's run
     settings) changed by the manifest's defaults, then by its own table.
 
@@ -134,5 +135,5 @@ def read_manifest(path: str | os.PathLike, base: QuantizeSettings) -> list[Manif
             raise ConfigError(f'{where}: no file = "MODEL.onnx"')
         model = folder / table["file"]
         name = table.get("name") or (model.stem if model.suffix.lower() == ".onnx" else model.name)
-        entries.append(ManifestModel(model, name, _apply(defaults, table, folder)))
+        entries.append(BatchModel(model, name, _apply(defaults, table, folder)))
     return entries

@@ -43,7 +43,7 @@ from quark_onnx.cli.common import (
     wrap,
 )
 from quark_onnx.cli.jobs import Job
-from quark_onnx.cli.manifest import ManifestModel, read_manifest
+from quark_onnx.cli.manifest import BatchModel, read_manifest
 from quark_onnx.cli.settings import QuantizeSettings, parse_assignments
 from quark_onnx.errors import ConfigError, ModelSaveError
 from quark_onnx.model_files.files import Terminated, check_path_text
@@ -178,7 +178,7 @@ def _check_settings(settings: QuantizeSettings, load: str | None, where: str = "
         raise ConfigError(f"{at}no calibration data: give {source} or --load-calibration PATH")
 
 
-def _models(args: argparse.Namespace, settings: QuantizeSettings) -> list[ManifestModel]:
+def _models(args: argparse.Namespace, settings: QuantizeSettings) -> list[BatchModel]:
     """The batch: the manifest's models with their own settings, or the given models (folders
     expanded) all with the command line's."""
     if args.manifest is not None:
@@ -192,7 +192,7 @@ def _models(args: argparse.Namespace, settings: QuantizeSettings) -> list[Manife
     _check_settings(settings, args.load_calibration)
     models = collect_models(args.models)
     names = output_names(models)
-    return [ManifestModel(m, n, settings) for m, n in zip(models, names, strict=True)]
+    return [BatchModel(m, n, settings) for m, n in zip(models, names, strict=True)]
 
 
 def run(args: argparse.Namespace) -> int:
