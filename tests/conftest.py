@@ -43,6 +43,42 @@ def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17) -> onnx
     return model
 
 
+#: the tensor with one channel 200x the others: per-tensor int8 leaves the others ~1 level
+OUTLIER = "t1"
+
+
+def outlier_channel_model(outlier: float = 200.0) -> onnx.ModelProto:
+    """x -> Conv 3x3 -> Relu -> Conv 1x1 -> t1 (channel 0 x200) -> Conv 1x1 (reads channel 0
+    at 1/200) -> Relu -> Conv 1x1 -> y. The output depends on t1's small channels, which an int8
+    grid spanning channel 0 cannot hold."""
+    rng = np.random.default_rng(7)
+    w1 = rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32)
+    w1[0] *= outlier
+    w2 = rng.normal(0, 0.5, (4, 4, 1, 1)).astype(np.float32)
+    w2[:, 0] /= outlier
+    nodes = [
+        onnx.helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], name="conv0", kernel_shape=[3, 3],
+                    pads=[1, 1, 1, 1]),
+        onnx.helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+        onnx.helper.make_node("Conv", ["r0", "w1"], [OUTLIER], name="conv1", kernel_shape=[1, 1]),
+        onnx.helper.make_node("Conv", [OUTLIER, "w2"], ["c2"], name="conv2", kernel_shape=[1, 1]),
+        onnx.helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        onnx.helper.make_node("Conv", ["r2", "w3"], ["y"], name="conv3", kernel_shape=[1, 1]),
+    ]  # fmt: skip
+    return make_model(
+        nodes,
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 1, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 8, 8])],
+        {
+            "w0": rng.normal(0, 0.5, (4, 1, 3, 3)).astype(np.float32),
+            "b0": rng.normal(0, 0.1, 4).astype(np.float32),
+            "w1": w1,
+            "w2": w2,
+            "w3": rng.normal(0, 0.5, (2, 4, 1, 1)).astype(np.float32),
+        },
+    )
+
+
 def conv_relu_conv_model() -> onnx.ModelProto:
     """Conv -> Relu -> Conv on a 1x3x8x8 input ``x`` (output ``y``), seeded weights."""
     rng = np.random.default_rng(0)

@@ -96,7 +96,6 @@ def layer_errors(
     for node in plan.nodes:
         if node.output is not None:
             producers.setdefault(node.output, (node.name, node.op_type, node.activation_inputs))
-    known = set(tensors)
     if len(tensors) > max_tensors:
         tensors = _evenly_spaced(tensors, producers, max_tensors)
     signal = np.zeros(len(tensors))
@@ -112,8 +111,10 @@ def layer_errors(
         node_name, op_type, inputs = producers.get(t, (None, None, ()))
         in_sqnr = [sqnr[x] for x in inputs if x in sqnr]
         drop = (min(in_sqnr) if in_sqnr else SQNR_CAP) - sqnr[t]
-        if any(x in known and x not in sqnr for x in inputs):
-            node_name = None  # measured only as another tensor's input: its drop is unknown
+        if any(x not in sqnr for x in inputs):
+            # an input not measured (left out of a long graph's subset, or not quantized at all:
+            # a float island's output) leaves the node's drop unknown
+            node_name = None
         entries.append(
             {
                 "tensor": t,

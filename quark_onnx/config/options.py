@@ -332,6 +332,28 @@ class ExtraOptions:
         "guard's 16 samples did not predict the test images on unseen models "
         "(benchmarks/results/refinement.md).",
     )
+    FidelityTarget: str = _opt(
+        "",
+        "Mixed precision to a target, e.g. 'sqnr=20,agreement=0.95': the thresholds every output "
+        "part must meet (SQNR in dB; decision, top-1 or argmax agreement; a term left out "
+        "keeps FidelityMinSQNR / FidelityMinAgreement). When the quantized model misses it after "
+        "the repair, the activation tensors whose quantization costs the output most are promoted "
+        "one step at a time (XINT8: kept float on the CPU with the nodes around them; float "
+        "scales: 16-bit), the NPU rules solved again each time, until the target is met or "
+        "MixedPrecisionBudget is spent; the report lists every promotion "
+        "(quark_onnx.pipeline.mixed_precision). '' (default): no search.",
+    )
+    MixedPrecisionBudget: float = _opt(
+        0.1,
+        "The share of the plan's activation tensors the FidelityTarget search may promote.",
+    )
+    MixedPrecisionTensors: list = _opt(
+        [],
+        "Activation tensors promoted by hand (names in the prepared model; an unknown name is an "
+        "error naming the closest ones): XINT8 keeps each float on the CPU together with its "
+        "producer and readers; float-scale presets quantize it to 16 bits (A16W8 tensors in an "
+        "A8W8 model).",
+    )
     WeightPositionMethod: str = _opt(
         "",
         "XINT8 weight positions: 'MinMSE' (the least squared error over the weight's values; may "
@@ -433,6 +455,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float, str]] = {
     "FidelityMinSQNR": (-200.0, 200.0, "an SQNR in dB"),
     "FidelityMinAgreement": (0.0, 1.0, "a share of rows in [0, 1]"),
     "FoldConstantChannelsTolerance": (0.0, 1.0, "a relative bound in [0, 1]"),
+    "MixedPrecisionBudget": (0.0, 1.0, "a share of the activation tensors in [0, 1]"),
 }
 
 
@@ -462,6 +485,22 @@ def check_bounds(key: str, value: Any) -> None:
         )
 
 
+def check_structure(key: str, value: Any) -> None:
+    """Refuse an option whose value has the right type but not the right form: a
+    ``FidelityTarget`` that does not parse, a ``MixedPrecisionTensors`` entry that is not a
+    tensor name."""
+    if key == "FidelityTarget":
+        from quark_onnx.fidelity.target import parse_target
+
+        parse_target(value)
+    elif key == "MixedPrecisionTensors":
+        bad = [v for v in value if not isinstance(v, str) or not v]
+        if bad:
+            raise ConfigError(
+                f"extra option MixedPrecisionTensors expects tensor names, got {bad[0]!r}"
+            )
+
+
 def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
     """Validate a user's ``extra_options`` dict and return the effective typed options."""
     values: dict[str, Any] = {}
@@ -471,6 +510,7 @@ def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
         if key in _TYPES:
             values[key] = check_value_type(key, value, _TYPES[key])
             check_bounds(key, values[key])
+            check_structure(key, values[key])
             continue
         if key in UNSUPPORTED_QUARK_OPTIONS:
             logger.warning(

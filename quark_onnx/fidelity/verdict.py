@@ -184,7 +184,7 @@ class _PartJudge:
                 counts[c] = counts.get(c, 0) + n
         self.positions += int(f2.shape[0])
 
-    def result(self, min_sqnr: float, min_agree: float) -> PartFidelity:
+    def result(self, min_sqnr: float, min_agree: float, values_too: bool = False) -> PartFidelity:
         sqnr = self.error.result(self.part.label, self.part.label).sqnr_db
         sqnr_ok = not sqnr < min_sqnr
         label, kind = self.part.label, _part_kind(self.part)
@@ -206,7 +206,10 @@ class _PartJudge:
             # that keep their top-1 measure 10-15 dB); a dense map by its argmax and its values
             # (the same shape holds segmentation logits and images or depth, whose argmax is
             # no decision)
-            faithful = agreement >= min_agree and (self.measure == "top1" or sqnr_ok)
+            # ``values_too`` (a target that names an SQNR): the score vector's values as well
+            faithful = agreement >= min_agree and (
+                (self.measure == "top1" and not values_too) or sqnr_ok
+            )
             return PartFidelity(label, kind, self.measure, sqnr, agreement, 0, None, faithful)
         return PartFidelity(label, kind, "sqnr", sqnr, None, 0, None, sqnr_ok)
 
@@ -403,7 +406,10 @@ def compare_runs(
             min_sqnr_db,
             min_agreement,
             scores_by_decision=scores_by_decision,
-            parts=[j.result(min_sqnr_db, min_agreement) for j in judges.get(name, [])],
+            parts=[
+                j.result(min_sqnr_db, min_agreement, values_too=not scores_by_decision)
+                for j in judges.get(name, [])
+            ],
         )
         for name, acc in accumulators.items()
     ]

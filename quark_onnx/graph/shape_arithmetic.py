@@ -50,6 +50,15 @@ _SHAPE_OPS = frozenset(
     }
 )  # fmt: skip
 
+#: ops whose integer inputs are quantized data, not parameters: a DequantizeLinear reads int8
+#: codes, which are as much data as the float tensor they stand for
+_QUANTIZED_DATA_OPS = frozenset(
+    {
+        "DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "QLinearConv",
+        "QLinearMatMul", "ConvInteger", "MatMulInteger",
+    }
+)  # fmt: skip
+
 #: (op type, input slot) of float-typed parameters that only set shapes or sampling positions.
 FLOAT_PARAMETERS = frozenset({("Resize", 1), ("Resize", 2), ("Upsample", 1), ("OneHot", 1)})
 
@@ -81,7 +90,7 @@ def _allowed(schema: onnx.defs.OpSchema, type_str: str) -> frozenset[str]:
 def is_shape_parameter(node: ir.Node, slot: int) -> bool:
     """Input ``slot`` of ``node`` takes a shape or index parameter: its schema type admits no
     float type, or it is one of :data:`FLOAT_PARAMETERS`."""
-    if node.domain not in _STANDARD:
+    if node.domain not in _STANDARD or node.op_type in _QUANTIZED_DATA_OPS:
         return False
     if (node.op_type, slot) in FLOAT_PARAMETERS:
         return True

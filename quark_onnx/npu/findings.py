@@ -57,6 +57,9 @@ class CheckResult:
 
     findings: list[Finding] = field(default_factory=list)
     model: str | None = None
+    #: what the float nodes of a mixed-precision model's promotion record would have been
+    #: reported as: intended, not findings (:func:`quark_onnx.npu.readiness.check`)
+    expected: list[Finding] = field(default_factory=list)
 
     @property
     def errors(self) -> list[Finding]:
@@ -102,6 +105,7 @@ class CheckResult:
             "counts": dict(sorted(counts.items())),
             "findings": findings,
             "groups": group_findings(findings),
+            "expected": [f.to_dict() for f in self.expected],
         }
 
 

@@ -18,6 +18,11 @@ place for the planner and the readiness checker.
   a Q/DQ. A layer in it still is one (a Conv without its output Q/DQ cannot run on the NPU).
 * **Shape arithmetic** (:mod:`quark_onnx.graph.shape_arithmetic`): integer tensors and the float
   tensors that only compute shapes are never quantized; their nodes are not NPU nodes either.
+* **Mixed-precision islands**: the nodes kept float around a promoted tensor
+  (:mod:`quark_onnx.pipeline.mixed_precision`) run on the CPU on purpose. The model records them
+  in its metadata (:data:`PROMOTIONS_KEY`, :func:`write_promotions`); the checker takes the nodes
+  of that record as intended instead of as findings, and only those: a float node the record does
+  not name is reported as ever.
 * **A LayerNorm written op by op** (:func:`~quark_onnx.graph.patterns.decomposed_layer_norm`:
   ``(x - mean) / sqrt(var + eps)``) is the ``LayerNormalization`` op and is treated as its row
   says for XINT8: float inside, quantized at its input and output (by its neighbours), checked
@@ -28,6 +33,8 @@ place for the planner and the readiness checker.
 """
 
 from __future__ import annotations
+
+import json
 
 import onnx_ir as ir
 
@@ -95,3 +102,34 @@ def cpu_tail_nodes(graph: ir.Graph) -> set[int]:
         and n.op_type not in qdq
         and n.op_type not in LAYERS
     }
+
+
+#: Model metadata key of the mixed-precision promotions: JSON ``{"precision": "float" | "int16",
+#: "tensors": {tensor: [node, ...]}}``, the nodes kept float around each promoted tensor (none for
+#: a 16-bit tensor), named as the readiness checker names nodes.
+PROMOTIONS_KEY = "quark_onnx.mixed_precision"
+
+
+def write_promotions(model: ir.Model, promoted: dict[str, tuple[str, ...]]) -> None:
+    """Record ``promoted`` (tensor -> its float nodes) in ``model``'s metadata; nothing without
+    a promotion, so such a model is the same bytes as without this record."""
+    if not promoted:
+        return
+    precision = "float" if any(promoted.values()) else "int16"
+    model.metadata_props[PROMOTIONS_KEY] = json.dumps(
+        {"precision": precision, "tensors": {t: list(n) for t, n in sorted(promoted.items())}},
+        sort_keys=True,
+    )
+
+
+def read_promotions(metadata: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The promotions a model records (:func:`write_promotions`): tensor -> float nodes; empty
+    when there is none or the record does not parse."""
+    text = metadata.get(PROMOTIONS_KEY)
+    if not text:
+        return {}
+    try:
+        tensors = json.loads(text).get("tensors", {})
+        return {str(t): tuple(str(n) for n in nodes) for t, nodes in tensors.items()}
+    except (ValueError, AttributeError, TypeError):
+        return {}

@@ -38,6 +38,9 @@ What is checked (rule ids in brackets):
   nodes: the CPU partition after the last NPU layer (float nodes, not layers, from which no
   QuantizeLinear is reachable: a detector's decode tail) and shape arithmetic
   (:mod:`quark_onnx.npu.placement`).
+* Mixed precision: the nodes a model's promotion record names (kept float around a promoted
+  tensor, :mod:`quark_onnx.npu.placement`) are intended: their not_quantized, missing_qdq and
+  unsupported_op findings go to :attr:`CheckResult.expected` instead.
 * Model structure: symbolic/unknown dims of graph inputs [dynamic_shape]; batch > 1
   [batch_size]; Loop/If/Scan [control_flow]; fewer than two Conv nodes [too_few_conv]; Conv nodes
   missing any of kernel_shape, strides, pads, dilations, group [conv_default_attributes] (the
@@ -65,7 +68,12 @@ from quark_onnx.model_files.load import load_model, to_ir
 from quark_onnx.npu import ops as npu_ops
 from quark_onnx.npu import rules
 from quark_onnx.npu.findings import CheckResult, Finding, node_label
-from quark_onnx.npu.placement import cpu_side_arithmetic, cpu_tail_nodes, layer_norm_members
+from quark_onnx.npu.placement import (
+    cpu_side_arithmetic,
+    cpu_tail_nodes,
+    layer_norm_members,
+    read_promotions,
+)
 from quark_onnx.npu.rules import Pos, Site
 from quark_onnx.npu.structure import model_findings
 
@@ -130,8 +138,21 @@ def check(
             if value.dtype is None and value.name in types:
                 value.dtype = ir.DataType(types[value.name])
     findings = _Checker(graph, label, reverted_passes or {}).run()
+    # the nodes a mixed-precision model keeps float on purpose (npu.placement): intended
+    islands = {n for nodes in read_promotions(proto_metadata(proto)).values() for n in nodes}
+    expected = [f for f in findings if f.node in islands and f.rule in ISLAND_RULES]
+    findings = [f for f in findings if not (f.node in islands and f.rule in ISLAND_RULES)]
     logger.info("%s: %d finding(s)", label, len(findings))
-    return CheckResult(findings=findings, model=label)
+    return CheckResult(findings=findings, model=label, expected=expected)
+
+
+#: The findings a node of a mixed-precision island has by being float: intended when the model's
+#: record names the node (every other rule still applies to it).
+ISLAND_RULES = frozenset({"not_quantized", "missing_qdq", "unsupported_op"})
+
+
+def proto_metadata(proto: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in proto.metadata_props}
 
 
 def _inferred_types(proto: onnx.ModelProto) -> dict[str, int]:

@@ -226,6 +226,8 @@ def measure(
             min_sqnr_db=options.FidelityMinSQNR,
             min_agreement=options.FidelityMinAgreement,
             parts=parts,
+            # a target that names an SQNR holds score vectors to it as well
+            scores_by_decision=not _target_names_sqnr(options),
             batches=[_batch(feed) for feed in samples],
             score_threshold=options.FidelityScoreThreshold,
         ),
@@ -233,6 +235,13 @@ def measure(
         min_agreement=options.FidelityMinAgreement,
         held_out=held_out,
     )
+
+
+def _target_names_sqnr(options: ExtraOptions) -> bool:
+    from quark_onnx.fidelity.target import parse_target
+
+    target = parse_target(options.FidelityTarget)
+    return target is not None and target.sqnr_db is not None
 
 
 def _batch(feed: dict[str, np.ndarray]) -> int | None:

@@ -42,11 +42,13 @@ import onnx
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import Config, QuantizationConfig
 from quark_onnx.errors import ConfigError, QuantizationError
+from quark_onnx.fidelity.target import parse_target, with_target
 from quark_onnx.model_files.external import external_data_dir
 from quark_onnx.model_files.load import load_ir, signature_proto, to_ir, to_proto, validate_proto
 from quark_onnx.model_files.paths import check_output_path
 from quark_onnx.model_files.save import save_model
-from quark_onnx.pipeline import guard, preflight, sequencer
+from quark_onnx.npu.placement import write_promotions
+from quark_onnx.pipeline import guard, mixed_precision, preflight, sequencer
 from quark_onnx.pipeline import prepare as pipeline
 from quark_onnx.pipeline import repair as fidelity_repair
 from quark_onnx.pipeline.report import QuantizationReport
@@ -110,6 +112,12 @@ class ModelQuantizer:
         qconfig.extra_options.update(dict.fromkeys(undone, False))
         for repair in (r for r in (self.report.repairs if self.report else ()) if r["kept"]):
             fidelity_repair.apply_settings(qconfig, repair["settings"])
+        if self.report is not None and self.report.mixed_precision:
+            # the promotions found are rebuilt as a list, without the search (nor a repair
+            # choosing again after it), judged by the thresholds it met
+            qconfig.extra_options.update(
+                mixed_precision.rebuild_settings(self.report, self.options)
+            )
         return qconfig
 
     def quantize_model(
@@ -155,7 +163,8 @@ class ModelQuantizer:
             calibration_result=calibration_result,
             save_calibration=save_calibration,
         )
-        options = self.qconfig.validate()
+        # with a FidelityTarget the verdict's thresholds are the target's
+        options = with_target(self.qconfig.validate())
         self.options = options
         self.params = None
         source = str(model_input) if not isinstance(model_input, onnx.ModelProto) else "<model>"
@@ -315,10 +324,17 @@ class QuantizationRun(sequencer.Stages):
         self.power_of_two = False  # set by the plan
         self.positions: dict[str, int] = {}  # XINT8: the solved positions
         self.quantized: dict[str, Any] = {}  # constant -> the initializer of its codes
+        #: promoted tensor -> the nodes kept float around it (empty for a 16-bit tensor)
+        self.promoted: dict[str, tuple[str, ...]] = {}
 
     def _attempts_again(self) -> bool:
         """Whether the guard's measurement may have the stages after calibration run again."""
         return self.options.FidelityRepair or self.options.FidelityRefine
+
+    def _searches_precision(self) -> bool:
+        """Whether a missed ``FidelityTarget`` may have the stages after calibration run again
+        with promoted tensors (:mod:`quark_onnx.pipeline.mixed_precision`)."""
+        return parse_target(self.options.FidelityTarget) is not None
 
     def load(self) -> Any:
         from quark_onnx.calibration.sources import calibration_source
@@ -389,6 +405,7 @@ class QuantizationRun(sequencer.Stages):
                 f"{len(report.float_nodes)} node(s), none with a quantization policy)"
             )
         self.power_of_two = any(spec.power_of_two for spec in plan.tensors.values())
+        self.promoted = dict(plan.promoted)
         return plan
 
     def parameters(self, model: Any, plan: Any) -> Any:
@@ -422,15 +439,25 @@ class QuantizationRun(sequencer.Stages):
             logger.info(
                 "%s: %s quantization needs no calibration data", self.source, plan.strategy.value
             )
-        if self.power_of_two and self.options.FidelityCheck and self._attempts_again():
-            self.calibration = result  # a fidelity repair positions again from it
+        if self.options.FidelityCheck and (
+            (self.power_of_two and self._attempts_again()) or self._searches_precision()
+        ):
+            self.calibration = result  # a repair or the precision search quantizes again from it
         kept = self.reader.kept if self.reader is not None else []
         self.samples = kept[: self.q._samples_to_keep()]
         # what the CLI compares on: the verdict's held-out samples when there are any
         self.q.kept_samples = (self.verdict_samples or kept)[: self.q.keep_samples]
         self.q.kept_held_out = bool(self.verdict_samples)
+        return self.scales(model, plan, result)
+
+    def scales(self, model: Any, plan: Any, result: Any) -> Any:
+        """The power-of-two positions (solved against the NPU rules) or the float-scale
+        parameters of ``plan``'s tensors, from the calibration ``result``."""
+        from quark_onnx.params import strategy
+
         if self.power_of_two:
             return self.xint8_positions(model, plan, result)
+        report = self.report
         with _stage(report, "params"):
             params = strategy.compute_params(plan, result, model, self.qconfig, self.options)
             report.plan["params"] = len(params)
@@ -573,9 +600,12 @@ class QuantizationRun(sequencer.Stages):
             return model, params
         # XINT8: an unfaithful output is quantized again with conservative choices, a faithful
         # one offered a refinement (quark_onnx.pipeline.repair)
-        fix = None
+        fix: Any = None
         if self.power_of_two and self._attempts_again():
             fix = fidelity_repair.Repairer(self, model, params, plan)
+        if self._searches_precision():
+            # a target still missed after the repair promotes tensors
+            fix = mixed_precision.PrecisionSearch(self, model, params, plan, repairer=fix)
         # before finalize: fixing the batch dimension changes no value, and the samples'
         # own batch sizes still fit
         with _stage(report, "fidelity"):
@@ -600,6 +630,7 @@ class QuantizationRun(sequencer.Stages):
         from quark_onnx.pipeline.prepare import finalize_passes, run_passes
 
         with _stage(self.report, "finalize"):
+            write_promotions(model, self.promoted)
             passes = finalize_passes(self.qconfig, self.options)
             self.report.passes += run_passes(model, passes).as_dict()["passes"]
             return to_proto(model)

@@ -45,6 +45,10 @@ class QuantizationReport:
     #: refinement offered to a faithful result, one entry per attempt
     #: (:func:`quark_onnx.pipeline.repair.repair`): its settings, fidelity and whether it was kept.
     repairs: list[dict[str, Any]] = field(default_factory=list)
+    #: The mixed-precision search or list (:mod:`quark_onnx.pipeline.mixed_precision`): the
+    #: target, the tensors promoted with their measured share of the error, the share of the
+    #: activation tensors promoted, the CPU islands and their NPU/CPU transitions, each attempt.
+    mixed_precision: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     #: The process's peak RSS (MiB, ``getrusage`` ``ru_maxrss``) when each stage ended: a
     #: high-water mark, so the stage after which it jumps is the one that set the peak, and the
@@ -141,6 +145,7 @@ class QuantizationReport:
         else:
             lines.append("Vitis AI (XINT8) check: not applicable to float-scale settings")
         lines += self._fidelity_lines()
+        lines += _mixed_precision_lines(self.mixed_precision)
         lines += [f"note: {note}" for note in self.notes]
         lines.append("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         peak = self.process_peak_rss_mb
@@ -246,6 +251,35 @@ def _part_line(part: dict[str, Any]) -> str:
     extra = f" [{', '.join(details)}]" if details else ""
     below = "" if part["faithful"] else "  <- below threshold"
     return f"{part['part']} ({part['kind']}): {part_number(part)}{extra}{below}"
+
+
+def _mixed_precision_lines(record: dict[str, Any], shown: int = 8) -> list[str]:
+    """What the mixed-precision search or list promoted, and what it costs."""
+    if not record:
+        return []
+    promoted = record.get("promoted", [])
+    head = "mixed precision"
+    if record.get("target"):
+        head += f" (target {record['target']}: {'met' if record.get('met') else 'NOT met'})"
+    lines = [
+        f"{head}: {len(promoted)} of {record.get('activation_tensors', 0)} activation tensor(s) "
+        f"promoted ({100.0 * record.get('fraction', 0.0):.1f} %) to {record.get('precision')}"
+        + (
+            f"; {record['islands']} CPU island(s), {record['transitions']} NPU/CPU transition(s)"
+            if record.get("islands") is not None
+            else ""
+        )
+    ]
+    for entry in promoted[:shown]:
+        share = entry.get("error_share")
+        lines.append(
+            f"  promoted {entry['tensor']}"
+            + (f": {100.0 * share:.0f} % of the output error" if share is not None else "")
+            + (f" (float nodes: {', '.join(entry['nodes'])})" if entry.get("nodes") else "")
+        )
+    if len(promoted) > shown:
+        lines.append(f"  promoted: {len(promoted) - shown} more (report)")
+    return lines
 
 
 def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[str]:

@@ -46,6 +46,7 @@ Q/DQ pair whose DequantizeLinear keeps the output's name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from collections.abc import Iterable
 
@@ -54,9 +55,11 @@ import onnx_ir as ir
 from quark_onnx.config.enums import PowerOfTwoMethod, QuantType
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.config.quantization import QuantizationConfig, QuantStrategy, quant_strategy
+from quark_onnx.errors import ConfigError
 from quark_onnx.graph.ir import RANGE_MAX_KEY, constant_array, is_standard, single_consumer
 from quark_onnx.graph.patterns import erf_gelu, is_constant
 from quark_onnx.graph.shape_arithmetic import shape_values
+from quark_onnx.npu.findings import node_label as checked_label
 from quark_onnx.npu.ops import OpSpec as OpPolicy
 from quark_onnx.npu.ops import Share
 from quark_onnx.npu.placement import cpu_side_arithmetic, layer_norm_members
@@ -203,6 +206,7 @@ def build_plan(
     """
     planner = _Planner(model, qconfig, options)
     planner.choose_policies()
+    planner.promote()
     planner.find_fused_pairs()
     for node in planner.nodes:
         planner.plan_node(node)
@@ -274,6 +278,10 @@ class _Planner:
         self.planned: list[PlannedNode] = []
         self.planned_by_output: dict[int, PlannedNode] = {}
         self.equalities: list[Equality] = []
+        #: activation tensors promoted (MixedPrecisionTensors): float islands on the CPU in a
+        #: power-of-two plan, 16-bit activations in a float-scale one
+        self.promoted: set[str] = set(opts.MixedPrecisionTensors)
+        self.promoted_nodes: dict[str, tuple[str, ...]] = {}
 
     def _stays_float(self, node: ir.Node, policy: OpPolicy | None) -> str | None:
         """Why ``node`` stays float, or None when it is quantized."""
@@ -330,6 +338,82 @@ class _Planner:
             self.float_nodes.append(
                 FloatNode(node.name or node.op_type, node.op_type, "inside a subgraph")
             )
+
+    def promote(self) -> None:
+        """Apply ``MixedPrecisionTensors``: check every name against the graph, then, in a
+        power-of-two plan, keep each promoted tensor's producer and readers float.
+
+        Vitis AI's XINT8 compiler takes int8 only, so a tensor kept off the int8 grid is a float
+        tensor between CPU nodes: its producer (with the layer its activation is fused into, whose
+        pre-activation would otherwise stay int8) and every reader run float, and the tensors
+        around the island are quantized where NPU nodes read or write them. Float-scale plans keep
+        the nodes and give the tensor a 16-bit type instead (:meth:`register`)."""
+        if not self.promoted:
+            return
+        values = {
+            v.name: v
+            for node in self.nodes
+            for v in (*node.inputs, *node.outputs)
+            if v is not None and v.name
+        }
+        for name in sorted(self.promoted):
+            value = values.get(name)
+            if value is None or not _is_float(value) or is_constant(value):
+                activations = [n for n, v in values.items() if _is_float(v) and not is_constant(v)]
+                close = difflib.get_close_matches(name, activations, n=3)
+                hint = f"; closest: {', '.join(map(repr, close))}" if close else ""
+                what = "is not a float activation" if value is not None else "is not in the graph"
+                raise ConfigError(
+                    f"MixedPrecisionTensors: tensor {name!r} {what} (names are those of the "
+                    f"prepared model, as in the report's plan){hint}"
+                )
+            if value.is_graph_input() and not list(value.uses()):
+                continue
+            if not self.static:
+                raise ConfigError(
+                    f"MixedPrecisionTensors: {self.strategy.value} quantization has no static "
+                    f"activation to promote ({name!r}); use a static preset (XINT8, A8W8, U8S8)"
+                )
+        if not self.power_of_two:
+            self.promoted_nodes = {name: () for name in sorted(self.promoted)}
+            return
+        # a fused pair (a layer and its activation, a pool and the DPU's scale Mul) moves as one:
+        # the tensor between them was never calibrated, so it cannot take a position of its own
+        self.find_fused_pairs()
+        by_label = {self.labels[id(n)]: n for n in self.nodes}
+        partner: dict[int, ir.Node] = {}
+        for pair in self.fused_by_value.values():
+            producer, activation = by_label[pair.producer], by_label[pair.activation]
+            partner[id(producer)], partner[id(activation)] = activation, producer
+        self.fused_by_value, self.fused_act_output = {}, {}
+        island: dict[int, tuple[ir.Node, str]] = {}
+        for name in sorted(self.promoted):
+            value = values[name]
+            members: list[tuple[ir.Node, str]] = []
+            producer = value.producer()
+            if producer is not None:
+                members.append((producer, f"writes promoted tensor {name!r}"))
+            members += [(use.node, f"reads promoted tensor {name!r}") for use in value.uses()]
+            members += [
+                (partner[id(node)], f"fused with a node around promoted {name!r}")
+                for node, _ in list(members)
+                if id(node) in partner
+            ]
+            for node, why in members:
+                if id(node) in self.policies:  # the others are float already, for their reason
+                    island.setdefault(id(node), (node, why))
+            # named as the readiness checker names nodes: it reads them back from the model
+            self.promoted_nodes[name] = tuple(sorted({checked_label(n) for n, _ in members}))
+        for node in self.nodes:
+            if id(node) in island and id(node) in self.policies:
+                del self.policies[id(node)]
+                self.float_nodes.append(
+                    FloatNode(
+                        self.labels[id(node)],
+                        node.op_type,
+                        f"{PROMOTED_REASON}: {island[id(node)][1]} (float on the CPU)",
+                    )
+                )
 
     def find_fused_pairs(self) -> None:
         """Fused producer -> activation pairs (decided before any tensor is registered)."""
@@ -390,6 +474,8 @@ class _Planner:
         if cap is not None:
             self.range_caps[name] = cap
         opts, power_of_two = self.opts, self.power_of_two
+        if kind is TensorKind.ACTIVATION and name in self.promoted:
+            qtype = PROMOTED_TYPES.get(qtype, qtype)
         self.tensors[name] = TensorSpec(
             name=name,
             kind=kind,
@@ -540,11 +626,21 @@ class _Planner:
             strategy=self.strategy,
             bias_sources=self.bias_sources,
             saturating=self.saturating,
+            promoted=self.promoted_nodes,
         )
         for fnode in self.float_nodes:
             logger.info("node %s (%s) stays float: %s", fnode.name, fnode.op_type, fnode.reason)
         logger.debug("quantization plan: %s", plan.summary())
         return plan
+
+
+#: The reason a promoted tensor's nodes stay float (what the readiness check and the report
+#: recognise as a mixed-precision island).
+PROMOTED_REASON = "mixed precision"
+
+#: What a promoted activation becomes in a float-scale plan: the 16-bit type of its sign
+#: (Ryzen AI's A16W8 tensors in an A8W8 model). Wider or float types stay as they are.
+PROMOTED_TYPES = {QuantType.QInt8: QuantType.QInt16, QuantType.QUInt8: QuantType.QUInt16}
 
 
 def _has_constant_weight(node: ir.Node, policy: OpPolicy) -> bool:

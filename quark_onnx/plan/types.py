@@ -166,6 +166,9 @@ class QuantPlan:
     bias_sources: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     #: mask-like tensor -> why (:mod:`quark_onnx.plan.masks`): never quantized, producers float
     saturating: dict[str, str] = field(default_factory=dict)
+    #: promoted activation (``MixedPrecisionTensors``) -> the nodes kept float around it in a
+    #: power-of-two plan (empty in a float-scale plan, where the tensor takes 16 bits instead)
+    promoted: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def names_of(self, kind: TensorKind) -> list[str]:
         return [n for n, s in self.tensors.items() if s.kind is kind]

@@ -210,3 +210,30 @@ def test_quantize_unsimplified_shape_chain(tmp_path, float_chain, preset, snippe
     if preset == "XINT8":  # the shape chain is no NPU node missing a Q/DQ
         verdict = check(str(out))
         assert verdict.ready, [f.message for f in verdict.errors]
+
+
+def test_quantized_codes_are_data_not_shape_parameters():
+    """A DequantizeLinear's int8 input admits no float type, yet it is the data itself: the
+    float tensors quantized before it are not shape arithmetic (once they were, and the readiness
+    checker skipped every node of a quantized model as shape arithmetic)."""
+    scale, zero = np.float32(0.5), np.int8(0)
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq"),
+        helper.make_node("Relu", ["xd"], ["r"], name="relu"),
+        helper.make_node("QuantizeLinear", ["r", "s", "z"], ["rq"], name="q2"),
+        helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["y"], name="dq2"),
+    ]
+    proto = make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [1, 4])],
+        [helper.make_tensor_value_info("y", F, [1, 4])],
+        {"s": scale, "z": zero},
+        opset=13,
+    )
+    model = ir.serde.deserialize_model(proto)
+    by_name = {n.name: n for n in model.graph}
+    assert not is_shape_parameter(by_name["dq"], 0)
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    marked = shape_values(model.graph)
+    assert not {id(values[n]) for n in ("xd", "r")} & marked
