@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,10 @@ from quark_onnx.config.options import closest_name
 from quark_onnx.errors import ConfigError
 
 CHANNEL_ORDERS = ("RGB", "BGR")
+
+#: The width PaddleOCR's text recognizers are run at (``rec_image_shape`` 3,32,320 / 3,48,320):
+#: the width :meth:`PreprocessSpec.static_variant` gives a text-line spec whose width is free.
+TEXT_LINE_WIDTH = 320
 _LAYOUTS = ("NCHW", "NHWC")
 
 
@@ -226,6 +230,19 @@ class PreprocessSpec:
         if self.mode in ("fit", "stretch") or (self.mode in ("short", "height") and len(size) == 2):
             return (size[0], size[-1])
         return None
+
+    def static_variant(self) -> PreprocessSpec | None:
+        """A spec of one output size close to this one, whose size follows the image (None when
+        the size is fixed already, or no variant is known).
+
+        A text-line spec (``resize=height,size=H``: the width follows the image) becomes
+        ``size=HxW`` with ``W`` = :data:`TEXT_LINE_WIDTH`: each line keeps its aspect ratio up to
+        ``W`` and is padded on the right to it, as PaddleOCR runs its recognizers. A model with a
+        dynamic width calibrated on it is written static, as the NPU needs.
+        """
+        if self.fixed_size() is not None or self.mode != "height" or len(self.size) != 1:
+            return None
+        return replace(self, size=(self.size[0], TEXT_LINE_WIDTH), multiple=0)
 
     @classmethod
     def parse(cls, text: str) -> PreprocessSpec:

@@ -2,9 +2,11 @@
 
 Subcommands:
 
-``quantize MODEL_OR_FOLDER... -o OUT_DIR``
+``quantize MODEL_OR_FOLDER... -o OUT_DIR`` / ``quantize --manifest MODELS.toml -o OUT_DIR``
     Quantize one or many models with a preset (``--config``, default XINT8) plus ``--set
-    KEY=VALUE`` overrides. For each model ``NAME.onnx`` it writes ``OUT_DIR/NAME.onnx``, the JSON
+    KEY=VALUE`` overrides; a manifest gives each model its own calibration data,
+    pre-processing, preset and options (:mod:`~quark_onnx.cli.manifest`). For each model
+    ``NAME.onnx`` it writes ``OUT_DIR/NAME.onnx``, the JSON
     report ``OUT_DIR/NAME.report.json`` (:meth:`QuantizationReport.save`), a readable summary
     ``OUT_DIR/NAME.report.txt`` and, when data allows a float-vs-quantized comparison,
     ``OUT_DIR/NAME.compare.json`` (:func:`quark_onnx.fidelity.compare.compare_models` on the first
@@ -47,7 +49,9 @@ Values of ``--set KEY=VALUE`` are read as JSON literals (``true``, ``3``, ``0.5`
 
 The package: :mod:`~quark_onnx.cli.main` (parser and :func:`main`), one module per command with
 its parser (``quantize``, ``check``, ``compare``, ``export``, ``import_``, ``presets``,
-``options``), and the shared parts: :mod:`~quark_onnx.cli.settings` (preset + ``--set`` ->
+``options``), and the shared parts: :mod:`~quark_onnx.cli.manifest` (a batch's per-model
+settings), :mod:`~quark_onnx.cli.consistency` (does one calibration source fit every model),
+:mod:`~quark_onnx.cli.settings` (preset + ``--set`` ->
 QuantizationConfig), :mod:`~quark_onnx.cli.calibration` (calibration data of one model),
 :mod:`~quark_onnx.cli.jobs` (one model) and :mod:`~quark_onnx.cli.batch` (the batch runner).
 """

@@ -24,6 +24,13 @@ from quark_onnx.model_files.files import Terminated
 logger = logging.getLogger("quark_onnx.cli")
 
 
+def count(n: int, noun: str) -> str:
+    """``1 model``, ``2 models``, ``2 processes``: a count with its noun in the right number."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
 def collect_models(paths: Sequence[str]) -> list[Path]:
     """Expand folders to the ``*.onnx`` files directly inside them (sorted); keep files as
     given (a missing file is kept: it fails on its own, not the whole batch).
@@ -44,22 +51,23 @@ def collect_models(paths: Sequence[str]) -> list[Path]:
     return models
 
 
-def output_names(models: Sequence[Path]) -> list[str]:
-    """The output name (file stem) of each model.
+def output_names(models: Sequence[Path], names: Sequence[str] | None = None) -> list[str]:
+    """The output name of each model: ``names`` (a manifest's), else the file stem.
 
     Raises:
         ConfigError: two models would write the same output.
     """
-    names = [m.stem if m.suffix.lower() == ".onnx" else m.name for m in models]
+    if names is None:
+        names = [m.stem if m.suffix.lower() == ".onnx" else m.name for m in models]
     seen: dict[str, Path] = {}
     for model, name in zip(models, names, strict=True):
         if name in seen:
             raise ConfigError(
                 f"{seen[name]} and {model} would both be written as {name}.onnx; quantize them "
-                "into different output folders"
+                "into different output folders (or give them names in the manifest)"
             )
         seen[name] = model
-    return names
+    return list(names)
 
 
 class Console:
@@ -110,20 +118,28 @@ def _fmt_optional(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-#: How the summary table names each kind of agreement (see quark_onnx.fidelity.compare).
-_AGREEMENT_LABELS = {"top1": "top-1", "argmax": "pixels"}
+def _fidelity_cells(o: Outcome) -> tuple[str, list[str]]:
+    """The verdict's sample count (``16 held-out``) and one ``PART NUMBER`` cell per output part
+    (:func:`quark_onnx.pipeline.report.part_number`: the number report.txt shows first)."""
+    from quark_onnx.pipeline.report import fidelity_parts, part_number
+
+    fid = o.fidelity or {}
+    parts = fidelity_parts(fid) if fid.get("faithful") is not None else []
+    if not parts:
+        return "-", ["-"]
+    samples = f"{fid.get('samples', 0)} {'held-out' if fid.get('held_out') else 'calib'}"
+    return samples, [f"{p['part']}: {part_number(p)}" for p in parts]
 
 
 def summary_table(outcomes: Sequence[Outcome]) -> str:
     """The end-of-run table: model, status, seconds, quantized ops, readiness, fidelity.
 
     ``faithful`` is the fidelity guard's verdict on every output against the original float
-    model (:mod:`quark_onnx.fidelity.verdict`); a model can be ready and not faithful.
-
-    Fidelity is of the first graph output, quantized vs float on the verdict's held-out samples:
-    SQNR and cosine always; ``agreement`` is the top-1 agreement of a score vector output
-    (``top-1``) or the per-pixel agreement of the argmax over the channel axis of a dense output
-    (``pixels``, segmentation maps), and ``-`` for other outputs (boxes, embeddings).
+    model (:mod:`quark_onnx.fidelity.verdict`); a model can be ready and not faithful. The
+    ``fidelity`` column holds the one number each output part is judged by (its decisions' F1,
+    top-1 or per-pixel agreement, else its SQNR), on the verdict's samples (``samples``: how many
+    and whether they were held out from calibration), one line per part: the numbers of
+    ``MODEL.report.txt`` and, unrounded, ``MODEL.report.json`` (``fidelity.outputs[].parts``).
     """
     header = (
         "model",
@@ -132,35 +148,32 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
         "ops quantized",
         "Vitis AI ready",
         "faithful",
-        "output SQNR dB",
-        "cosine",
-        "agreement",
+        "samples",
+        "fidelity per output part",
     )
     rows = [header]
     for o in outcomes:
         ready = "-" if o.ready is None else ("yes" if o.ready else "no")
         faithful = "-" if o.faithful is None else ("yes" if o.faithful else "NO")
-        agree = "-"
-        if o.agreement is not None:
-            label = _AGREEMENT_LABELS.get(o.agreement_kind or "", o.agreement_kind or "")
-            agree = f"{label} {o.agreement:.3f} ({o.compared_samples})"
+        samples, parts = _fidelity_cells(o)
+        status = (
+            "ok" if o.ok else ("interrupted" if o.message.startswith("interrupted") else "failed")
+        )
         rows.append(
             (
                 o.name,
-                "ok"
-                if o.ok
-                else ("interrupted" if o.message.startswith("interrupted") else "failed"),
+                status,
                 f"{o.seconds:.1f}",
                 _fmt_optional(o.quantized_nodes, "d"),
                 ready,
                 faithful,
-                _fmt_optional(o.output_sqnr_db, ".1f"),
-                _fmt_optional(o.output_cosine, ".4f"),
-                agree,
+                samples,
+                parts[0],
             )
         )
+        rows += [("", "", "", "", "", "", "", part) for part in parts[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {2, 3, 6, 7}
+    right = {2, 3}
     lines = []
     for r in rows:
         cells = [
@@ -172,19 +185,20 @@ def summary_table(outcomes: Sequence[Outcome]) -> str:
     failed = sum(not o.ok for o in outcomes)
     lines.append("")
     lines.append(
-        f"{len(outcomes) - failed} of {len(outcomes)} model(s) quantized"
+        f"{len(outcomes) - failed} of {count(len(outcomes), 'model')} quantized"
         + (f", {failed} failed" if failed else "")
     )
-    if any(o.output_sqnr_db is not None for o in outcomes):
+    if any(o.fidelity for o in outcomes):
         lines.append(
-            "output SQNR, cosine, agreement: the first output, quantized vs float model on the "
-            "samples held out from calibration (count in brackets); faithful judges every part "
-            "of every output (report.txt)"
+            "fidelity: quantized vs float model on the samples held out from calibration (or "
+            "calibration samples); per part the number it is judged by: F1 of the decisions "
+            "its scores drive, top-1 (score vector), pixels (argmax over the channels per "
+            "position), else SQNR (report.txt, report.json)"
         )
-        lines.append(
-            "agreement: top-1 = same argmax of a score vector; pixels = same argmax over the "
-            "channels per position of a dense output; - = neither fits (boxes, embeddings)"
-        )
+    settings = [o for o in outcomes if o.settings_text]
+    if settings:
+        lines.append("settings:")
+        lines += [f"  {o.name}: {o.settings_text}" for o in settings]
     if any(o.ok and o.faithful is False for o in outcomes):
         lines.append(
             "faithful NO: the quantized outputs do not follow the float model's; "
@@ -307,7 +321,8 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
             )
             try:
                 console.line(
-                    f"quantizing {len(jobs)} models in {min(workers, len(jobs))} processes"
+                    f"quantizing {count(len(jobs), 'model')} in "
+                    f"{count(min(workers, len(jobs)), 'process')}"
                 )
                 futures = {pool.submit(worker, job): job for job in jobs}
                 for future in concurrent.futures.as_completed(futures):

@@ -167,6 +167,7 @@ def apply_calibration_shapes(
         return None
     found = calibration_shapes(settings, qconfig, model)
     if found is None:
+        _free_size_hint(settings, model, name)
         return None
     shapes, source = found
     text = ";".join(f"{k}:[{','.join(str(d) for d in v)}]" for k, v in shapes.items())
@@ -188,3 +189,31 @@ def apply_calibration_shapes(
         else "default for NPU presets; --no-fix-shapes-from-calib keeps them dynamic"
     )
     return f"input shapes fixed from the calibration data ({source}): FixShapes={text!r} ({why})"
+
+
+def _free_size_hint(settings: QuantizeSettings, model: str | os.PathLike, name: str) -> None:
+    """Warn when a dynamic model stays dynamic because the image spec's size follows each image
+    (a text recognizer's free width), naming a spec of one size that would make it static."""
+    if settings.calib is None or not Path(settings.calib).is_dir():
+        return
+    specs = model_inputs(model)
+    dynamic = [s for s in specs if s.dims is None or not all(isinstance(d, int) for d in s.dims)]
+    spec = settings.preprocess_spec()
+    if len(specs) != 1 or not dynamic or None not in spec.output_shape():
+        return
+    better = spec.static_variant()
+    fix = (
+        f"--preprocess '{better.to_string()}' (each image padded to that width) makes it static"
+        if better is not None
+        else "a spec of one size (size=HxW with resize=stretch, fit, short or height, or a "
+        "crop) makes it static"
+    )
+    logger.warning(
+        "%s: --preprocess '%s' gives the images different sizes, so the dynamic input %r stays "
+        "dynamic and the model is not Vitis AI-ready; %s, as does --set FixShapes='%s:[...]'",
+        name,
+        spec.to_string(),
+        specs[0].name,
+        fix,
+        specs[0].name,
+    )

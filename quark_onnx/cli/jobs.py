@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,6 +65,14 @@ class Outcome:
     agreement: float | None = None
     agreement_kind: str | None = None
     compared_samples: int = 0
+    #: the fidelity guard's verdict (``report.fidelity``): the per-part numbers of the summary
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    #: the settings the model was quantized with, in words (the summary's settings lines)
+    settings_text: str = ""
+    #: what the model declares about its input, and its float top-1 confidence above chance on
+    #: the held-out calibration samples (quark_onnx.cli.consistency: one batch, one source)
+    declared_input: dict[str, str] = field(default_factory=dict)
+    float_confidence: float | None = None
     message: str = ""
     traceback: str = ""
 
@@ -116,6 +124,7 @@ def quantize_one(job: Job) -> Outcome:
         outcome.agreement = outcome.agreement_kind = None
         outcome.output_sqnr_db = outcome.output_cosine = None
         outcome.compared_samples = 0
+        outcome.fidelity = {}
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -232,9 +241,19 @@ def _quantize_into(
     outcome.quantized_nodes = (report.plan or {}).get("quantized_nodes")
     outcome.ready = report.ready
     outcome.faithful = report.faithful
+    outcome.fidelity = report.fidelity
 
     report_json = out_dir / f"{job.name}.report.json"
     report.save(report_json)  # now, so that a failing comparison leaves the report
+
+    if settings.calib is not None:  # real data: is it the data this model expects?
+        from quark_onnx.cli.consistency import declared_input, float_confidence
+
+        try:
+            outcome.declared_input = declared_input(model_path)
+            outcome.float_confidence = float_confidence(model_path, quantizer.kept_samples)
+        except Exception as exc:  # a measurement for a batch warning never fails the model
+            logger.debug("%s: input consistency not measured: %s", job.name, exc)
 
     comparison = None
     feeds: Any = None
@@ -275,7 +294,13 @@ def _quantize_into(
     lines = [report.summary()]
     if comparison is not None:
         which = "held-out" if quantizer.kept_held_out else "first calibration"
-        lines += ["", f"float vs quantized on the {which} samples:", comparison.summary()]
+        compared = comparison.summary().splitlines()
+        if report.fidelity.get("outputs"):
+            # the verdict's per-part numbers above are the outputs' fidelity (one number per
+            # part, as in the summary table); the comparison adds the layers only
+            compared = [line for line in compared if not line.startswith("output ")]
+        if len(compared) > 1:
+            lines += ["", f"float vs quantized on the {which} samples:", *compared]
     report_txt = out_dir / f"{job.name}.report.txt"
     atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
     if settings.report_html:

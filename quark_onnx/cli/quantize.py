@@ -36,7 +36,6 @@ from quark_onnx.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     Formatter,
-    add_models,
     add_output,
     add_settings,
     log_level,
@@ -44,6 +43,7 @@ from quark_onnx.cli.common import (
     wrap,
 )
 from quark_onnx.cli.jobs import Job
+from quark_onnx.cli.manifest import BatchModel, read_manifest
 from quark_onnx.cli.settings import QuantizeSettings, parse_assignments
 from quark_onnx.errors import ConfigError, ModelSaveError
 from quark_onnx.model_files.files import Terminated, check_path_text
@@ -53,29 +53,65 @@ logger = logging.getLogger("quark_onnx.cli")
 NPZ_SUFFIXES = (".npz", ".npy")
 
 
-def _check_flags(args: argparse.Namespace) -> None:
-    """Usage errors of the flags alone, before any model is read."""
-    calib = args.calib
+def check_calibration(
+    calib: str | None, preprocess: str | None, random_calib: int | None, where: str = ""
+) -> None:
+    """Usage errors of one model's calibration settings (``where``: the manifest entry, or ""
+    for the command line's flags)."""
+    at = f"{where}: " if where else ""
     if calib is not None:
         p = Path(calib)
         if not p.exists():
-            raise ConfigError(f"--calib {calib}: no such file or folder")
+            raise ConfigError(f"{at}--calib {calib}: no such file or folder")
         if p.is_file() and p.suffix.lower() not in NPZ_SUFFIXES:
-            raise ConfigError(f"--calib {calib}: expected a .npz/.npy file or a folder of images")
-        if p.is_file() and args.preprocess is not None:
-            raise ConfigError("--preprocess applies to an image folder given with --calib DIR")
-        if p.is_dir() and args.preprocess is None:
+            raise ConfigError(
+                f"{at}--calib {calib}: expected a .npz/.npy file or a folder of images"
+            )
+        if p.is_file() and preprocess is not None:
+            raise ConfigError(f"{at}--preprocess applies to an image folder given with --calib DIR")
+        if p.is_dir() and preprocess is None:
             from quark_onnx.calibration.image_spec import PreprocessSpec
 
             logger.warning(
-                "--calib %s is an image folder and no --preprocess is given: using %s",
+                "%s--calib %s is an image folder and no --preprocess is given: using %s",
+                at,
                 calib,
                 PreprocessSpec().to_string(),
             )
-    elif args.preprocess is not None:
-        raise ConfigError("--preprocess needs --calib DIR (a folder of images)")
-    if args.random_calib is not None and args.random_calib < 1:
-        raise ConfigError(f"--random-calib {args.random_calib}: expected a positive number")
+    elif preprocess is not None:
+        raise ConfigError(f"{at}--preprocess needs --calib DIR (a folder of images)")
+    if random_calib is not None and random_calib < 1:
+        raise ConfigError(f"{at}--random-calib {random_calib}: expected a positive number")
+
+
+#: The flags a manifest gives per model (not on the command line with --manifest).
+MANIFEST_FLAGS = {
+    "calib": "--calib",
+    "random_calib": "--random-calib",
+    "preprocess": "--preprocess",
+    "calib_limit": "--calib-limit",
+    "exclude": "--exclude",
+}
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Usage errors of the flags alone, before any model is read."""
+    if args.manifest is not None:
+        if args.models:
+            raise ConfigError(
+                "--manifest names the models: leave out MODEL_OR_FOLDER (or add them to the "
+                "manifest as [[model]] tables)"
+            )
+        given = [flag for key, flag in MANIFEST_FLAGS.items() if getattr(args, key) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} with --manifest: set it in the manifest (at the top for "
+                "every model, or in a [[model]] table)"
+            )
+    elif not args.models:
+        raise ConfigError("no model: give MODEL_OR_FOLDER... or --manifest FILE.toml")
+    else:
+        check_calibration(args.calib, args.preprocess, args.random_calib)
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
     if args.calib_limit is not None and args.calib_limit < 1:
@@ -122,27 +158,49 @@ def _settings(args: argparse.Namespace) -> QuantizeSettings:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    _check_flags(args)
-    calib = args.calib
-    settings = _settings(args)
-    settings.preprocess_spec()  # a bad spec is a usage error, before any model
-    qconfig = settings.build_config()  # so is an unknown preset or option
-    options = qconfig.resolved_options()
+def _check_settings(settings: QuantizeSettings, load: str | None, where: str = "") -> None:
+    """Usage errors of one model's settings, before any model is read: a bad spec, an unknown
+    preset or option, no calibration data."""
+    at = f"{where}: " if where else ""
+    try:
+        settings.preprocess_spec()
+        qconfig = settings.build_config()
+    except ConfigError as exc:
+        if not where:
+            raise
+        raise ConfigError(f"{at}{exc}") from None
     if (
-        calib is None
-        and not options.UseRandomData
-        and args.load_calibration is None
+        settings.calib is None
+        and not qconfig.resolved_options().UseRandomData
+        and load is None
         and qconfig.needs_calibration_data()
     ):
-        raise ConfigError(
-            "no calibration data: give --calib FILE.npz|DIR, --random-calib N or "
-            "--load-calibration PATH"
-        )
+        source = "calib, random_calib" if where else "--calib FILE.npz|DIR, --random-calib N"
+        raise ConfigError(f"{at}no calibration data: give {source} or --load-calibration PATH")
+
+
+def _models(args: argparse.Namespace, settings: QuantizeSettings) -> list[BatchModel]:
+    """The batch: the manifest's models with their own settings, or the given models (folders
+    expanded) all with the command line's."""
+    if args.manifest is not None:
+        entries = read_manifest(args.manifest, settings)
+        for entry in entries:
+            where, own = f"{args.manifest}, {entry.name}", entry.settings
+            check_calibration(own.calib, own.preprocess, own.random_samples, where)
+            _check_settings(own, args.load_calibration, where)
+        output_names([e.model for e in entries], [e.name for e in entries])
+        return entries
+    _check_settings(settings, args.load_calibration)
     models = collect_models(args.models)
     names = output_names(models)
+    return [BatchModel(m, n, settings) for m, n in zip(models, names, strict=True)]
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    entries = _models(args, _settings(args))
     load = args.load_calibration
-    if load is not None and len(models) > 1 and not Path(load).is_dir():
+    if load is not None and len(entries) > 1 and not Path(load).is_dir():
         raise ConfigError(
             "--load-calibration with several models expects a folder holding "
             "NAME.calibration.json files (as written by --save-calibration)"
@@ -158,9 +216,10 @@ def run(args: argparse.Namespace) -> int:
             "writable folder"
         ) from exc
     jobs = [
-        Job(index=i, model=str(m), name=n, out_dir=str(out_dir.resolve()), settings=settings)
-        for i, (m, n) in enumerate(zip(models, names, strict=True))
-    ]
+        Job(index=i, model=str(e.model), name=e.name, out_dir=str(out_dir.resolve()),
+            settings=e.settings)
+        for i, e in enumerate(entries)
+    ]  # fmt: skip
     console = Console(len(jobs))
     stopped_by = None
     if args.ray is not None:
@@ -178,6 +237,14 @@ def run(args: argparse.Namespace) -> int:
     # (outside the handler: the pool, referenced by the interrupted frames, is gone by now)
     gc.collect()
     stop_resource_tracker()
+    if args.manifest is not None:  # each model's own settings, in the summary
+        for outcome in outcomes:
+            outcome.settings_text = jobs[outcome.index].settings.describe()
+    else:  # one calibration source for all: does it fit each model?
+        from quark_onnx.cli.consistency import batch_warnings
+
+        for warning in batch_warnings(outcomes):
+            logger.warning("%s", warning)
     print(summary_table(outcomes))
     if args.report_html:
         from quark_onnx.pipeline.report_html import write_batch_page
@@ -217,10 +284,23 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "  quark-onnx quantize models/ -o out --calib calib.npz --ray auto --calib-shards 4\n"
         "  quark-onnx quantize squeezenet.onnx -o out --calib images/ \\\n"
         "      --preprocess 'resize=256,crop=224,mean=104;117;123,order=BGR'\n"
+        "  quark-onnx quantize --manifest models.toml -o out   (each model its own settings)\n"
         "  quark-onnx quantize model.onnx -o out --calib calib.npz --set include_cle=true \\\n"
         "      --set ActivationSymmetric=true --exclude /head/Gemm",
     )
-    add_models(q, "quantized")
+    q.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL_OR_FOLDER",
+        help="ONNX model files, or folders whose *.onnx files are all quantized (or --manifest)",
+    )
+    q.add_argument(
+        "--manifest",
+        metavar="FILE.toml",
+        help="the models to quantize, each with its own calibration data, pre-processing, "
+        "preset and options, defaults at the top (see docs/cli.md); the summary shows each "
+        "model's settings",
+    )
     add_output(q, "OUT_DIR", "folder for the quantized models and reports (created if missing)")
     add_settings(
         q,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from quark_onnx.cli.batch import count
 from quark_onnx.errors import ConfigError
 from quark_onnx.model_files.files import Terminated, _raise_terminated
 from quark_onnx.runtime.ray_cluster import _cancel, connected, import_ray
@@ -39,8 +41,33 @@ from quark_onnx.runtime.ray_cluster import _cancel, connected, import_ray
 logger = logging.getLogger(__name__)
 
 
-def _quantize_task(job: Any, cwd: str) -> Any:
-    """One model, in a Ray worker: the ``--jobs`` worker function, in the driver's folder."""
+def _package_folder() -> str:
+    """The folder of the quark_onnx this process imported."""
+    import quark_onnx
+
+    return str(Path(quark_onnx.__file__).resolve().parent)
+
+
+def _quantize_task(job: Any, cwd: str, driver_package: str | None = None) -> Any:
+    """One model, in a Ray worker: the ``--jobs`` worker function, in the driver's folder.
+
+    A worker that imported another quark_onnx than the driver's (``driver_package``: a
+    ``quark_onnx`` folder in the working folder, e.g. a source checkout beside a non-editable
+    install, comes first on the worker's path) fails in ways that say nothing of the cause: its
+    failure then names both packages."""
+    outcome = _run_task(job, cwd)
+    worker_package = _package_folder()
+    if not outcome.ok and driver_package is not None and worker_package != driver_package:
+        outcome.message = (
+            f"the Ray worker imported quark_onnx from {worker_package}, not the driver's "
+            f"{driver_package} (a quark_onnx folder in the working folder {cwd} comes first on "
+            "the worker's path): run from another folder, or install this checkout with "
+            f"pip install -e; the worker's error: {outcome.message}"
+        )
+    return outcome
+
+
+def _run_task(job: Any, cwd: str) -> Any:
     from quark_onnx.cli import jobs
 
     saved_cwd, saved_stderr = os.getcwd(), sys.stderr
@@ -78,18 +105,18 @@ def run_batch_ray(
     memory reserved for each); outcomes in job order, as :func:`quark_onnx.cli.run_batch`."""
     if task_cpus <= 0:
         raise ConfigError(f"--ray-cpus {task_cpus}: expected a positive number")
-    with connected(address) as ray:
+    with _plain_streams(), connected(address) as ray:
         options: dict[str, Any] = {"num_cpus": task_cpus}
         if task_memory:
             options["memory"] = task_memory
         remote = ray.remote(_quantize_task).options(**options)
         cpus = ray.cluster_resources().get("CPU", 0)
         console.line(
-            f"quantizing {len(jobs)} models as Ray tasks ({cpus:g} CPUs in the cluster, "
-            f"{task_cpus:g} per task)"
+            f"quantizing {count(len(jobs), 'model')} as Ray tasks ({cpus:g} CPUs in the "
+            f"cluster, {task_cpus:g} per task)"
         )
-        cwd = os.getcwd()
-        refs = {remote.remote(job, cwd): job for job in jobs}
+        cwd, package = os.getcwd(), _package_folder()
+        refs = {remote.remote(job, cwd, package): job for job in jobs}
         pending = list(refs)
         outcomes = []
         terminated: list[int] = []
@@ -128,6 +155,38 @@ def _collect(
                 )
             console.finished(outcome, debug)
             outcomes.append(outcome)
+
+
+#: An ANSI escape sequence (colour, cursor movement), as Ray writes around its workers' lines.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class _PlainStream:
+    """A stream that drops ANSI escape sequences (a log file is not a terminal)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(_ANSI.sub("", text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _plain_streams() -> Iterator[None]:
+    """While Ray is connected, its driver prints the workers' log lines with colour codes
+    whether or not stdout/stderr is a terminal: the streams that are not drop them."""
+    saved = sys.stdout, sys.stderr
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not getattr(stream, "isatty", lambda: False)():
+            setattr(sys, name, _PlainStream(stream))
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 @contextlib.contextmanager

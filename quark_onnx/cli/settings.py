@@ -152,3 +152,20 @@ class QuantizeSettings:
         if self.preprocess is None:
             return PreprocessSpec()
         return PreprocessSpec.parse(self.preprocess)
+
+    def describe(self) -> str:
+        """The settings a model is quantized with, in the command line's words (the summary's
+        settings lines): ``--config XINT8 --calib images --preprocess '...' --set K=V``."""
+        words = [f"--config {self.preset}"]
+        if self.calib is not None:
+            words.append(f"--calib {self.calib}")
+        if self.random_samples is not None:
+            words.append(f"--random-calib {self.random_samples}")
+        if self.preprocess is not None:
+            words.append(f"--preprocess '{self.preprocess}'")
+        if self.calib_limit is not None:
+            words.append(f"--calib-limit {self.calib_limit}")
+        words += [f"--set {key}={json.dumps(value)}" for key, value in self.assignments]
+        if self.exclude:
+            words.append(f"--exclude {','.join(self.exclude)}")
+        return " ".join(words)

@@ -22,11 +22,17 @@ class Finding:
         rule: short id (``"shift_cut"``, ``"non_pof2_scale"``, ``"unsupported_op"`` ...).
         node: the node's name, or the tensor's name for tensor findings; None for the model.
         message: names the node/tensor, the values, the allowed range and the fix.
+        op_type: for a finding that says the same of every node of one op type (an op on the
+            CPU, a float node): that op type; such findings are shown as one line per op type
+            (:func:`group_lines`).
+        detail: the text such a line says of all those nodes (``message`` without the node).
     """
 
     rule: str
     node: str | None
     message: str
+    op_type: str | None = None
+    detail: str | None = None
 
     @property
     def severity(self) -> str:
@@ -34,12 +40,15 @@ class Finding:
         return "warning" if self.rule in ADVISORY_RULES else "error"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "rule": self.rule,
             "severity": self.severity,
             "node": self.node,
             "message": self.message,
         }
+        if self.op_type is not None:
+            data.update(op_type=self.op_type, detail=self.detail)
+        return data
 
 
 @dataclass
@@ -73,27 +82,69 @@ class CheckResult:
         return {f.rule for f in self.findings}
 
     def summary(self) -> str:
-        """``Vitis AI ready`` or ``NOT Vitis AI ready``, then one line per finding, errors first."""
+        """``Vitis AI ready`` or ``NOT Vitis AI ready``, then the findings, errors first, one
+        line per rule and op type where many nodes of one type have the same finding
+        (:func:`group_lines`)."""
         head = (
             "Vitis AI ready" if self.ready else f"NOT Vitis AI ready ({len(self.errors)} error(s))"
         )
         if self.warnings:
             head += f", {len(self.warnings)} warning(s)"
         lines = [head]
-        lines += [f"  error {f.rule}: {f.message}" for f in self.errors]
-        lines += [f"  warning {f.rule}: {f.message}" for f in self.warnings]
+        lines += [f"  {line}" for line in group_lines([f.to_dict() for f in self.findings])]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able: ``ready``, ``model``, ``counts`` per rule and the ``findings``."""
+        """JSON-able: ``ready``, ``model``, ``counts`` per rule, the ``findings`` (every node)
+        and their ``groups`` (:func:`group_findings`)."""
         counts = collections.Counter(f.rule for f in self.findings)
+        findings = [f.to_dict() for f in self.findings]
         return {
             "ready": self.ready,
             "model": self.model,
             "counts": dict(sorted(counts.items())),
-            "findings": [f.to_dict() for f in self.findings],
+            "findings": findings,
+            "groups": group_findings(findings),
             "expected": [f.to_dict() for f in self.expected],
         }
+
+
+#: Node names a grouped line shows before "and N more" (every name is in the JSON report).
+SHOWN_NODES = 3
+
+
+def group_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The findings (``Finding.to_dict()``) with one entry per rule and op type: those of one
+    rule whose ``op_type`` is the same say the same of every node (``detail``) and become one
+    group holding their ``count`` and ``nodes``; any other finding is a group of its own.
+    Errors first, then in the order found."""
+    groups: dict[Any, dict[str, Any]] = {}
+    for i, f in enumerate(findings):
+        key = (f["rule"], f["op_type"], f["detail"]) if f.get("op_type") else i
+        group = groups.setdefault(
+            key,
+            {
+                "rule": f["rule"],
+                "severity": f["severity"],
+                "op_type": f.get("op_type"),
+                "count": 0,
+                "nodes": [],
+                "message": f["message"],
+            },
+        )
+        group["count"] += 1
+        group["nodes"].append(f["node"])
+        if group["count"] > 1:
+            shown = ", ".join(repr(n) for n in group["nodes"][:SHOWN_NODES])
+            more = group["count"] - SHOWN_NODES
+            names = shown + (f" and {more} more" if more > 0 else "")
+            group["message"] = f"{group['count']} {f['op_type']} nodes ({names}): {f['detail']}"
+    return sorted(groups.values(), key=lambda g: g["severity"] != "error")
+
+
+def group_lines(findings: list[dict[str, Any]]) -> list[str]:
+    """``SEVERITY RULE: MESSAGE`` per group of :func:`group_findings`."""
+    return [f"{g['severity']} {g['rule']}: {g['message']}" for g in group_findings(findings)]
 
 
 def node_label(node: ir.Node) -> str:

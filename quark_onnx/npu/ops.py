@@ -40,7 +40,9 @@ A row (:class:`OpSpec`) holds:
 *NPU facts* (XINT8):
 
 * ``placement``: :attr:`Placement.NPU` (compiled for the NPU), :attr:`Placement.CPU` (the graph is
-  split there and the op runs on the CPU; ``cpu_hint`` says what to do about it), or
+  split there and the op runs on the CPU; ``cpu_hint`` says what to do about it, and
+  ``cpu_fix_pass`` names the graph pass that hint proposes, so that the check does not propose a
+  pass the run measured and undid), or
   :attr:`Placement.FUSED` (on the NPU only as an activation fused into the producer before it).
 * ``shift_rules``: the ids of the :mod:`quark_onnx.npu.rules` shift rules that limit the positions
   around the node (``shared_scale`` is not listed: it follows from ``share``/``align_option``).
@@ -97,6 +99,7 @@ class OpSpec:
     float_scale_only: bool = False
     placement: Placement = Placement.NPU
     cpu_hint: str | None = None
+    cpu_fix_pass: str | None = None
     shift_rules: tuple[str, ...] = ()
     same_values: bool = False
 
@@ -241,11 +244,13 @@ _OPS: dict[str, OpSpec] = {
             "it runs on the CPU between the NPU parts; ConvertSigmoidToHardSigmoid replaces it "
             "by the HardSigmoid the NPU computes"
         ),
+        cpu_fix_pass="ConvertSigmoidToHardSigmoid",
     ),
     "Split": OpSpec(
         quantized=False,
         placement=_CPU,
         cpu_hint="convert it to Slice nodes (option ConvertSplitToSlice)",
+        cpu_fix_pass="ConvertSplitToSlice",
     ),
     "LSTM": OpSpec(
         quantized=False,

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,11 +107,16 @@ def _fuses(producer: ir.Node, consumer: ir.Node) -> bool:
     )
 
 
-def check(model: str | os.PathLike | onnx.ModelProto) -> CheckResult:
+def check(
+    model: str | os.PathLike | onnx.ModelProto, *, reverted_passes: Mapping[str, str] | None = None
+) -> CheckResult:
     """List every reason ``model`` is not ready for the Vitis AI EP in XINT8 (see module doc).
 
     Args:
         model: a path to an ONNX file or a ``ModelProto`` (not modified).
+        reverted_passes: the graph passes the run that wrote ``model`` measured and undid, each
+            with why (:attr:`quark_onnx.pipeline.report.QuantizationReport.reverted_passes`): a
+            finding whose fix is one of them says so instead of proposing it.
 
     Raises:
         ModelLoadError: the path is not a readable, valid ONNX model.
@@ -132,7 +137,7 @@ def check(model: str | os.PathLike | onnx.ModelProto) -> CheckResult:
         for value in node.outputs:
             if value.dtype is None and value.name in types:
                 value.dtype = ir.DataType(types[value.name])
-    findings = _Checker(graph, label).run()
+    findings = _Checker(graph, label, reverted_passes or {}).run()
     # the nodes a mixed-precision model keeps float on purpose (npu.placement): intended
     islands = {n for nodes in read_promotions(proto_metadata(proto)).values() for n in nodes}
     expected = [f for f in findings if f.node in islands and f.rule in ISLAND_RULES]
@@ -203,9 +208,10 @@ def _fmt_list(values: Iterable[Any], limit: int = 8) -> str:
 class _Checker:
     """One pass over one graph; indices (Q/DQ parameters, positions) are built once."""
 
-    def __init__(self, graph: ir.Graph, label: str) -> None:
+    def __init__(self, graph: ir.Graph, label: str, reverted_passes: Mapping[str, str]) -> None:
         self.graph = graph
         self.label = label
+        self.reverted_passes = reverted_passes
         self.nodes = list(graph)
         self.findings: list[Finding] = []
         self.qdq_pos: dict[int, _Pos] = {}  # id(Q or DQ node) -> its position
@@ -216,8 +222,15 @@ class _Checker:
         self.cpu_tail = cpu_tail_nodes(graph)
         self.shapes = shape_values(graph)
 
-    def add(self, rule: str, node: str | None, message: str) -> None:
-        self.findings.append(Finding(rule, node, message))
+    def add(
+        self,
+        rule: str,
+        node: str | None,
+        message: str,
+        op_type: str | None = None,
+        detail: str | None = None,
+    ) -> None:
+        self.findings.append(Finding(rule, node, message, op_type, detail))
 
     def run(self) -> list[Finding]:
         self.findings += model_findings(self.graph, self.label, self.nodes, self.has_qdq)
@@ -424,19 +437,28 @@ class _Checker:
                         if node.domain in _STANDARD_DOMAINS
                         else (f"{node.domain}::{node.op_type}")
                     )
-                    row = _row(node)
-                    hint = (row.cpu_hint if row else None) or npu_ops.DEFAULT_CPU_HINT
-                    self.add(
-                        "unsupported_op",
-                        label,
-                        f"{op} node {label!r}: {op} is not an XINT8 op of the NPU (Ryzen AI "
-                        f"supported operators), so the graph is split there; {hint}",
+                    detail = (
+                        f"{op} is not an XINT8 op of the NPU (Ryzen AI supported operators), so "
+                        f"the graph is split there; {self._cpu_hint(node)}"
                     )
+                    self.add("unsupported_op", label, f"{op} node {label!r}: {detail}", op, detail)
                 continue
             if node.outputs and all(id(v) in self.shapes for v in node.outputs):
                 continue  # shape arithmetic: never quantized
             if self.has_qdq:
                 self._quantization_coverage(node, label)
+
+    def _cpu_hint(self, node: ir.Node) -> str:
+        """What to do about a node on the CPU; not the pass its row proposes when the run
+        measured that pass and undid it."""
+        row = _row(node)
+        fix = row.cpu_fix_pass if row else None
+        if fix is not None and fix in self.reverted_passes:
+            return (
+                f"it stays on the CPU: {fix} was measured on this model and undone "
+                f"({self.reverted_passes[fix]})"
+            )
+        return (row.cpu_hint if row else None) or npu_ops.DEFAULT_CPU_HINT
 
     def _on_npu(self, node: ir.Node) -> bool:
         """The op's row places it on the NPU (a FUSED row: when fused into its producer), unless
@@ -480,6 +502,10 @@ class _Checker:
                 f"{node.op_type} node {label!r} is float with no QuantizeLinear/DequantizeLinear "
                 "around it, so it runs on the CPU; quantize it (check that the op is not "
                 "excluded by nodes_to_exclude / op_types_to_quantize)",
+                node.op_type,
+                "float with no QuantizeLinear/DequantizeLinear around them, so they run on the "
+                "CPU; quantize them (check that the op is not excluded by nodes_to_exclude / "
+                "op_types_to_quantize)",
             )
             return
         missing = [f"input {v.name!r}" for v in unsourced]

@@ -54,8 +54,9 @@ def model_findings(
                 f"graph input {value.name!r} has shape [{', '.join(shown)}] with symbolic or "
                 f"unknown dims at axes {loose}; the NPU compiles static shapes only: "
                 f"quantize with the FixShapes option (--set FixShapes='{value.name}:[1,...]' "
-                "with batch 1, or --fix-shapes-from-calib to take the calibration data's "
-                "shape)",
+                "with batch 1), or calibrate on data of one shape, which the CLI fixes for NPU "
+                "presets (an image spec of one size: resize=height,size=32x320 for a text "
+                "recognizer, not size=32)",
             )
         if len(dims) >= 2 and isinstance(dims[0], int) and dims[0] > 1:
             add(

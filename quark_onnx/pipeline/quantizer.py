@@ -644,7 +644,9 @@ class QuantizationRun(sequencer.Stages):
         from quark_onnx.npu.readiness import check
 
         with _stage(self.report, "check"):
-            self.report.check = check(model).to_dict()
+            # no advice to apply a pass this run measured and undid
+            undone = self.report.reverted_passes
+            self.report.check = check(model, reverted_passes=undone).to_dict()
 
     def save(self, model: onnx.ModelProto) -> None:
 

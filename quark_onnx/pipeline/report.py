@@ -6,9 +6,12 @@ Plain data (JSON-able) so that the CLI can write it beside the output model and 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from quark_onnx.npu.findings import group_lines
 
 
 @dataclass
@@ -88,6 +91,24 @@ class QuantizationReport:
         atomic_write_bytes(path, text.encode("utf-8"))
 
     @property
+    def reverted_passes(self) -> dict[str, str]:
+        """The graph passes this run measured and undid (``RevertCostlyPasses``), each with what
+        it cost: the readiness check does not propose them (:func:`quark_onnx.npu.readiness.check`
+        ``reverted_passes``)."""
+        undone = {}
+        for record in self.passes:
+            if not record.get("reverted"):
+                continue
+            costs = [o["sqnr_db"] for o in record.get("fidelity", []) if "sqnr_db" in o]
+            worst = min(costs, key=float) if costs else None
+            undone[record["name"]] = (
+                "RevertCostlyPasses"
+                if worst is None
+                else f"it took the float outputs to SQNR {_db(worst)}; RevertCostlyPasses"
+            )
+        return undone
+
+    @property
     def npu_preset(self) -> bool:
         """The settings target the XINT8 NPU flow (``enable_npu_cnn``), to which the
         Vitis AI readiness check and the NPU position adjustments apply."""
@@ -119,11 +140,8 @@ class QuantizationReport:
             lines += [f"  range clipped: {c['message']}" for c in self.range_clips]
             lines += _position_cost_lines(self.position_costs)
             lines.append(f"Vitis AI ready: {self.ready}")
-            # each finding once, errors first
-            findings = sorted(
-                self.check.get("findings", []), key=lambda f: f["severity"] != "error"
-            )
-            lines += [f"  {f['severity']} {f['rule']}: {f['message']}" for f in findings]
+            # errors first, one line per op type (every node in the JSON report)
+            lines += [f"  {line}" for line in group_lines(self.check.get("findings", []))]
         else:
             lines.append("Vitis AI (XINT8) check: not applicable to float-scale settings")
         lines += self._fidelity_lines()
@@ -140,25 +158,18 @@ class QuantizationReport:
         return "\n".join(lines)
 
     def _fidelity_lines(self) -> list[str]:
-        """The fidelity verdict and one line per output (none when the guard did not run)."""
+        """The fidelity verdict and one line per output part (none when the guard did not run).
+
+        Each part's line starts with the one number it is judged by (:func:`part_number`, the
+        number the CLI's summary table shows), then the other measurements in brackets."""
         fid = self.fidelity
         if not fid:
             return []
         if fid.get("faithful") is None:
             return [f"faithful to the float model: not measured ({fid.get('error', '')})"]
         verdict = "yes" if fid["faithful"] else "NO"
-        which = "held-out" if fid.get("held_out") else "calibration"
-        lines = [f"faithful to the float model: {verdict} ({fid['samples']} {which} sample(s))"]
-        for out in fid.get("outputs", []):
-            agree = out.get("top1_agreement")
-            lines.append(
-                f"  output {out['name']}: SQNR {_db(out['sqnr_db'])}, cosine {out['cosine']:.4f}"
-                + (f", top-1 agreement {agree:.3f}" if agree is not None else "")
-                + ("" if out["faithful"] else "  <- below threshold")
-            )
-            parts = out.get("parts", [])
-            for part in parts if len(parts) > 1 or any(not p["faithful"] for p in parts) else []:
-                lines.append(f"    {_part_line(part)}")
+        lines = [f"faithful to the float model: {verdict} ({fidelity_samples(fid)})"]
+        lines += [f"  {_part_line(part)}" for part in fidelity_parts(fid)]
         for entry in self.repairs:
             outputs = ", ".join(f"{o['name']} SQNR {_db(o['sqnr_db'])}" for o in entry["outputs"])
             lines.append(
@@ -173,19 +184,73 @@ class QuantizationReport:
         return lines
 
 
-def _part_line(part: dict[str, Any]) -> str:
-    """One output part's fidelity (:meth:`quark_onnx.fidelity.verdict.PartFidelity.to_dict`)."""
-    head = f"{part['part']} ({part['kind']}): "
-    if part["measure"] == "decisions":
-        body = (
-            f"{100.0 * part['kept']:.0f} % of {part['decisions']} float decisions kept "
-            f"(F1 {part['agreement']:.2f}), SQNR {_db(part['sqnr_db'])}"
+#: The name of the one number each part measure (``PartFidelity.measure``) is judged by.
+MEASURE_NAMES = {"top1": "top-1", "argmax": "pixels", "decisions": "F1", "sqnr": "SQNR"}
+
+
+def significant(value: Any, digits: int = 3) -> str:
+    """``value`` rounded to ``digits`` significant digits for people (``28.2``, ``0.918``,
+    ``1.00``, ``1234``); ``inf``/``nan`` (also their JSON strings) as such."""
+    number = float(value)
+    if not math.isfinite(number):
+        return str(number)
+    if abs(number) >= 10**digits:
+        return f"{number:.0f}"
+    return f"{number:#.{digits}g}".rstrip(".")
+
+
+def fidelity_parts(fidelity: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every output part of a verdict (``report.fidelity``), in output order; an output judged
+    whole (no anatomy) is one part named like the output."""
+    parts: list[dict[str, Any]] = []
+    for out in fidelity.get("outputs", []):
+        if out.get("parts"):
+            parts += out["parts"]
+            continue
+        agreement = out.get("top1_agreement")
+        parts.append(
+            {
+                "part": out["name"],
+                "kind": "output",
+                "measure": "sqnr" if agreement is None else "top1",
+                "sqnr_db": out["sqnr_db"],
+                "agreement": agreement,
+                "decisions": 0,
+                "kept": None,
+                "faithful": out["faithful"],
+            }
         )
-    elif part["agreement"] is not None:
-        body = f"{part['measure']} agreement {part['agreement']:.3f}, SQNR {_db(part['sqnr_db'])}"
-    else:
-        body = f"SQNR {_db(part['sqnr_db'])}"
-    return head + body + ("" if part["faithful"] else "  <- below threshold")
+    return parts
+
+
+def part_number(part: dict[str, Any]) -> str:
+    """The one number a part is judged by, rounded: ``top-1 1.00``, ``pixels 0.918``, ``F1
+    0.953`` or ``SQNR 28.2 dB`` (a part with no agreement is judged by its SQNR)."""
+    if part["measure"] == "sqnr" or part.get("agreement") is None:
+        return f"SQNR {significant(part['sqnr_db'])} dB"
+    name = MEASURE_NAMES.get(part["measure"], part["measure"])
+    return f"{name} {significant(part['agreement'])}"
+
+
+def fidelity_samples(fidelity: dict[str, Any]) -> str:
+    """``16 held-out sample(s)`` or ``8 calibration sample(s)``: what a verdict was measured on."""
+    which = "held-out" if fidelity.get("held_out") else "calibration"
+    return f"{fidelity.get('samples', 0)} {which} sample(s)"
+
+
+def _part_line(part: dict[str, Any]) -> str:
+    """One output part's fidelity (:meth:`quark_onnx.fidelity.verdict.PartFidelity.to_dict`):
+    the number it is judged by, then the other measurements in brackets."""
+    details = []
+    if part["measure"] == "decisions" and part.get("kept") is not None:
+        details.append(
+            f"{significant(100.0 * part['kept'])} % of {part['decisions']} float decisions kept"
+        )
+    if part["measure"] != "sqnr" and part.get("agreement") is not None:
+        details.append(f"SQNR {_db(part['sqnr_db'])}")
+    extra = f" [{', '.join(details)}]" if details else ""
+    below = "" if part["faithful"] else "  <- below threshold"
+    return f"{part['part']} ({part['kind']}): {part_number(part)}{extra}{below}"
 
 
 def _mixed_precision_lines(record: dict[str, Any], shown: int = 8) -> list[str]:
@@ -229,7 +294,7 @@ def _position_cost_lines(entries: list[dict[str, Any]], shown: int = 5) -> list[
 
 
 def _db(value: Any) -> str:
-    return f"{value:.1f} dB" if isinstance(value, float) else f"{value} dB"
+    return f"{significant(value)} dB"
 
 
 def _jsonable(value: Any) -> Any:

@@ -56,3 +56,14 @@ def tiny_cnn(seed: int, *, relu2: bool = True) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6])],
         inits,
     )
+
+
+def png_folder(folder: Path, count: int = 12) -> Path:
+    """``count`` seeded random RGB PNGs of 10-21 x 12 pixels in a new ``folder``."""
+    from quark_onnx.calibration.image_graph import _png_rgb
+
+    folder.mkdir()
+    for i in range(count):
+        rgb = np.random.default_rng(i).integers(0, 256, (10 + i, 12, 3), dtype=np.uint8)
+        (folder / f"img{i}.png").write_bytes(_png_rgb(rgb))
+    return folder

@@ -199,8 +199,8 @@ def test_batch_with_a_corrupt_model(tmp_path, work):
     table = result.stdout.splitlines()
     rows = {line.split()[0]: line.split() for line in table[2:5]}
     assert rows["tiny0"][1] == "ok" and rows["tiny1"][1] == "ok"
-    assert rows["corrupt"][1:] == ["failed", "0.0", "-", "-", "-", "-", "-", "-"]
-    assert "2 of 3 model(s) quantized, 1 failed" in result.stdout
+    assert rows["corrupt"][1:] == ["failed", "0.0", "-", "-", "-", "-", "-"]
+    assert "2 of 3 models quantized, 1 failed" in result.stdout
 
     # check: the quantized model is ready (exit 0); the float one is not and says why (exit 1)
     ready = run_cli("check", out / "tiny0.onnx", cwd=tmp_path)

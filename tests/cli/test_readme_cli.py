@@ -68,10 +68,13 @@ def test_readme_example_runs(tmp_path, name, dims, command):
     (value,) = onnx.load(tmp_path / "out" / name).graph.input
     shape = value.type.tensor_type.shape.dim
     written = [d.dim_value if d.HasField("dim_value") else None for d in shape]
-    size_follows_image = name in ("ocr_rec.onnx", "ocr_det.onnx")
-    # static inputs stay, a fixed-size spec fixes a dynamic input (XINT8 default); a spec whose
-    # size follows the image leaves the spatial dims dynamic and the model not ready
+    size_follows_image = name == "ocr_det.onnx"
+    # static inputs stay, a fixed-size spec fixes a dynamic input (XINT8 default: the
+    # recognizer's width too); a spec whose size follows the image leaves the spatial dims
+    # dynamic and the model not ready
     assert (None in written) == size_follows_image
     assert report["check"]["ready"] is (not size_follows_image)
-    if not size_follows_image:
+    if name == "ocr_rec.onnx":
+        assert written == [1, 3, 32, 320]
+    elif not size_follows_image:
         assert written == [1, *dims[1:]]
