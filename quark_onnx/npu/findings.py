@@ -92,6 +92,12 @@ class CheckResult:
             head += f", {len(self.warnings)} warning(s)"
         lines = [head]
         lines += [f"  {line}" for line in group_lines([f.to_dict() for f in self.findings])]
+        if self.expected:
+            nodes = sorted({f.node for f in self.expected if f.node})
+            lines.append(
+                f"  mixed precision: {len(nodes)} node(s) kept float on the CPU as the model's "
+                "promotion record says (intended, not findings)"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
