@@ -259,9 +259,8 @@ class ExtraOptions:
     AccuracySamplesSkip: int = _opt(
         0,
         "The first N kept calibration samples are not fitted on by bias correction and AdaRound. "
-        "The fidelity refinement, and the repair and mixed-precision search toward a "
-        "FidelityTarget, set it to FidelitySamples so that the samples judging an attempt are not "
-        "the ones it was fitted on; a recipe records it.",
+        "The fidelity refinement sets it to FidelitySamples (the samples judging it are not the "
+        "ones it is fitted on); a recipe records it, so the rebuild fits on the same samples.",
     )
     BiasCorrectionMovePositions: bool = _opt(
         False,

@@ -292,16 +292,11 @@ def repair(
         if refine is not None:
             attempt(refine, better=lambda result: dominates(result, first), held_out=True)
     elif run.options.FidelityRepair:
-        # toward a FidelityTarget the attempts fit apart from the samples that judge them: the
-        # search after the repair trusts "target met" on those samples (a rounding fitted on
-        # them measured 20.9 dB there and 13.8 dB held out on the PaddleOCR classifier)
-        apart = bool(run.options.FidelityTarget)
-        tries = candidates(run.qconfig, run.options)
-        any(attempt(cand, held_out=apart) for cand in tries)  # to the first faithful one
+        any(attempt(cand) for cand in candidates(run.qconfig, run.options))  # to 1st faithful
         best = kept[4][0] if kept[4] is not None else None
         rounding = with_rounding(run.qconfig, run.options, best)
         if rounding is not None:
-            attempt(rounding, held_out=apart)
+            attempt(rounding)
     _, model, params, result, chosen = kept
     for entry in report.repairs:
         entry["kept"] = chosen is not None and entry["repair"] == chosen[0].label
