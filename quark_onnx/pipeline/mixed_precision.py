@@ -96,11 +96,40 @@ class PrecisionSearch:
         if self.repairer is not None:
             self.model, result = self.repairer(first)
             self.params = self.repairer.params
+        # judged again on samples no stage fitted on: the repair's rounding, fitted on the
+        # selection samples, measured 20.9 dB there on the PaddleOCR classifier and 13.8 dB held
+        # out, and a search that trusted it never started
+        judged = _measure(self.run, self.model)
+        result = judged if judged is not None else result
         if not result.faithful:
             self.model, self.params, result = search(
                 self.run, self.model, self.params, self.plan, result
             )
         return self.model, result
+
+
+def _judging(run: Any) -> tuple[list[Any], list[Any]]:
+    """The samples (and float reference) the search decides on: the run's search samples,
+    else (too few calibration samples) the selection samples."""
+    if run.search_samples:
+        return run.search_samples, run.search_reference
+    return run.fidelity_samples, run.reference
+
+
+def _measure(run: Any, model: Any, report: Any = None) -> Any:
+    """``model`` measured on the search's samples (None when it does not run)."""
+    from quark_onnx.pipeline import guard
+
+    samples, reference = _judging(run)
+    return guard.measure(
+        report if report is not None else run.report,
+        run.source,
+        model,
+        samples,
+        reference,
+        run.options,
+        run.anatomy or None,
+    )
 
 
 def search(run: Any, model: Any, params: Any, plan: Any, first: Any) -> tuple[Any, Any, Any]:
@@ -124,9 +153,10 @@ class _Search:
         self.manual = tuple(options.MixedPrecisionTensors)
         self.plan, self.activations = plan, plan.activation_names()
         self.limit = int(options.MixedPrecisionBudget * len(self.activations))
-        samples = run.fidelity_samples[:RANKING_SAMPLES]
+        judging, reference = _judging(run)
+        samples = judging[:RANKING_SAMPLES]
         error, self.shares = activation_contributions(
-            model, samples, run.reference[: len(samples)], run.anatomy or None
+            model, samples, reference[: len(samples)], run.anatomy or None
         )
         planned = set(self.activations)
         self.ranked = [
@@ -284,15 +314,7 @@ def _quantize_with(run: Any, tensors: tuple[str, ...]) -> tuple[Any, ...] | None
         trial.report.float_nodes = [
             {"node": f.name, "op_type": f.op_type, "reason": f.reason} for f in plan.float_nodes
         ]
-        result = guard.measure(
-            trial.report,
-            run.source,
-            model,
-            run.fidelity_samples,
-            run.reference,
-            options,
-            run.anatomy or None,
-        )
+        result = _measure(run, model, trial.report)
     if result is None:
         return None
     return trial, model, params, plan, result

@@ -316,6 +316,9 @@ class QuantizationRun(sequencer.Stages):
         #: held out from every stage that fits or chooses: the verdict's samples and reference
         self.verdict_samples: list[dict[str, np.ndarray]] = []
         self.verdict_reference: list[dict[str, np.ndarray]] = []
+        #: fitted by no stage, not held out: what the mixed-precision search decides on
+        self.search_samples: list[dict[str, np.ndarray]] = []
+        self.search_reference: list[dict[str, np.ndarray]] = []
         self.anatomy: dict[str, list[Any]] = {}  # graph output -> its parts (output_anatomy)
         self.samples: list[dict[str, np.ndarray]] = []  # kept for the stages after calibration
         self.prepared: onnx.ModelProto | None = None  # the float copy calibration reads
@@ -364,6 +367,12 @@ class QuantizationRun(sequencer.Stages):
             if self.options.FidelityCheck:
                 self.verdict_samples = self.reader.hold_out(self.options.FidelityHoldout)
             self.fidelity_samples = self.reader.peek(self.q._fidelity_samples())
+            if self._searches_precision():
+                # the mixed-precision search decides on samples no stage fits on: the ones
+                # after those the accuracy stages fit (they fit on the selection samples too)
+                fitted = max(self.q._samples_to_keep(), len(self.fidelity_samples))
+                self.search_samples = self.reader.peek(fitted + len(self.fidelity_samples))
+                self.search_samples = self.search_samples[fitted:]
         return model
 
     def prepare(self, model: Any) -> None:
@@ -371,12 +380,13 @@ class QuantizationRun(sequencer.Stages):
         with _stage(report, "prepare"):
             # the original model's outputs: the reference of the pass costs, of the guard's
             # choices and of the held-out verdict; the anatomy of its outputs (what each part is)
-            reference = guard.reference_outputs(
-                self.source, model, self.fidelity_samples + self.verdict_samples, self.options
-            )
+            samples = self.fidelity_samples + self.verdict_samples + self.search_samples
+            reference = guard.reference_outputs(self.source, model, samples, self.options)
             if reference is not None:
-                split = len(self.fidelity_samples)
-                self.reference, self.verdict_reference = reference[:split], reference[split:]
+                split, end = len(self.fidelity_samples), len(samples) - len(self.search_samples)
+                self.reference = reference[:split]
+                self.verdict_reference = reference[split:end]
+                self.search_reference = reference[end:]
                 self.anatomy = guard.output_anatomy(
                     model, (self.verdict_samples or self.fidelity_samples)[0]
                 )
