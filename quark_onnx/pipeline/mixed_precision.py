@@ -16,8 +16,8 @@ Q/DQ pair alone is left out (one gated session). The ranking only orders the can
 errors of a model do not add up (bias correction fitted around a tensor, errors that cancel), so
 each step quantizes the model again with the first ``k`` ranked tensors promoted (plan, NPU
 rules, positions, insertion and the accuracy stages from the same calibration) and measures it on
-the selection samples. ``k`` doubles (1, 2, 4, ...) up to ``MixedPrecisionBudget`` of the plan's
-activation tensors, then a bisection between the last miss and the first hit finds the smallest
+calibration samples no stage fitted on (after those the accuracy stages fit). ``k`` doubles (1,
+2, 4, ...) up to ``MixedPrecisionBudget`` of the plan's activation tensors, then a bisection between the last miss and the first hit finds the smallest
 ``k`` that meets the target: about ``2 log2(budget)`` quantizations. If none meets it, the
 attempt that measures best is kept when it is better than no promotion, and the verdict says the
 target is missed.
