@@ -151,14 +151,16 @@ class NoiseReader:
 
 
 def activation_elements(path: Path) -> int:
-    """Elements of every tensor of the float model for one sample (shape inference)."""
+    """Elements of every tensor of the float model for one sample (shape inference; a tensor
+    without a shape is not counted)."""
     import onnx
 
     model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
     total = 0
     for info in (*model.graph.input, *model.graph.value_info, *model.graph.output):
-        dims = [d.dim_value for d in info.type.tensor_type.shape.dim]
-        if dims and all(d > 0 for d in dims):
+        # a named dimension (the batch of a dynamic-batch model) counts as 1
+        dims = [d.dim_value or 1 for d in info.type.tensor_type.shape.dim]
+        if dims:
             total += int(np.prod(dims))
     return total
 
