@@ -16,7 +16,11 @@ Steps:
 5. In this process (onnxruntime of the project environment, the same for every tool): top-1 /
    top-1 drop, output SQNR against the float model, latency relative to the float model, and
    the verdict of ``quark_onnx.npu.readiness.check`` on every output (``n/a`` if not importable).
-6. ``results/<name>.json``, ``results/<name>.md`` and ``results/<name>.png`` (the chart is drawn
+6. With ``--paired N``: per model, N more rounds in which every tool quantizes once, one after
+   the other (the order alternating between rounds), and per peer the median over rounds of
+   quark_onnx's time over the peer's in the same round (quantization wall time, and the whole
+   child process's): a ratio measured under the same load, for a machine other work shares.
+7. ``results/<name>.json``, ``results/<name>.md`` and ``results/<name>.png`` (the chart is drawn
    by this script's ``--plot`` mode in the bench env, which has matplotlib).
 
 A tool that fails to install, import, quantize or run is recorded with its error text and
@@ -30,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -324,6 +329,7 @@ def markdown(results: dict[str, Any]) -> str:
             )
     lines += _checker_section(results)
     lines += _acceptance(results)
+    lines += _paired_table(results)
     if errors:
         lines += ["", "## Failures", ""]
         for model, name, err in errors:
@@ -573,6 +579,8 @@ def run(args: argparse.Namespace) -> int:
                 summary["error"] = rec.get("error", "")[-300:]
             log(f"  {summary}")
             mres["tools"][tool.name] = rec
+        if args.paired and "quark_onnx" in [t.name for t in usable]:
+            mres["paired"] = paired_runs(usable, model, own_python, args)
 
     results["meta"]["total_s"] = time.perf_counter() - t_start
     results = _jsonable(results)
@@ -591,6 +599,56 @@ def run(args: argparse.Namespace) -> int:
         log(f"WARNING: chart not drawn: {proc.stderr[-500:]}")
     log(f"wrote {json_path}, {md_path}, {png_path} in {results['meta']['total_s']:.0f} s")
     return 0
+
+
+def paired_runs(
+    tools: list[Tool], model: str, own_python: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``args.paired`` rounds of one quantization by every tool (order alternating); per peer the
+    median of the rounds' ratios quark_onnx / peer (module doc, step 6)."""
+    times: dict[str, list[tuple[float, float] | None]] = {t.name: [] for t in tools}
+    for round_ in range(args.paired):
+        order = tools if round_ % 2 == 0 else tools[::-1]
+        for tool in order:
+            rec = quantize(tool, model, own_python, args.timeout)
+            ok = rec.get("ok") and rec.get("quant_s") is not None
+            times[tool.name].append((rec["quant_s"], rec["process_s"]) if ok else None)
+        log(f"{model}: paired round {round_ + 1}: { ({k: v[-1] for k, v in times.items()}) }")
+    ours = times["quark_onnx"]
+    out: dict[str, Any] = {"rounds": args.paired, "times": times, "ratios": {}}
+    for name, theirs in times.items():
+        if name == "quark_onnx":
+            continue
+        pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if a and b]
+        if pairs:
+            out["ratios"][name] = {
+                "quant_s": round(statistics.median(a[0] / b[0] for a, b in pairs), 3),
+                "process_s": round(statistics.median(a[1] / b[1] for a, b in pairs), 3),
+                "pairs": len(pairs),
+            }
+    return out
+
+
+def _paired_table(results: dict[str, Any]) -> list[str]:
+    rows = [
+        f"| {model} | {peer} | {r['quant_s']:.2f}x | {r['process_s']:.2f}x | {r['pairs']} |"
+        for model, mres in results["models"].items()
+        for peer, r in mres.get("paired", {}).get("ratios", {}).items()
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "## Paired runs: quark_onnx time / peer time, median over rounds",
+        "",
+        "Each round quantizes with every tool once, back to back (order alternating), so both",
+        "times of a ratio were taken under the same load. Targets: ≤ 1.2x onnxruntime's",
+        "`quantize_static`, ≤ 0.25x AMD Quark.",
+        "",
+        "| model | peer | quantization wall | child process wall | rounds |",
+        "|---|---|---:|---:|---:|",
+        *rows,
+    ]
 
 
 def _best_of(
@@ -639,6 +697,12 @@ def main() -> int:
         type=int,
         default=1,
         help="quantize N times per tool and model, report the fastest (for a busy machine)",
+    )
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="N rounds of every tool back to back per model; median paired ratios (doc, step 6)",
     )
     p.add_argument("--no-setup", action="store_true", help="do not run peers/setup_envs.sh")
     p.add_argument("--plot", nargs=2, metavar=("RESULTS_JSON", "PNG"), help=argparse.SUPPRESS)

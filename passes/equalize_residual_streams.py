@@ -37,6 +37,9 @@ int8 scale at its MinMSE position (what calibration will choose), its error on c
 weighted by the readers' ``sum_k ||W_k[:, c]||^2``; each reader's power-of-two weight error
 times the mean square of the channel it reads; each writer's weight error on row ``c`` times
 the mean square of its input and the readers' weight on ``c`` (:func:`_predicted_noise`).
+A stream value larger than :data:`VALUE_BUDGET` elements on the samples enters the prediction
+at a random sample of its spatial positions (the ranges and mean squares are exact): the pass's
+cost is bounded by the number of stream values, not by the image size.
 
 Fires on: a set of values connected by Adds of two variable inputs (and by the homogeneous ops
 above, reading them as input 0) in which every value is produced by a Conv with constant float
@@ -227,7 +230,7 @@ class EqualizeResidualStreams(QuarkPass):
         readers = [conv_reader(n, 0, 0, c) for n in stream.readers.values()]
         if any(r is None for r in readers):
             return False
-        r1 = np.max([np.abs(data.values[v.name]).max(axis=(0, 2, 3)) for v in values], axis=0)  # type: ignore[index]
+        r1 = np.max([data.max_abs[v.name] for v in values], axis=0)  # type: ignore[index]
         r2 = np.max([r.ranges(c) for r in readers], axis=0)  # type: ignore[union-attr]
         s = power_of_two_scales(r1, r2, MAX_LOG2)
         if np.all(s == 1.0):
@@ -258,14 +261,47 @@ class EqualizeResidualStreams(QuarkPass):
 
 _EMPTY = np.zeros((0, 0), np.float32)
 
+#: Elements of one stream value the noise prediction keeps over all the samples (4 MiB of
+#: float32): a value larger than that on the samples is kept at this many elements, every sample
+#: contributing the same number of positions, drawn at random (fixed seed) without repetition.
+#: So the pass's memory and time grow with the number of stream values, not with the image
+#: size: a 512x896 segmenter's 16-channel stream at half resolution is 14.7 M elements on
+#: 8 samples; on bench_stage_cost.py's segmenter, holding every value whole took the pass 263 s
+#: and its process 1.47 GB, sampled 20 s and 0.43 GB (the same machine and load).
+#: The ranges (``r1``) and mean squares are measured on every element.
+VALUE_BUDGET = 1 << 20
+
 
 class _Samples:
-    """The streams' values on the samples (concatenated on axis 0) and the mean square of each
-    writer's input (the only thing the prediction needs of it: not kept whole)."""
+    """What the prediction reads of the streams on the samples: each value (concatenated on
+    axis 0; over :data:`VALUE_BUDGET` elements, a sample of its spatial positions), each value's
+    per-channel ``max |x|`` and mean square over every element, and the mean square of each
+    writer's input."""
 
-    def __init__(self, values: dict[str, np.ndarray], power: dict[str, float]) -> None:
+    def __init__(
+        self,
+        values: dict[str, np.ndarray],
+        max_abs: dict[str, np.ndarray],
+        mean_square: dict[str, np.ndarray],
+        power: dict[str, float],
+    ) -> None:
         self.values = values
+        self.max_abs = max_abs
+        self.mean_square = mean_square
         self.power = power
+
+
+def _kept(array: np.ndarray, samples: int, index: int) -> np.ndarray:
+    """``array`` (one sample's ``N x C x H x W`` value) whole, or at the spatial positions that
+    keep ``samples`` such arrays within :data:`VALUE_BUDGET` elements (``index``: the sample's
+    number, which seeds the positions)."""
+    n, c = array.shape[:2]
+    space = array.size // max(n * c, 1)
+    if array.size * samples <= VALUE_BUDGET or space <= 1:
+        return np.asarray(array, np.float32)
+    count = max(VALUE_BUDGET // (samples * n * c), 1)
+    where = np.sort(np.random.default_rng(index).choice(space, size=count, replace=False))
+    return np.asarray(array.reshape(n, c, 1, space)[..., where], np.float32)
 
 
 def _sample_values(
@@ -281,17 +317,31 @@ def _sample_values(
         model, purpose="residual_streams", edit=lambda p: sessions.add_outputs(p, wanted)
     )
     runs: dict[str, list[np.ndarray]] = {n: [] for n in kept}
+    peaks: dict[str, np.ndarray] = {}
+    squares: dict[str, np.ndarray] = {}
+    elements: dict[str, int] = {}
     sums = dict.fromkeys(powered, 0.0)
     counts = dict.fromkeys(powered, 0)
-    for feed in feeds:
+    for index, feed in enumerate(feeds):
         for name, array in zip(wanted, session.run(wanted, dict(feed)), strict=True):
             if name in sums:
                 sums[name] += float(np.square(array, dtype=np.float64).sum())
                 counts[name] += array.size
-            if name in runs:
-                runs[name].append(np.asarray(array, np.float32))
-    values = {n: np.concatenate(a) for n, a in runs.items() if a and a[0].ndim == 4}
-    return _Samples(values, {n: sums[n] / max(counts[n], 1) for n in powered})
+            if name not in runs or array.ndim != 4:
+                continue
+            runs[name].append(_kept(array, len(feeds), index))
+            peak = np.abs(array).max(axis=(0, 2, 3))
+            square = np.square(array, dtype=np.float64).sum(axis=(0, 2, 3))
+            if name in peaks:
+                peaks[name] = np.maximum(peaks[name], peak)
+                squares[name] += square
+                elements[name] += array.size // array.shape[1]
+            else:
+                peaks[name], squares[name] = peak, square
+                elements[name] = array.size // array.shape[1]
+    values = {n: np.concatenate(a) for n, a in runs.items() if a}
+    mean_square = {n: squares[n] / max(elements[n], 1) for n in squares}
+    return _Samples(values, peaks, mean_square, {n: sums[n] / max(counts[n], 1) for n in powered})
 
 
 def _predicted_noise(
@@ -308,8 +358,7 @@ def _predicted_noise(
         e = quant_error(x / s.reshape(shape).astype(np.float32)) * s.reshape(shape)
         noise += float(np.sum(np.square(e).mean(axis=(0, 2, 3)) * reads))
     for reader in readers:
-        x = data.values[reader.node.inputs[0].name]  # type: ignore[index]
-        mean_square = np.square(x, dtype=np.float64).mean(axis=(0, 2, 3)) / np.square(s)
+        mean_square = data.mean_square[reader.node.inputs[0].name] / np.square(s)  # type: ignore[index]
         error = column_energy(quant_error(reader.scaled(s)), reader.group)
         noise += float(np.sum(error * mean_square))
     for node in stream.producers.values():

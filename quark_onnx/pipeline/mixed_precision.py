@@ -17,10 +17,10 @@ errors of a model do not add up (bias correction fitted around a tensor, errors 
 each step quantizes the model again with the first ``k`` ranked tensors promoted (plan, NPU
 rules, positions, insertion and the accuracy stages from the same calibration) and measures it on
 calibration samples no stage fitted on (after those the accuracy stages fit). ``k`` doubles (1,
-2, 4, ...) up to ``MixedPrecisionBudget`` of the plan's activation tensors, then a bisection between the last miss and the first hit finds the smallest
-``k`` that meets the target: about ``2 log2(budget)`` quantizations. If none meets it, the
-attempt that measures best is kept when it is better than no promotion, and the verdict says the
-target is missed.
+2, 4, ...) up to ``MixedPrecisionBudget`` of the plan's activation tensors, then a bisection
+between the last miss and the first hit finds the smallest ``k`` that meets the target: about
+``2 log2(budget)`` quantizations. If none meets it, the attempt that measures best is kept when
+it is better than no promotion, and the verdict says the target is missed.
 
 The promotions are the option ``MixedPrecisionTensors`` (what a user may also list by hand): the
 recipe of the run (:attr:`~quark_onnx.pipeline.quantizer.ModelQuantizer.config_in_force`)

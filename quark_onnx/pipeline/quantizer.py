@@ -309,6 +309,7 @@ class QuantizationRun(sequencer.Stages):
         self.source = source
         self.model_input = model_input
         self.arguments = arguments
+        self.progress = arguments.get("progress")  # the stage lines follow the progress setting
         self.output: tuple[Any, Path | None, bool] = (None, None, False)
         self.reader: Any = None
         self.fidelity_samples: list[dict[str, np.ndarray]] = []

@@ -20,15 +20,21 @@ One ``ir.Model`` goes from ``load`` to ``finalize``; :func:`run` holds the only 
 pipeline keeps to it and drops it once the final ``ModelProto`` exists, so that the check and the
 save do not hold two forms of the model at once (:meth:`Stages.release` drops what a stage kept,
 before finalize).
+
+A stage that runs longer than a few seconds is announced while it runs and timed when it ends
+(:class:`~quark_onnx.runtime.progress.StageLine`, as :attr:`Stages.progress` says), except the
+parameters, whose calibration reports its own progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from typing import TYPE_CHECKING, Any
 
 from quark_onnx.runtime import memory
+from quark_onnx.runtime.progress import StageLine
 
 if TYPE_CHECKING:
     import onnx
@@ -52,6 +58,10 @@ class Outcome:
 class Stages:
     """The stages of one run. :meth:`load`, :meth:`parameters` and :meth:`finalize` must be given;
     the others do nothing by default."""
+
+    #: the stage lines: ``None`` (lines on a terminal, INFO records elsewhere) or ``False``
+    #: (none); anything else (a calibration progress callback) counts as ``None``
+    progress: Any = None
 
     def load(self) -> ir.Model:
         """The float model to quantize (the pipeline changes it in place)."""
@@ -103,21 +113,32 @@ class Stages:
         """Write the model."""
 
 
+def _line(stages: Stages, desc: str) -> contextlib.AbstractContextManager:
+    return StageLine(desc, enabled=False if stages.progress is False else None)
+
+
 def run(stages: Stages) -> Outcome:
     """Run ``stages`` in the pipeline's order (module docstring)."""
-    model = stages.load()
-    stages.prepare(model)
-    plan = stages.plan(model)
+    with _line(stages, "loading the model"):
+        model = stages.load()
+    with _line(stages, "preparing the float graph"):
+        stages.prepare(model)
+    with _line(stages, "planning"):
+        plan = stages.plan(model)
     parameters = stages.parameters(model, plan)
-    params = stages.insert(model, plan, parameters)
+    with _line(stages, "writing the Q/DQ pairs"):
+        params = stages.insert(model, plan, parameters)
     del parameters
-    params = stages.accuracy(model, plan, params)
-    model, params = stages.measure(model, plan, params)
+    with _line(stages, "accuracy stages (bias correction, rounding)"):
+        params = stages.accuracy(model, plan, params)
+    with _line(stages, "measuring the quantized model"):
+        model, params = stages.measure(model, plan, params)
     # nothing after the measurements reads the plan or the float copies: gone before finalize
     # writes the protobuf beside the working graph
     del plan
     stages.release()
-    quantized = stages.finalize(model)
+    with _line(stages, "finalizing"):
+        quantized = stages.finalize(model)
     # the graph objects of the working model are the largest thing held per node: dropped
     # before the check builds its own view of the quantized model (its node/value cycles need
     # a collection)
@@ -126,6 +147,8 @@ def run(stages: Stages) -> Outcome:
     # made beside the graph's objects, the parameters would keep heap pages the graph freed
     # through the check (measured: benchmarks/results/stage_memory_add_chain.txt)
     params = memory.compact(params)
-    stages.check(quantized)
-    stages.save(quantized)
+    with _line(stages, "checking readiness"):
+        stages.check(quantized)
+    with _line(stages, "saving"):
+        stages.save(quantized)
     return Outcome(quantized, params)

@@ -8,12 +8,18 @@
   seconds and one at the end, so logs stay short;
 * ``enabled=False`` shows nothing; a ``callback(done, total, rate)`` is called on every update in
   every mode (for GUIs and tests).
+
+:class:`StageLine` announces a stage of unknown length that runs longer than a few seconds (a
+pass over a large image, bias correction's replays): nothing for a quick stage, otherwise one
+line when it has run ``after`` seconds, one every ``log_interval`` seconds while it runs, and one
+with its time when it ends, so a long run never shows one unchanging line.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import IO
@@ -102,3 +108,62 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StageLine:
+    """Context manager: lines on ``stream`` (a terminal) or INFO records (elsewhere) for a stage
+    that runs over ``after`` seconds (module doc); ``enabled=False`` shows nothing."""
+
+    def __init__(
+        self,
+        desc: str,
+        *,
+        enabled: bool | None = None,
+        after: float = 3.0,
+        log_interval: float = 30.0,
+        stream: IO[str] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.desc = desc
+        self.after = after
+        self.log_interval = log_interval
+        self.stream = stream if stream is not None else sys.stderr
+        self.logger = logger or _logger
+        self.shown = 0  # lines written while the stage ran
+        self._done = threading.Event()
+        self._start = 0.0
+        self._thread: threading.Thread | None = None
+        if enabled is False:
+            self.mode = "off"
+        else:
+            is_tty = bool(getattr(self.stream, "isatty", lambda: False)())
+            self.mode = "tty" if is_tty else "log"
+
+    def _say(self, text: str) -> None:
+        if self.mode == "tty":
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        else:
+            self.logger.info("%s", text)
+
+    def _watch(self) -> None:
+        wait = self.after
+        while not self._done.wait(wait):
+            self._say(f"{self.desc}: running for {time.perf_counter() - self._start:.0f} s")
+            self.shown += 1
+            wait = self.log_interval
+
+    def __enter__(self) -> StageLine:
+        self._start = time.perf_counter()
+        if self.mode != "off":
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is None:
+            return
+        self._thread.join()
+        if self.shown:
+            self._say(f"{self.desc}: done in {time.perf_counter() - self._start:.1f} s")

@@ -14,6 +14,7 @@ from conftest import make_model, run_ort, shared_path
 from onnx import TensorProto, helper
 
 from quark_onnx.passes import EqualizeResidualStreams
+from quark_onnx.passes import equalize_residual_streams as ers
 from quark_onnx.passes.equalize_residual_streams import MAX_LOG2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -151,6 +152,33 @@ def test_outputs_bit_identical_and_scales_exact():
     before = _values(model, ["v2"], samples)[0]
     after = _values(out, ["v2"], samples)[0]
     assert after.max() / after.min() < before.max() / before.min() / 4
+
+
+def test_a_value_over_the_budget_is_sampled_at_a_fixed_count_of_positions(monkeypatch):
+    monkeypatch.setattr(ers, "VALUE_BUDGET", 2 * C * 64)  # two whole 1 x C x 8 x 8 samples
+    x = np.random.default_rng(5).standard_normal((1, C, 8, 8)).astype(np.float32)
+    assert np.array_equal(ers._kept(x, 2, 0), x)  # within the budget: whole
+    kept = ers._kept(x, 8, 3)  # 8 samples: 16 of the 64 positions of each
+    assert kept.shape == (1, C, 1, 16)
+    assert np.array_equal(kept, ers._kept(x, 8, 3))  # the same positions for the same sample
+    flat = x.reshape(1, C, 64)
+    where = [int(np.flatnonzero(flat[0, 0] == v)[0]) for v in kept[0, 0, 0]]
+    assert len(set(where)) == 16 and where == sorted(where)
+    np.testing.assert_array_equal(kept[..., 0, :], flat[..., where])  # every channel, same places
+
+
+def test_sampled_values_keep_the_exact_ranges_and_the_same_scales(monkeypatch):
+    """Over the budget only the noise prediction reads a sample of the positions: the scales
+    come from every value's exact ``max |x|``, so this clear case comes out as it does whole."""
+    model = _stream_model()
+    samples = _samples(model)
+    whole, modified = _apply(model, samples)
+    assert modified
+    monkeypatch.setattr(ers, "VALUE_BUDGET", 3 * C * 8)  # 8 of the 64 positions of each sample
+    sampled, modified = _apply(model, samples)
+    assert modified
+    for name, array in _inits(whole).items():
+        np.testing.assert_array_equal(_inits(sampled)[name], array)
 
 
 def test_through_a_relu_after_each_add():
