@@ -372,8 +372,8 @@ class QuantizationRun(sequencer.Stages):
                 # the mixed-precision search decides on samples no stage fits on: the ones
                 # after those the accuracy stages fit (they fit on the selection samples too)
                 fitted = max(self.q._samples_to_keep(), len(self.fidelity_samples))
-                self.search_samples = self.reader.peek(fitted + len(self.fidelity_samples))
-                self.search_samples = self.search_samples[fitted:]
+                count = mixed_precision.search_sample_count(self.fidelity_samples)
+                self.search_samples = self.reader.peek(fitted + count)[fitted:]
         return model
 
     def prepare(self, model: Any) -> None:
