@@ -29,15 +29,9 @@ def model_inputs(model: str | os.PathLike) -> list[Any]:
 
 def _signature(model: str | os.PathLike) -> Any:
     """``model`` without its external data: the readers read only its graph inputs."""
-    import onnx
+    from quark_onnx.model_files.load import read_proto
 
-    from quark_onnx.model_files.load import load_model
-
-    try:
-        return onnx.load(str(model), load_external_data=False)
-    except Exception:
-        load_model(model, upgrade_opset=False)  # raises ModelLoadError with the precise reason
-        raise
+    return read_proto(model)
 
 
 def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | None = None) -> Any:

@@ -34,14 +34,13 @@ def run(args: argparse.Namespace) -> int:
             what="--json report",
         )
     if args.random is not None:
-        import onnx
-
         from quark_onnx.calibration.sources import random_reader
+        from quark_onnx.model_files.load import read_proto
 
         if args.random < 1:
             raise ConfigError(f"--random {args.random}: expected a positive number")
         reader: Any = random_reader(
-            onnx.load(args.float_model, load_external_data=False),
+            read_proto(args.float_model),
             samples=min(args.random, args.limit or args.random),
             seed=args.seed,
         )

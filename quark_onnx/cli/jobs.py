@@ -90,11 +90,10 @@ def _exclude_warnings(job: Job, report: Any) -> None:
     missing = [n for n in job.settings.exclude if n not in excluded]
     if not missing:
         return
-    import onnx
-
     from quark_onnx.config.options import closest_name
+    from quark_onnx.model_files.load import read_proto
 
-    names = [n.name for n in onnx.load(job.model, load_external_data=False).graph.node if n.name]
+    names = [n.name for n in read_proto(job.model).graph.node if n.name]
     for name in missing:
         close = closest_name(name, names)
         hint = f"; did you mean {close!r}?" if close else ""
