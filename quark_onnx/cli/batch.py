@@ -218,9 +218,10 @@ def _interrupted(job: Job) -> Outcome:
 
 
 def _remove_staging(jobs: Sequence[Job]) -> None:
-    """Remove the staging folders of jobs whose worker had to be killed."""
+    """Remove the staging folders of jobs whose worker had to be killed: only this run's own
+    (named with each job's token), never those of another run writing to the same folder."""
     for job in jobs:
-        for leftover in Path(job.out_dir).glob(f".{job.name}.*.partial"):
+        for leftover in Path(job.out_dir).glob(job.staging_pattern()):
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
 

@@ -35,12 +35,15 @@ from quark_onnx.cli.common import (
     DEFAULT_PRESET,
     EXIT_FAILED,
     EXIT_OK,
+    MAX_SAMPLES,
     Formatter,
     add_models,
     add_output,
     add_settings,
+    check_count,
     log_level,
     preset_names,
+    require_file,
     wrap,
 )
 from quark_onnx.cli.jobs import Job
@@ -60,6 +63,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         p = Path(calib)
         if not p.exists():
             raise ConfigError(f"--calib {calib}: no such file or folder")
+        if not p.is_dir():
+            require_file(calib, "--calib", ".npz/.npy file or image folder")
         if p.is_file() and p.suffix.lower() not in NPZ_SUFFIXES:
             raise ConfigError(f"--calib {calib}: expected a .npz/.npy file or a folder of images")
         if p.is_file() and args.preprocess is not None:
@@ -74,8 +79,7 @@ def _check_flags(args: argparse.Namespace) -> None:
             )
     elif args.preprocess is not None:
         raise ConfigError("--preprocess needs --calib DIR (a folder of images)")
-    if args.random_calib is not None and args.random_calib < 1:
-        raise ConfigError(f"--random-calib {args.random_calib}: expected a positive number")
+    check_count(args.random_calib, "--random-calib", low=1, high=MAX_SAMPLES)
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
     if args.calib_limit is not None and args.calib_limit < 1:
