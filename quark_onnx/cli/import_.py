@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     source = Path(args.source)
     if source.is_dir():
-        if not (source / RECIPE_FILE).is_file():
+        if not os.path.lexists(source / RECIPE_FILE):
             raise ConfigError(f"{source}: a folder without {RECIPE_FILE}; not a recipe folder")
         if args.float_model is not None:
             require_file(args.float_model, "--float-model")

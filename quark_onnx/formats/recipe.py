@@ -449,7 +449,7 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
     path = folder / RECIPE_FILE
     if not folder.is_dir():
         raise RecipeError(f"{folder}: no such recipe folder")
-    if not path.is_file():
+    if not os.path.lexists(path):  # (a FIFO or folder there is named by the read below)
         raise RecipeError(
             f"{path}: missing; {folder} is not a recipe folder (write one with save_recipe or "
             "`quark-onnx export --format recipe`)"
@@ -493,7 +493,7 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
         raise RecipeError(f"{source}: 'preset' must be a string or null")
     config = None if doc.get("config") is None else config_from_json(doc["config"], source)
     params_path = folder / PARAMS_FILE
-    if not params_path.is_file():
+    if not os.path.lexists(params_path):
         raise RecipeError(f"{params_path}: missing; copy the whole recipe folder")
     try:
         arrays, _meta = safetensors_io.load_file(params_path, sha256=params_info["sha256"])

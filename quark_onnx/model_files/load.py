@@ -167,8 +167,19 @@ def read_proto(
     before one byte is read), at most :data:`MAX_MODEL_FILE_BYTES`, read once.
 
     Raises:
-        ModelLoadError: missing, not a regular file, too large, empty or not a protobuf.
+        ModelLoadError: not a path, missing, not a regular file, too large, empty or not a
+            protobuf.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        hint = (
+            " (serialized model bytes: pass onnx.load_from_string(data))"
+            if isinstance(path, (bytes, bytearray))
+            else ""
+        )
+        raise ModelLoadError(
+            f"expected the path of an {what} (or an onnx.ModelProto), got "
+            f"{type(path).__name__}{hint}"
+        )
     data = read_regular_file(path, limit=MAX_MODEL_FILE_BYTES, what=what, option=option)
     label = f"{option} {path}" if option else str(path)
     if not data:
