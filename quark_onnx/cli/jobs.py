@@ -23,6 +23,9 @@ from quark_onnx.cli.calibration import (
     calibration_reader,
     compare_count,
     comparison_feeds,
+    preparation_samples_path,
+    save_preparation_samples,
+    saved_samples_reader,
 )
 from quark_onnx.cli.common import one_line
 from quark_onnx.cli.settings import QuantizeSettings
@@ -150,6 +153,7 @@ _SUFFIXES = (
     ".report.txt",
     ".report.html",
     ".calibration.json",
+    ".calibration.npz",
 )
 
 
@@ -161,7 +165,7 @@ def _job_outputs(job: Job, *, every: bool = False) -> list[Path]:
     if not every and not job.settings.report_html:
         skip.add(".report.html")
     if not every and not job.settings.save_calibration:
-        skip.add(".calibration.json")
+        skip |= {".calibration.json", ".calibration.npz"}
     return [out_dir / f"{job.name}{s}" for s in _SUFFIXES if s not in skip]
 
 
@@ -170,6 +174,8 @@ def _guard_job_outputs(job: Job, load: Path | None) -> None:
     calibration data or result), a device or FIFO, or (without --overwrite) an existing model."""
     settings = job.settings
     inputs: list[Any] = [settings.calib, load]
+    if load is not None:
+        inputs.append(preparation_samples_path(load))
     for path in _job_outputs(job):
         if path.name.endswith(".onnx.data"):
             continue  # checked as the model's data file just below
@@ -276,6 +282,8 @@ def _quantize_into(
     if settings.load_calibration is None:  # calibration reads the samples the comparison needs
         quantizer.keep_samples = compare_count(settings)
     reader = calibration_reader(settings, model_path, reader_limit)
+    if reader is None:
+        reader = saved_samples_reader(settings, qconfig, model_path, load)
     save = out_dir / f"{job.name}.calibration.json" if settings.save_calibration else None
     quantizer.quantize_model(
         model_path,
@@ -288,6 +296,8 @@ def _quantize_into(
     report = quantizer.report
     if report is None:  # pragma: no cover - quantize_model always sets it
         raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
+    if save is not None and save.exists():
+        save_preparation_samples(settings, qconfig, model_path, preparation_samples_path(save))
     report.output = str(job.output)
     _exclude_warnings(job, report)
     if fixed_shapes:
