@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
+import os
 import shutil
 import sys
 import time
@@ -304,7 +305,10 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
         else:
             context = multiprocessing.get_context("spawn")
             pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=min(workers, len(jobs)), mp_context=context, initializer=worker_init
+                max_workers=min(workers, len(jobs)),
+                mp_context=context,
+                initializer=worker_init,
+                initargs=(os.getpid(),),
             )
             try:
                 console.line(

@@ -18,7 +18,7 @@ EXIT_USAGE = 2
 
 DEFAULT_PRESET = "XINT8"
 
-#: Most samples a count option may ask for (``--random``, ``--random-calib``, ``--limit``,
+#: Most samples a count option of ``compare`` may ask for (``--random``, ``--limit``,
 #: ``--worst``): the bound the calibration readers stop a reader of unknown length at
 #: (``quark_onnx.calibration.readers.DEFAULT_MAX_FEEDS``; not imported, the CLI starts light).
 MAX_SAMPLES = 10_000

@@ -391,12 +391,17 @@ def worker(job: Job) -> Outcome:
         return quantize_one(job)
 
 
-def worker_init() -> None:
+def worker_init(parent: int | None = None) -> None:
     """Workers ignore Ctrl-C (the terminal sends it to the whole process group): the main process
-    decides, and stops running jobs with SIGTERM."""
+    decides, and stops running jobs with SIGTERM. They end with the main process ``parent``
+    even when it is killed with SIGKILL (:func:`~quark_onnx.runtime.lifetime.die_with_parent`)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        from quark_onnx.runtime.lifetime import die_with_parent
+
+        die_with_parent(parent)
 
 
 def failed_outcome(job: Job, message: str, tb: str = "") -> Outcome:

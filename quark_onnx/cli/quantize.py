@@ -35,12 +35,10 @@ from quark_onnx.cli.common import (
     DEFAULT_PRESET,
     EXIT_FAILED,
     EXIT_OK,
-    MAX_SAMPLES,
     Formatter,
     add_models,
     add_output,
     add_settings,
-    check_count,
     log_level,
     preset_names,
     require_file,
@@ -79,7 +77,9 @@ def _check_flags(args: argparse.Namespace) -> None:
             )
     elif args.preprocess is not None:
         raise ConfigError("--preprocess needs --calib DIR (a folder of images)")
-    check_count(args.random_calib, "--random-calib", low=1, high=MAX_SAMPLES)
+    # (no upper bound: random samples are drawn one at a time, and a long calibration is asked)
+    if args.random_calib is not None and args.random_calib < 1:
+        raise ConfigError(f"--random-calib {args.random_calib}: expected a positive number")
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number")
     if args.calib_limit is not None and args.calib_limit < 1:
