@@ -74,9 +74,13 @@ class ModelQuantizer:
             raise ConfigError(
                 f"ModelQuantizer expects a quark_onnx.Config, got {type(config).__name__}"
             )
-        if calibration_shards < 1:
+        if (
+            not isinstance(calibration_shards, int)
+            or isinstance(calibration_shards, bool)
+            or calibration_shards < 1
+        ):
             raise ConfigError(
-                f"calibration_shards={calibration_shards}: expected a positive number"
+                f"calibration_shards={calibration_shards!r}: expected a positive whole number"
             )
         self.calibration_shards = calibration_shards
         self.shard_backend = shard_backend
@@ -348,6 +352,7 @@ class QuantizationRun(sequencer.Stages):
             if self.options.FidelityCheck:
                 self.verdict_samples = self.reader.hold_out(self.options.FidelityHoldout)
             self.fidelity_samples = self.reader.peek(self.q._fidelity_samples())
+        preflight.check_tensors(model, self.source, self.verdict_samples + self.fidelity_samples)
         return model
 
     def prepare(self, model: Any) -> None:
