@@ -97,7 +97,8 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCH
     ).stdout.strip()
     lines = [
-        f"# Peak RSS quantizing one {weight_mb:.0f} MB MatMul weight ({side}x{side} float32)",
+        f"# Peak RSS quantizing one {args.mib} MiB ({weight_mb:.0f} MB) MatMul weight "
+        f"({side}x{side} float32)",
         "",
         f"- command: `python benchmarks/bench_weight_memory.py --presets {args.presets}"
         + (f" --name {args.name}`" if args.name else "`")
