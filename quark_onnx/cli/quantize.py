@@ -278,14 +278,16 @@ def _add_calibration_flags(q: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--save-calibration",
         action="store_true",
-        help="also write OUT_DIR/MODEL.calibration.json (the calibration statistics) so that "
-        "re-quantizing with other options can skip calibration",
+        help="also write OUT_DIR/MODEL.calibration.json (the calibration statistics) and "
+        "MODEL.calibration.npz (the few samples the preparation passes measured) so that "
+        "re-quantizing with other options can skip calibration, with or without data",
     )
     data.add_argument(
         "--load-calibration",
         metavar="PATH",
         help="use calibration statistics saved by --save-calibration instead of running the "
-        "model: a file (one model) or a folder holding MODEL.calibration.json",
+        "model: a file (one model) or a folder holding MODEL.calibration.json; without --calib "
+        "the MODEL.calibration.npz beside it prepares the model as the saving run did",
     )
     data.add_argument(
         "--calib-shards",
