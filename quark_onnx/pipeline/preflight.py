@@ -58,11 +58,12 @@ def check_tensors(model: Any, source: str, samples: list[dict[str, Any]]) -> Non
     Raises:
         QuantizationError: a weight holds NaN (or an infinity, for a weight of a Conv, Gemm,
             MatMul...); a string initializer; an empty weight; a zero input dimension.
+        ModelLoadError: an initializer's bytes do not fill its declared type and shape.
         CalibrationError: a sample the passes measure on holds NaN or an infinity.
     """
     import numpy as np
 
-    from quark_onnx.errors import CalibrationError, QuantizationError
+    from quark_onnx.errors import CalibrationError, ModelLoadError, QuantizationError
 
     weights = {
         value.name
@@ -87,7 +88,15 @@ def check_tensors(model: Any, source: str, samples: list[dict[str, Any]]) -> Non
             )
         if not tensor.dtype.is_floating_point():
             continue
-        nans, infs, first = _non_finite(tensor.numpy())
+        try:
+            array = tensor.numpy()
+        except (ValueError, TypeError) as exc:  # bytes that do not fill the declared shape
+            raise ModelLoadError(
+                f"{source}: initializer {name!r} ({tensor.dtype.name}, shape "
+                f"{list(tensor.shape)}): its data does not match its type and shape ({exc}); "
+                "the file is corrupt: re-export or re-download it"
+            ) from exc
+        nans, infs, first = _non_finite(array)
         if nans or (infs and name in weights):
             raise QuantizationError(
                 f"{source}: initializer {name!r} holds {nans} NaN and {infs} infinite value(s) "
