@@ -17,7 +17,13 @@ once (measured: peak RSS about 5x the model). A model whose tensors add up to mo
 ``max_model_bytes`` (default :data:`MAX_MODEL_BYTES`, 1 GiB; external weights count, without
 being read) is not simplified: a warning names the model, its size and the limit, and the pass
 reports ``modified=False``. Below the limit, weights memory-mapped from external data are read
-into the copy given to onnxsim.
+into the copy given to onnxsim, except the large ones (:data:`HOLD_BYTES`) that no
+constant-foldable node reads (a MatMul or Conv weight applied to the model's input): onnxsim
+could not fold anything through them, yet would copy them several times (a 100 MB MatMul
+weight peaked at 620 MB here). They are handed to onnxsim as graph inputs of the same type and
+shape and become initializers again afterwards, holding the original (memory-mapped) tensors;
+onnxsim's fusions that need a weight's values (BatchNormalization into Conv) are then left to
+the quantizer's own ConvertBNToConv.
 
 ``onnxsim`` is imported inside the pass, so importing :mod:`quark_onnx.passes` does not load it.
 """
@@ -38,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 #: Models whose tensors exceed this many bytes are not given to onnxsim.
 MAX_MODEL_BYTES = 1 << 30
+#: Initializers of at least this many bytes that no constant-foldable node reads are kept out of
+#: onnxsim's copy (see the module docstring).
+HOLD_BYTES = 16 << 20
 _GIB = float(1 << 30)
 
 
@@ -65,6 +74,63 @@ def _structure(graph: onnx.GraphProto) -> tuple:
 def _op_domains(graph: onnx.GraphProto) -> set[str]:
     """The operator domains used by the nodes of ``graph`` ('' for the standard domain)."""
     return {"" if n.domain == "ai.onnx" else n.domain for n in graph.node}
+
+
+def _all_constant(node: ir.Node, constant: set[str]) -> bool:
+    return all(v is None or v.name in constant for v in node.inputs)
+
+
+def _held_initializers(graph: ir.Graph) -> list[ir.Value]:
+    """The initializers of at least :data:`HOLD_BYTES` that onnxsim cannot fold through: every
+    node reading them has an input that is not constant (computed from the graph's inputs)."""
+    constant = set(graph.initializers)
+    for node in graph:
+        if _all_constant(node, constant):
+            constant.update(o.name for o in node.outputs if o.name)
+    held = []
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or tensor.nbytes < HOLD_BYTES:
+            continue
+        if value.is_graph_input() or value.is_graph_output():
+            continue
+        uses = [node for node, _ in value.uses()]
+        if uses and all(
+            node.graph is graph
+            and any(v is not None and v.name not in constant for v in node.inputs)
+            for node in uses
+        ):
+            held.append(value)
+    return held
+
+
+def _proto_without(model: ir.Model, held: list[ir.Value]) -> onnx.ModelProto:
+    """``model`` serialized (external weights read in) with ``held`` as graph inputs, their
+    bytes neither read nor copied; ``model`` is left as it was."""
+    graph = model.graph
+    for value in held:
+        graph.initializers.pop(value.name)
+    try:
+        proto = to_proto(model)
+    finally:
+        for value in held:
+            graph.register_initializer(value)
+    for value in held:
+        proto.graph.input.append(ir.serde.serialize_value(value))
+    return proto
+
+
+def _restore(new: ir.Model, held: list[ir.Value]) -> None:
+    """Turn the graph inputs standing for ``held`` back into initializers holding the original
+    tensors (an input onnxsim removed, its weight no longer read, is left out)."""
+    inputs = {v.name: v for v in new.graph.inputs}
+    for value in held:
+        stand_in = inputs.get(value.name)
+        if stand_in is None:
+            continue
+        new.graph.inputs.remove(stand_in)
+        stand_in.const_value = value.const_value
+        new.graph.register_initializer(stand_in)
 
 
 def _model_label(model: ir.Model) -> str:
@@ -119,7 +185,9 @@ class SimplifyWithOnnxsim(QuarkPass):
                 "optimize_model: onnxsim not importable (%s); model %s not simplified", exc, label
             )
             return ir.passes.PassResult(model, modified=False)
-        proto = to_proto(model)  # external weights read in: onnxsim needs the values
+        held = _held_initializers(model.graph)
+        # external weights read in (onnxsim needs the values), but for the held ones
+        proto = _proto_without(model, held) if held else to_proto(model)
         before = _structure(proto.graph)
         try:
             simplified, check_ok = self._simplify(onnxsim, proto, optimize=True)
@@ -155,6 +223,8 @@ class SimplifyWithOnnxsim(QuarkPass):
         if _structure(simplified.graph) == before:
             return ir.passes.PassResult(model, modified=False)
         new = ir.serde.deserialize_model(simplified)
+        if held:
+            _restore(new, held)
         nodes_before = len(proto.graph.node)
         model.graph = new.graph
         model.ir_version = new.ir_version

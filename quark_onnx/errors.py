@@ -23,6 +23,11 @@ class ModelSaveError(QuarkOnnxError):
     """A model or report could not be written (bad path, refusing to overwrite the input, ...)."""
 
 
+class OutputAppearedError(ModelSaveError):
+    """An output that did not exist when the run started exists when it is to be placed: another
+    run wrote it meanwhile; it is left as it is (without ``overwrite``)."""
+
+
 class UnsafePathError(QuarkOnnxError):
     """A path (for example an external-data location) escapes the folder it must stay in."""
 

@@ -35,7 +35,12 @@ from quark_onnx.calibration.image_graph import (
 )
 from quark_onnx.calibration.image_spec import PreprocessSpec, _fmt_sides
 from quark_onnx.config.options import closest_name
-from quark_onnx.errors import CalibrationError, ModelLoadError
+from quark_onnx.errors import CalibrationError
+from quark_onnx.model_files.files import read_regular_file
+from quark_onnx.model_files.load import read_proto
+
+#: Largest image file read (a 100-megapixel PNG is far below; a FIFO or a disk image is not).
+MAX_IMAGE_FILE_BYTES = 256 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +164,9 @@ class ImageFolderDataReader:
 
     def _load(self, path: Path) -> np.ndarray:
         start = time.perf_counter()
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CalibrationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        data = read_regular_file(
+            path, limit=MAX_IMAGE_FILE_BYTES, what="calibration image", error=CalibrationError
+        )
         check_encoded_image(data, str(path))
         if self._session is None:
             self._session = make_preprocess_session(build_preprocess_graph(self.spec))
@@ -278,12 +282,7 @@ def _model_input(
         proto, label = model, model.graph.name or "model"
     else:
         label = str(model)
-        try:
-            proto = onnx.load(str(model), load_external_data=False)
-        except FileNotFoundError:
-            raise ModelLoadError(f"{label}: no such file") from None
-        except Exception as exc:
-            raise ModelLoadError(f"{label}: not a readable ONNX model ({exc})") from exc
+        proto = read_proto(model)
     initializers = {t.name for t in proto.graph.initializer}
     inputs = [v for v in proto.graph.input if v.name not in initializers]
     names = [v.name for v in inputs]

@@ -5,7 +5,6 @@ the first ``limit`` samples of an array are read."""
 from __future__ import annotations
 
 import os
-import stat
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from quark_onnx.errors import CalibrationError
+from quark_onnx.model_files.files import check_regular_file
 
 
 def max_array_bytes() -> int:
@@ -31,14 +31,7 @@ _NPY_MAGIC = b"\x93NUMPY"
 def _regular(p: Path) -> None:
     """Refuse anything but a regular file before opening it (a FIFO would block, a device never
     ends)."""
-    try:
-        mode = os.stat(p).st_mode
-    except OSError as exc:
-        raise CalibrationError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    if not stat.S_ISREG(mode):
-        raise CalibrationError(
-            f"{p}: is not a regular file (a folder, device, FIFO or socket); give a .npz/.npy file"
-        )
+    check_regular_file(p, what=".npz/.npy calibration file", error=CalibrationError)
 
 
 def npz_keys(path: str | os.PathLike) -> list[str] | None:
@@ -91,6 +84,11 @@ def _checked_shape(
         raise CalibrationError(
             f"{source} is a 0-d array (a single number); calibration arrays hold samples on "
             "axis 0: save shape (N, ...)"
+        )
+    if any(d < 0 for d in shape):
+        raise CalibrationError(
+            f"{source} declares shape {list(shape)} with a negative dimension; the file is "
+            "corrupt: save it again with numpy.save"
         )
     row = dtype.itemsize
     for d in shape[1:]:

@@ -30,6 +30,7 @@ import onnx
 from quark_onnx.calibration.npz_files import load_array, max_array_bytes, npz_keys
 from quark_onnx.config.options import ExtraOptions, closest_name
 from quark_onnx.errors import CalibrationError
+from quark_onnx.model_files.files import check_regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +232,7 @@ class NpzDataReader(ArrayDataReader):
         limit: int | None = None,
     ) -> None:
         p = Path(path)
-        if not p.is_file():
-            raise CalibrationError(f"{p}: calibration data file not found")
+        check_regular_file(p, what="calibration data file", error=CalibrationError)
         keys = npz_keys(p)
         chosen = key
         if keys is None:

@@ -289,8 +289,17 @@ class CalibrationResult:
         data = read_regular_file(
             p, limit=MAX_RESULT_BYTES, what="calibration result", error=CalibrationError
         )
+
+        def non_finite(token: str) -> float:
+            # save() writes with allow_nan=False: a NaN or infinity here was put by hand, and
+            # would surface later as a range no position covers, naming no file
+            raise CalibrationError(
+                f"{p}: holds {token}, which a saved calibration result never does (it was "
+                "edited or written by another program); calibrate again"
+            )
+
         try:
-            d = json.loads(data)
+            d = json.loads(data, parse_constant=non_finite)
         except (ValueError, RecursionError) as exc:
             # (RecursionError: nested deeper than the JSON parser's recursion limit)
             raise CalibrationError(

@@ -37,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -235,8 +236,12 @@ def calibrate_sharded(
 def _map_processes(model_bytes: bytes, rest: list[tuple]) -> list[ShardStatistics]:
     """``calibrate_shard`` of every shard, one spawned process each (onnxruntime and ``fork``
     do not mix); results in shard order, the first failure re-raised."""
+    from quark_onnx.runtime.lifetime import die_with_parent
+
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(len(rest), mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        len(rest), mp_context=context, initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = [pool.submit(calibrate_shard, model_bytes, *args) for args in rest]
         try:
             return [f.result() for f in futures]

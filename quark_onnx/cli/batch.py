@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
+import os
 import shutil
 import sys
 import time
@@ -232,9 +233,10 @@ def _interrupted(job: Job) -> Outcome:
 
 
 def _remove_staging(jobs: Sequence[Job]) -> None:
-    """Remove the staging folders of jobs whose worker had to be killed."""
+    """Remove the staging folders of jobs whose worker had to be killed: only this run's own
+    (named with each job's token), never those of another run writing to the same folder."""
     for job in jobs:
-        for leftover in Path(job.out_dir).glob(f".{job.name}.*.partial"):
+        for leftover in Path(job.out_dir).glob(job.staging_pattern()):
             if leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
 
@@ -317,7 +319,10 @@ def run_batch(jobs: Sequence[Job], workers: int, console: Console, debug: bool) 
         else:
             context = multiprocessing.get_context("spawn")
             pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=min(workers, len(jobs)), mp_context=context, initializer=worker_init
+                max_workers=min(workers, len(jobs)),
+                mp_context=context,
+                initializer=worker_init,
+                initargs=(os.getpid(),),
             )
             try:
                 console.line(

@@ -29,15 +29,9 @@ def model_inputs(model: str | os.PathLike) -> list[Any]:
 
 def _signature(model: str | os.PathLike) -> Any:
     """``model`` without its external data: the readers read only its graph inputs."""
-    import onnx
+    from quark_onnx.model_files.load import read_proto
 
-    from quark_onnx.model_files.load import load_model
-
-    try:
-        return onnx.load(str(model), load_external_data=False)
-    except Exception:
-        load_model(model, upgrade_opset=False)  # raises ModelLoadError with the precise reason
-        raise
+    return read_proto(model)
 
 
 def npz_reader(path: str | os.PathLike, model: str | os.PathLike, limit: int | None = None) -> Any:
@@ -60,6 +54,69 @@ def calibration_reader(settings: QuantizeSettings, model: str | os.PathLike, lim
     return open_reader(
         calib, _signature(model), model_path=model, preprocess=preprocess, limit=limit
     )
+
+
+def preparation_samples_path(result: Path) -> Path:
+    """Where the samples the preparation measured are saved beside a calibration result:
+    ``NAME.calibration.json`` -> ``NAME.calibration.npz``."""
+    return result.with_name(result.stem + ".npz")
+
+
+def save_preparation_samples(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike, path: Path
+) -> bool:
+    """Write the samples the preparation passes measured on (the first ``FidelitySamples``
+    after the held-out ones, as the quantizer took them) to ``path``, for ``--load-calibration``.
+
+    Why: several preparation passes decide on those samples (cross-layer equalization's gate,
+    FoldConstantChannels, the activation equalizations), so a later run without data would
+    prepare another model and the saved result, which is for the prepared model, would not fit
+    it. With these samples the later run prepares the same model. Returns False when there
+    is no data (nothing written).
+    """
+    import numpy as np
+
+    from quark_onnx.calibration.sources import calibration_source
+    from quark_onnx.model_files.files import atomic_write_bytes
+
+    options = qconfig.resolved_options()
+    source = calibration_source(
+        calibration_reader(settings, model, settings.calib_limit),
+        None,
+        options,
+        model=_signature(model),
+    )
+    if source is None:
+        return False
+    if options.FidelityCheck:
+        source.hold_out(options.FidelityHoldout)
+    samples = source.peek(options.FidelitySamples if options.FidelityCheck else 1)
+    if not samples:
+        return False
+    import io
+
+    arrays = {
+        name: np.concatenate([np.asarray(s[name]) for s in samples], axis=0) for name in samples[0]
+    }
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue())
+    return True
+
+
+def saved_samples_reader(
+    settings: QuantizeSettings, qconfig: Any, model: str | os.PathLike, result: Path | None
+) -> Any:
+    """With ``--load-calibration`` and no data: a reader over the preparation samples saved
+    beside the result (:func:`save_preparation_samples`), none held out so that the preparation
+    measures the very samples it measured when the result was saved; None without them."""
+    if result is None or settings.calib is not None or settings.random_samples is not None:
+        return None
+    samples = preparation_samples_path(result)
+    if not os.path.lexists(samples):
+        return None
+    qconfig.extra_options["FidelityHoldout"] = 0
+    return npz_reader(samples, model)
 
 
 def compare_count(settings: QuantizeSettings) -> int:

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from quark_onnx.errors import ConfigError, ModelSaveError
+from quark_onnx.model_files.files import check_regular_file
 from quark_onnx.model_files.paths import check_output_path
 
 #: Exit codes.
@@ -16,6 +17,11 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 DEFAULT_PRESET = "XINT8"
+
+#: Most samples a count option of ``compare`` may ask for (``--random``, ``--limit``,
+#: ``--worst``): the bound the calibration readers stop a reader of unknown length at
+#: (``quark_onnx.calibration.readers.DEFAULT_MAX_FEEDS``; not imported, the CLI starts light).
+MAX_SAMPLES = 10_000
 
 
 def one_line(text: str) -> str:
@@ -31,9 +37,18 @@ def log_level(args: argparse.Namespace) -> int:
     return logging.WARNING
 
 
-def require_file(path: str, flag: str) -> None:
-    if not Path(path).is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
+def require_file(path: str, flag: str, what: str = "file") -> None:
+    """``path`` (given with ``flag``) is a regular file (a FIFO or device is named as such)."""
+    check_regular_file(path, what=what, error=ConfigError, option=flag)
+
+
+def check_count(value: int | None, flag: str, *, low: int, high: int, meaning: str = "") -> None:
+    """A count option within ``[low, high]`` (None: not given). The upper bound keeps a typo
+    (``--random 1000000000``) from running for hours or exhausting memory."""
+    if value is None or low <= value <= high:
+        return
+    zero = f" ({meaning})" if meaning else ""
+    raise ConfigError(f"{flag} {value}: expected a number from {low}{zero} to {high}")
 
 
 def check_not_input(output: str, model: str, overwrite: bool) -> None:

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from quark_onnx.cli.calibration import calibration_reader
-from quark_onnx.cli.common import EXIT_OK, Formatter, wrap
+from quark_onnx.cli.common import (
+    EXIT_OK,
+    MAX_SAMPLES,
+    Formatter,
+    check_count,
+    require_file,
+    wrap,
+)
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ConfigError
 from quark_onnx.model_files.paths import check_output_path
@@ -23,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("compare needs data: give either --data FILE.npz|DIR or --random N")
     if args.preprocess is not None and (args.data is None or not Path(args.data).is_dir()):
         raise ConfigError("--preprocess applies to an image folder given with --data DIR")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit {args.limit}: expected a positive number")
+    check_count(args.random, "--random", low=1, high=MAX_SAMPLES)
+    check_count(args.limit, "--limit", low=1, high=MAX_SAMPLES)
+    check_count(args.worst, "--worst", low=0, high=MAX_SAMPLES, meaning="0: all")
     if args.json is not None:  # before any work: never over an input
         check_output_path(
             args.json,
@@ -34,14 +42,11 @@ def run(args: argparse.Namespace) -> int:
             what="--json report",
         )
     if args.random is not None:
-        import onnx
-
         from quark_onnx.calibration.sources import random_reader
+        from quark_onnx.model_files.load import read_proto
 
-        if args.random < 1:
-            raise ConfigError(f"--random {args.random}: expected a positive number")
         reader: Any = random_reader(
-            onnx.load(args.float_model, load_external_data=False),
+            read_proto(args.float_model),
             samples=min(args.random, args.limit or args.random),
             seed=args.seed,
         )
@@ -49,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         data = Path(args.data)
         if not data.exists():
             raise ConfigError(f"--data {data}: no such file or folder")
+        if not data.is_dir():
+            require_file(str(data), "--data", ".npz/.npy file or image folder")
         settings = QuantizeSettings(calib=str(data), preprocess=args.preprocess)
         settings.preprocess_spec()
         reader = calibration_reader(settings, args.float_model, args.limit)

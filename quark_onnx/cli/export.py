@@ -95,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
                 f"GGUF export is not available ({exc}); pip install 'quark_onnx[gguf]'"
             ) from exc
         check_not_input(args.output, args.model, args.overwrite)
-        summary = export_gguf(args.model, args.output, require_exact=args.require_exact)
+        summary = export_gguf(
+            args.model, args.output, require_exact=args.require_exact, replace=args.overwrite
+        )
         counts = ", ".join(f"{n} {t}" for t, n in sorted(summary.get("counts", {}).items()))
         print(
             f"{args.model}: wrote {summary.get('path', args.output)}: "
@@ -116,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         args.output,
         input_path=args.model,
         external_data=True if args.external_data else None,
+        replace=args.overwrite,
     )
     print(f"{args.model}: written to {args.output}")
     return EXIT_OK

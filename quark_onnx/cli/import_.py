@@ -5,6 +5,7 @@ into a quantized model without calibration.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from quark_onnx.cli.common import (
     wrap,
 )
 from quark_onnx.errors import ConfigError, ModelSaveError
+from quark_onnx.model_files.files import check_regular_file
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,18 +27,19 @@ def run(args: argparse.Namespace) -> int:
 
     source = Path(args.source)
     if source.is_dir():
-        if not (source / RECIPE_FILE).is_file():
+        if not os.path.lexists(source / RECIPE_FILE):
             raise ConfigError(f"{source}: a folder without {RECIPE_FILE}; not a recipe folder")
         if args.float_model is not None:
             require_file(args.float_model, "--float-model")
         out = Path(args.output)
         if out.exists() and not args.overwrite:
             raise ModelSaveError(f"{out} exists; pass --overwrite to replace it")
-        load_recipe(source, args.float_model, out, overwrite=False)
+        load_recipe(source, args.float_model, out, overwrite=args.overwrite)
         print(f"{source}: quantized model rebuilt to {out} (no calibration)")
         return EXIT_OK
-    if not source.is_file():
+    if not os.path.lexists(source):
         raise ConfigError(f"{source}: no such QDQ model file or recipe folder")
+    check_regular_file(source, what="QDQ model file or recipe folder", error=ConfigError)
     if args.float_model is not None:
         raise ConfigError(
             "--float-model applies to rebuilding from a recipe folder; importing a QDQ model "

@@ -3,12 +3,14 @@ staging folder (runs in the main process, in a ``--jobs`` worker or in a Ray tas
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -21,11 +23,19 @@ from quark_onnx.cli.calibration import (
     calibration_reader,
     compare_count,
     comparison_feeds,
+    preparation_samples_path,
+    save_preparation_samples,
+    saved_samples_reader,
 )
 from quark_onnx.cli.common import one_line
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ModelSaveError, QuarkOnnxError
-from quark_onnx.model_files.files import sigterm_as_interrupt
+from quark_onnx.model_files.files import (
+    _PARTIAL_SUFFIX,
+    check_regular_file,
+    place_file,
+    sigterm_as_interrupt,
+)
 from quark_onnx.model_files.paths import check_output_path
 
 logger = logging.getLogger("quark_onnx.cli")
@@ -40,10 +50,25 @@ class Job:
     name: str
     out_dir: str
     settings: QuantizeSettings
+    #: this job's identity in its staging folder's name: the folder the run removes on an
+    #: interrupt is its own, never that of another run writing to the same folder
+    token: str = field(default_factory=lambda: secrets.token_hex(6))
 
     @property
     def output(self) -> Path:
         return Path(self.out_dir) / f"{self.name}.onnx"
+
+    def staging_pattern(self) -> str:
+        """The glob of this job's staging folders (whatever process made them)."""
+        return f".{glob.escape(self.output.name)}.*.{self.token}{_PARTIAL_SUFFIX}"
+
+    def new_staging(self) -> Path:
+        """Create this job's staging folder: ``.<name>.onnx.<pid>.<token>.partial`` (the process
+        id lets a later run recognise, and remove, a folder left by a killed process)."""
+        path = Path(self.out_dir) / f".{self.output.name}.{os.getpid()}.{self.token}"
+        path = path.with_name(path.name + _PARTIAL_SUFFIX)
+        path.mkdir(mode=0o700)
+        return path
 
 
 @dataclass
@@ -98,11 +123,10 @@ def _exclude_warnings(job: Job, report: Any) -> None:
     missing = [n for n in job.settings.exclude if n not in excluded]
     if not missing:
         return
-    import onnx
-
     from quark_onnx.config.options import closest_name
+    from quark_onnx.model_files.load import read_proto
 
-    names = [n.name for n in onnx.load(job.model, load_external_data=False).graph.node if n.name]
+    names = [n.name for n in read_proto(job.model).graph.node if n.name]
     for name in missing:
         close = closest_name(name, names)
         hint = f"; did you mean {close!r}?" if close else ""
@@ -129,21 +153,29 @@ def quantize_one(job: Job) -> Outcome:
     return outcome
 
 
-def _job_outputs(job: Job) -> list[Path]:
-    """Every file a job writes into the output folder, data file before its model."""
+#: What a job may write beside ``NAME``, data file before its model (placed in this order).
+_SUFFIXES = (
+    ".onnx.data",
+    ".onnx",
+    ".report.json",
+    ".compare.json",
+    ".report.txt",
+    ".report.html",
+    ".calibration.json",
+    ".calibration.npz",
+)
+
+
+def _job_outputs(job: Job, *, every: bool = False) -> list[Path]:
+    """Every file a job writes into the output folder, data file before its model (``every``:
+    also those its settings do not ask for, i.e. every file a run of this name may own)."""
     out_dir = Path(job.out_dir)
-    names = [
-        f"{job.name}.onnx.data",
-        f"{job.name}.onnx",
-        f"{job.name}.report.json",
-        f"{job.name}.compare.json",
-        f"{job.name}.report.txt",
-    ]
-    if job.settings.report_html:
-        names.append(f"{job.name}.report.html")
-    if job.settings.save_calibration:
-        names.append(f"{job.name}.calibration.json")
-    return [out_dir / n for n in names]
+    skip = set()
+    if not every and not job.settings.report_html:
+        skip.add(".report.html")
+    if not every and not job.settings.save_calibration:
+        skip |= {".calibration.json", ".calibration.npz"}
+    return [out_dir / f"{job.name}{s}" for s in _SUFFIXES if s not in skip]
 
 
 def _guard_job_outputs(job: Job, load: Path | None) -> None:
@@ -151,6 +183,8 @@ def _guard_job_outputs(job: Job, load: Path | None) -> None:
     calibration data or result), a device or FIFO, or (without --overwrite) an existing model."""
     settings = job.settings
     inputs: list[Any] = [settings.calib, load]
+    if load is not None:
+        inputs.append(preparation_samples_path(load))
     for path in _job_outputs(job):
         if path.name.endswith(".onnx.data"):
             continue  # checked as the model's data file just below
@@ -165,17 +199,17 @@ def _guard_job_outputs(job: Job, load: Path | None) -> None:
 
 
 def _quantize_one(job: Job, outcome: Outcome) -> None:
-    from quark_onnx.errors import ModelLoadError
-
     settings = job.settings
     model_path = Path(job.model)
-    if not model_path.is_file():
-        raise ModelLoadError(f"{job.model}: no such model file")
+    check_regular_file(model_path, what="ONNX model")
     final = job.output
-    if final.exists() and not settings.overwrite:
-        raise ModelSaveError(
-            f"{final} exists; pass --overwrite to replace it, or choose another output folder"
-        )
+    if not settings.overwrite:
+        for path in (final, final.with_name(final.name + ".data")):
+            if os.path.lexists(path):
+                raise ModelSaveError(
+                    f"{path} exists; pass --overwrite to replace it, or choose another output "
+                    "folder"
+                )
     load = None
     if settings.load_calibration is not None:
         load = Path(settings.load_calibration)
@@ -184,13 +218,16 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     _guard_job_outputs(job, load)
     # Every file is written into a private folder beside the outputs and moved into place only
     # when the whole job succeeded: a job that fails (or is interrupted) leaves nothing behind.
-    staging = Path(tempfile.mkdtemp(prefix=f".{job.name}.", suffix=".partial", dir=job.out_dir))
+    try:
+        staging = job.new_staging()
+    except OSError as exc:
+        raise ModelSaveError(
+            f"{job.out_dir}: cannot create the staging folder of {job.name} "
+            f"({exc.strerror or exc}); check free space and permissions"
+        ) from exc
     try:
         _quantize_into(job, outcome, staging, load, reader_limit=settings.calib_limit)
-        for path in _job_outputs(job):
-            staged = staging / path.name
-            if staged.exists():
-                os.replace(staged, path)
+        _place_outputs(job, staging)
     except OSError as exc:
         raise ModelSaveError(
             f"{job.out_dir}: cannot write the outputs of {job.name} ({exc.strerror or exc}); "
@@ -199,6 +236,38 @@ def _quantize_one(job: Job, outcome: Outcome) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     outcome.output = str(final)
+
+
+def _place_outputs(job: Job, staging: Path) -> None:
+    """Move the staged outputs into the output folder.
+
+    Without ``--overwrite`` the model and its data file are placed exclusively: of two runs
+    writing the same model, the second finds it there and fails (what it had placed of its own
+    removed again), leaving the first run's files as they are. With ``--overwrite`` every file a
+    run of this name owns and this run did not write (the ``.calibration.json``, ``.compare.json``
+    or ``.onnx.data`` of the previous run) is removed, so no stale companion stays beside the
+    new model.
+    """
+    exclusive = {job.output, job.output.with_name(job.output.name + ".data")}
+    written = [path for path in _job_outputs(job) if (staging / path.name).exists()]
+    placed: list[Path] = []
+    try:
+        for path in written:
+            replace = job.settings.overwrite or path not in exclusive
+            place_file(staging / path.name, path, replace=replace)
+            if not replace:
+                placed.append(path)
+    except BaseException:
+        for path in placed:  # only files placed exclusively: they are this run's own
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    if job.settings.overwrite:
+        for path in _job_outputs(job, every=True):
+            if path not in written and os.path.lexists(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    logger.info("%s: removed %s of the previous run", job.name, path.name)
 
 
 def _quantize_into(
@@ -222,6 +291,8 @@ def _quantize_into(
     if settings.load_calibration is None:  # calibration reads the samples the comparison needs
         quantizer.keep_samples = compare_count(settings)
     reader = calibration_reader(settings, model_path, reader_limit)
+    if reader is None:
+        reader = saved_samples_reader(settings, qconfig, model_path, load)
     save = out_dir / f"{job.name}.calibration.json" if settings.save_calibration else None
     quantizer.quantize_model(
         model_path,
@@ -234,6 +305,8 @@ def _quantize_into(
     report = quantizer.report
     if report is None:  # pragma: no cover - quantize_model always sets it
         raise QuarkOnnxError(f"{job.model}: the quantizer returned no report")
+    if save is not None and save.exists():
+        save_preparation_samples(settings, qconfig, model_path, preparation_samples_path(save))
     report.output = str(job.output)
     _exclude_warnings(job, report)
     if fixed_shapes:
@@ -343,12 +416,17 @@ def worker(job: Job) -> Outcome:
         return quantize_one(job)
 
 
-def worker_init() -> None:
+def worker_init(parent: int | None = None) -> None:
     """Workers ignore Ctrl-C (the terminal sends it to the whole process group): the main process
-    decides, and stops running jobs with SIGTERM."""
+    decides, and stops running jobs with SIGTERM. They end with the main process ``parent``
+    even when it is killed with SIGKILL (:func:`~quark_onnx.runtime.lifetime.die_with_parent`)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        from quark_onnx.runtime.lifetime import die_with_parent
+
+        die_with_parent(parent)
 
 
 def failed_outcome(job: Job, message: str, tb: str = "") -> Outcome:

@@ -40,6 +40,7 @@ from quark_onnx.cli.common import (
     add_settings,
     log_level,
     preset_names,
+    require_file,
     wrap,
 )
 from quark_onnx.cli.jobs import Job
@@ -63,6 +64,8 @@ def check_calibration(
         p = Path(calib)
         if not p.exists():
             raise ConfigError(f"{at}--calib {calib}: no such file or folder")
+        if not p.is_dir():
+            require_file(calib, f"{at}--calib", ".npz/.npy file or image folder")
         if p.is_file() and p.suffix.lower() not in NPZ_SUFFIXES:
             raise ConfigError(
                 f"{at}--calib {calib}: expected a .npz/.npy file or a folder of images"
@@ -355,14 +358,16 @@ def _add_calibration_flags(q: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--save-calibration",
         action="store_true",
-        help="also write OUT_DIR/MODEL.calibration.json (the calibration statistics) so that "
-        "re-quantizing with other options can skip calibration",
+        help="also write OUT_DIR/MODEL.calibration.json (the calibration statistics) and "
+        "MODEL.calibration.npz (the few samples the preparation passes measured) so that "
+        "re-quantizing with other options can skip calibration, with or without data",
     )
     data.add_argument(
         "--load-calibration",
         metavar="PATH",
         help="use calibration statistics saved by --save-calibration instead of running the "
-        "model: a file (one model) or a folder holding MODEL.calibration.json",
+        "model: a file (one model) or a folder holding MODEL.calibration.json; without --calib "
+        "the MODEL.calibration.npz beside it prepares the model as the saving run did",
     )
     data.add_argument(
         "--calib-shards",

@@ -154,6 +154,7 @@ def export_gguf(
     require_exact: bool = False,
     include_float: bool = True,
     arch: str = "quark_onnx",
+    replace: bool = True,
 ) -> dict[str, Any]:
     """Write the weight-only quantized tensors (and float initializers) of ``model`` to GGUF.
 
@@ -167,6 +168,8 @@ def export_gguf(
             is not a float16 value).
         include_float: also write the float initializers (F32/F16/BF16/F64, exact).
         arch: the ``general.architecture`` value of the file.
+        replace: replace an existing ``path`` (default); ``False`` places the file exclusively
+            (``OutputAppearedError`` if it exists by then: another run wrote it).
 
     Returns:
         A summary: ``path``, ``source``, ``written`` (one dict per tensor: ``name``,
@@ -207,7 +210,7 @@ def export_gguf(
                 "significant bits, e.g. powers of two) or export without require_exact"
             )
     name = proto.graph.name or (Path(input_path).stem if input_path else "model")
-    _write(gguf, out, plan.entries, arch=arch, model_name=name)
+    _write(gguf, out, plan.entries, arch=arch, model_name=name, replace=replace)
     counts: dict[str, int] = {}
     for e in plan.entries:
         counts[e.ggml_type] = counts.get(e.ggml_type, 0) + 1
@@ -558,10 +561,17 @@ def _gguf_name(name: str, names: set[str]) -> str:
 
 
 def _write(
-    gguf: ModuleType, out: Path, entries: list[_Entry], *, arch: str, model_name: str
+    gguf: ModuleType,
+    out: Path,
+    entries: list[_Entry],
+    *,
+    arch: str,
+    model_name: str,
+    replace: bool = True,
 ) -> None:
-    """Write the GGUF file under a temporary name beside ``out``, then rename it into place."""
-    from quark_onnx.model_files.files import temp_file_beside, temp_file_done
+    """Write the GGUF file under a temporary name beside ``out``, then move it into place
+    (:func:`~quark_onnx.model_files.files.place_file`)."""
+    from quark_onnx.model_files.files import place_file, temp_file_beside, temp_file_done
 
     fd, tmp = temp_file_beside(out)
     os.close(fd)
@@ -584,7 +594,7 @@ def _write(
         for f in writer.fout or ():
             os.fsync(f.fileno())
         writer.close()
-        os.replace(tmp, out)
+        place_file(tmp, out, replace=replace)
     except BaseException as exc:
         if writer is not None:
             with contextlib.suppress(Exception):

@@ -43,12 +43,16 @@ the arrays and the float model, an unknown format version, and parameters
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +60,7 @@ from typing import Any
 import onnx
 
 from quark_onnx.config.quantization import Config, QuantizationConfig
-from quark_onnx.errors import ModelSaveError, QuarkOnnxError
+from quark_onnx.errors import ModelSaveError, OutputAppearedError, QuarkOnnxError
 from quark_onnx.formats import safetensors_io
 from quark_onnx.formats.recipe_format import (
     FLOAT_MODEL_FILE,
@@ -73,7 +77,12 @@ from quark_onnx.formats.recipe_format import (
     config_from_json,
     first_difference,
 )
-from quark_onnx.model_files.files import check_path_text, read_regular_file
+from quark_onnx.model_files.files import (
+    _PARTIAL_SUFFIX,
+    check_path_text,
+    read_regular_file,
+    remove_stale_partials,
+)
 from quark_onnx.model_files.load import load_model, to_ir, to_proto, validate_proto
 from quark_onnx.model_files.paths import check_output_path
 from quark_onnx.model_files.save import save_model
@@ -266,8 +275,42 @@ def _prepare_directory(directory: str | os.PathLike, overwrite: bool) -> Path:
         )
     if not out.parent.exists():
         raise ModelSaveError(f"{out}: folder {out.parent} does not exist; create it first")
-    out.mkdir(exist_ok=True)
+    remove_stale_partials(out)
     return out
+
+
+@contextlib.contextmanager
+def _recipe_folder(out: Path) -> Iterator[Path]:
+    """The folder to write the recipe's files into.
+
+    A folder that exists is written into (``recipe.json`` last). A new one is built as a staging
+    folder ``.<name>.<pid>.<random>.partial`` beside it and renamed into place once complete: a
+    failure (a full disk) leaves no folder, and if another run created a non-empty ``out``
+    meanwhile the rename fails (:class:`OutputAppearedError`) and that run's recipe is kept.
+    """
+    if out.is_dir():
+        yield out
+        return
+    staging = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(6)}{_PARTIAL_SUFFIX}")
+    try:
+        staging.mkdir()
+    except OSError as exc:
+        raise ModelSaveError(f"{out}: cannot create the recipe folder ({exc.strerror})") from exc
+    try:
+        yield staging
+        try:
+            os.rename(staging, out)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise OutputAppearedError(
+                    f"{out}: appeared while this run was writing the recipe (another run "
+                    "writing the same folder?); it was not replaced: choose another folder"
+                ) from None
+            raise ModelSaveError(
+                f"{out}: cannot place the recipe folder ({exc.strerror or exc})"
+            ) from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def save_recipe(
@@ -345,7 +388,9 @@ def save_recipe(
     out = _prepare_directory(directory, overwrite)
     shapes = _constant_shapes(params)
     document = _document(qconfig=qconfig, preset=preset, float_proto=fproto, quantized_sha=expected)
-    return _write(out, params, shapes, document)
+    with _recipe_folder(out) as folder:
+        _write(folder, params, shapes, document, replace=overwrite)
+    return out / RECIPE_FILE
 
 
 def _constant_shapes(params: dict[str, QuantParams]) -> dict[str, tuple[int, ...] | None]:
@@ -380,7 +425,6 @@ def import_recipe(
     assert fproto is not None
     rebuilt = rebuild(fproto, None, _roundtrip(imported.params))
     out = _prepare_directory(directory, overwrite)
-    save_model(fproto, out / FLOAT_MODEL_FILE, input_path=source_path, overwrite=False)
     source = {"model": imported.source}
     if source_path is not None:
         source["sha256"] = _file_sha256(source_path)
@@ -392,7 +436,10 @@ def import_recipe(
         quantized_sha=model_bytes_sha256(rebuilt),
         source=source,
     )
-    return _write(out, imported.params, shapes, document)
+    with _recipe_folder(out) as folder:
+        save_model(fproto, folder / FLOAT_MODEL_FILE, input_path=source_path)
+        _write(folder, imported.params, shapes, document, replace=overwrite)
+    return out / RECIPE_FILE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,7 +467,7 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
     path = folder / RECIPE_FILE
     if not folder.is_dir():
         raise RecipeError(f"{folder}: no such recipe folder")
-    if not path.is_file():
+    if not os.path.lexists(path):  # (a FIFO or folder there is named by the read below)
         raise RecipeError(
             f"{path}: missing; {folder} is not a recipe folder (write one with save_recipe or "
             "`quark-onnx export --format recipe`)"
@@ -464,7 +511,7 @@ def read_recipe(directory: str | os.PathLike) -> Recipe:
         raise RecipeError(f"{source}: 'preset' must be a string or null")
     config = None if doc.get("config") is None else config_from_json(doc["config"], source)
     params_path = folder / PARAMS_FILE
-    if not params_path.is_file():
+    if not os.path.lexists(params_path):
         raise RecipeError(f"{params_path}: missing; copy the whole recipe folder")
     try:
         arrays, _meta = safetensors_io.load_file(params_path, sha256=params_info["sha256"])
@@ -543,14 +590,19 @@ def load_recipe(
         directory: the recipe folder.
         float_model: the float model the recipe was saved from (path or proto); None for an
             imported recipe (its ``float_model.onnx`` is used).
-        output: also write the model here (atomically; never over the float model unless
-            ``overwrite``).
+        output: also write the model here (atomically; never over the float model or a
+            recipe file).
+        overwrite: replace an existing ``output``; without it the output is placed exclusively
+            (``OutputAppearedError`` if it exists by then: another run wrote it).
 
     Returns:
         The quantized model; byte-identical to the one the recipe was saved from.
 
     Raises:
-        RecipeError: see :func:`read_recipe`; or the float model is not the recipe's.
+        RecipeError: see :func:`read_recipe`; the float model is not the recipe's; or the rebuilt
+            model is not the one the recipe records (its ``quantized_model.sha256``): the
+            parameters were edited (even with their own checksum recomputed) or the recipe was
+            written by another quark_onnx/onnx version.
     """
 
     if output is not None:  # before any work: never over the float model or the recipe
@@ -579,11 +631,13 @@ def load_recipe(
         recipe.quantized_model_sha256 is not None
         and model_bytes_sha256(quantized) != recipe.quantized_model_sha256
     ):
-        logger.warning(
-            "%s: the rebuilt model differs from the one the recipe was saved from (another "
-            "quark_onnx/onnx version?); its parameters are the recipe's",
-            recipe.directory,
+        raise RecipeError(
+            f"{recipe.directory / RECIPE_FILE}: the rebuilt model is not the one the recipe "
+            f"records (quantized_model.sha256 {recipe.quantized_model_sha256[:16]}..., rebuilt "
+            f"{model_bytes_sha256(quantized)[:16]}...): its parameters or configuration were "
+            "edited, or it was written by another quark_onnx/onnx version; export the recipe "
+            "again from the quantized model"
         )
     if output is not None:
-        save_model(quantized, output, input_path=fpath, overwrite=overwrite)
+        save_model(quantized, output, input_path=fpath, overwrite=overwrite, replace=overwrite)
     return quantized

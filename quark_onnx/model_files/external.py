@@ -20,7 +20,7 @@ import onnx_ir as ir
 from google.protobuf.message import EncodeError, Message
 
 from quark_onnx.errors import ModelLoadError, ModelSaveError, UnsafePathError
-from quark_onnx.model_files.files import check_path_text
+from quark_onnx.model_files.files import check_path_text, check_regular_file
 
 _PROTOBUF_LIMIT = 2**31 - 1
 #: External tensors up to this many bytes are read into memory at load (shape inference needs
@@ -165,7 +165,14 @@ def tensor_nbytes(tensor: onnx.TensorProto, what: str = "") -> int | None:
 
 
 def _check_tensor_types(model: onnx.ModelProto, source: str) -> None:
-    """Refuse tensors of an unknown data type (onnx_ir cannot even read such a model)."""
+    """Refuse tensors of an unknown data type (onnx_ir cannot even read such a model) and sparse
+    initializers (onnx_ir drops them, leaving nodes whose input exists nowhere)."""
+    for sparse in model.graph.sparse_initializer:
+        raise ModelLoadError(
+            f"{source}: sparse initializer {sparse.values.name!r}: quark_onnx reads dense "
+            "initializers only; store it as a dense tensor (scatter its values into an array "
+            "of its dims and save that with onnx.numpy_helper.from_array)"
+        )
     for tensor in _tensors(model):
         if tensor.data_type not in _KNOWN_TYPES:
             tensor_nbytes(tensor, f"{source}: tensor {tensor.name!r}")
@@ -179,12 +186,12 @@ def _check_external_locations(tensors: list[onnx.TensorProto], path: Path) -> No
         info = _external_info(tensor)
         target = resolve_external_location(info.get("location", ""), path.parent, what=what)
         if target not in sizes:
-            if not target.is_file():
+            if not os.path.lexists(target):
                 raise ModelLoadError(
                     f"{what}: external data file {info['location']!r} is missing; copy it "
                     "beside the model"
                 )
-            sizes[target] = target.stat().st_size
+            sizes[target] = check_regular_file(target, what="external data file")
         try:
             offset = int(info.get("offset", "0") or 0)
             length = int(info["length"]) if info.get("length") else None

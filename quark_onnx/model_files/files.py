@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import logging
 import os
 import secrets
+import shutil
 import signal
 import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from quark_onnx.errors import ModelLoadError, ModelSaveError
+from quark_onnx.errors import ModelLoadError, ModelSaveError, OutputAppearedError
+
+logger = logging.getLogger(__name__)
 
 _PARTIAL_SUFFIX = ".partial"
 #: External data is copied between files in pieces of this size.
@@ -50,6 +55,61 @@ def check_path_text(path: str | os.PathLike, what: str, error: type[Exception]) 
     return Path(text)
 
 
+def _kind(mode: int) -> str | None:
+    """What a node that is not a regular file is, in the words every error uses (None: a file)."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def _not_a_file(label: str, kind: str, what: str) -> str:
+    return f"{label}: is {kind}, not a regular file; give the path of the {what}"
+
+
+def check_regular_file(
+    path: str | os.PathLike,
+    *,
+    what: str,
+    error: type[Exception] = ModelLoadError,
+    option: str | None = None,
+    limit: int | None = None,
+) -> int:
+    """The size of ``path`` once checked to be a regular file of at most ``limit`` bytes.
+
+    For readers that hand the path to a library (numpy, PIL, onnx): the same words as
+    :func:`read_regular_file`, so a FIFO or device is never reported as missing and a huge or
+    sparse file is refused before the library reads it. Symbolic links are followed.
+
+    Raises:
+        ``error``: naming ``what``, the file and ``option`` (the flag or setting it came from).
+    """
+    p = check_path_text(path, option or what, error)
+    label = f"{option} {p}" if option else str(p)
+    try:
+        info = os.stat(p)
+    except FileNotFoundError:
+        raise error(f"{label}: no such file ({what})") from None
+    except OSError as exc:
+        raise error(f"{label}: cannot be read ({exc.strerror or exc}); check the path") from exc
+    kind = _kind(info.st_mode)
+    if kind is not None:
+        raise error(_not_a_file(label, kind, what))
+    if limit is not None and info.st_size > limit:
+        raise error(
+            f"{label}: {info.st_size} bytes, above the {limit}-byte limit for a {what}; "
+            "this is not the file you meant (or it is corrupt)"
+        )
+    return info.st_size
+
+
 def read_regular_file(
     path: str | os.PathLike,
     *,
@@ -60,14 +120,15 @@ def read_regular_file(
 ) -> bytes:
     """The bytes of ``path``, refusing anything but a regular file of at most ``limit`` bytes.
 
-    Opened without blocking (a FIFO never waits for a writer) and checked with ``fstat`` on the
-    open descriptor, so a device (``/dev/zero``), FIFO or a link to a huge file is refused before
-    one byte is read; at most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
+    The one function every file the tool reads whole goes through. Opened without blocking (a
+    FIFO never waits for a writer) and checked with ``fstat`` on the open descriptor, so a
+    device (``/dev/zero``), FIFO or a link to a huge file is refused before one byte is read; at
+    most ``limit + 1`` bytes are ever read (a file that grows meanwhile).
 
     Raises:
         ``error``: naming ``what``, the file and ``option`` (the flag or setting it came from).
     """
-    p = Path(path)
+    p = check_path_text(path, option or what, error)
     label = f"{option} {p}" if option else str(p)
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
@@ -77,9 +138,9 @@ def read_regular_file(
         raise error(f"{label}: cannot be read ({exc.strerror or exc}); check the path") from exc
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
-            raise error(f"{label}: is {kind}, not a regular file; give the path of the {what}")
+        kind = _kind(info.st_mode)
+        if kind is not None:
+            raise error(_not_a_file(label, kind, what))
         if info.st_size > limit:
             raise error(
                 f"{label}: {info.st_size} bytes, above the {limit}-byte limit for a {what}; "
@@ -136,6 +197,102 @@ def temp_file_beside(final: Path) -> tuple[int, Path]:
     raise ModelSaveError(f"{final}: could not create a temporary file in {folder}")
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs (one of another user counts as running)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def partial_owner(name: str, final_name: str) -> int | None:
+    """The process id a temporary name of ``final_name`` carries (``.<final>.<pid>.<...>.partial``),
+    None when ``name`` is not one."""
+    prefix = f".{final_name}."
+    if not (name.startswith(prefix) and name.endswith(_PARTIAL_SUFFIX)):
+        return None
+    pid, _, _ = name[len(prefix) :].partition(".")
+    return int(pid) if pid.isdigit() else None
+
+
+def remove_stale_partials(final: Path) -> list[Path]:
+    """Remove the temporary files and staging folders of ``final`` whose process is gone.
+
+    Every temporary name carries the id of the process that made it (:func:`temp_file_beside`,
+    the staging folders of a batch), so one whose process no longer runs was left by a kill or
+    a crash: nothing will ever rename it, and it is removed with a note. One whose process runs
+    (this one, or a concurrent run) is left alone.
+    """
+    folder = final.parent if str(final.parent) else Path(".")
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        pid = partial_owner(entry.name, final.name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = Path(entry.path)
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        logger.warning(
+            "%s: removed %s, left by process %d which no longer runs (killed or crashed)",
+            final,
+            path.name,
+            pid,
+        )
+    return removed
+
+
+def place_file(tmp: Path, final: Path, *, replace: bool) -> None:
+    """Move the complete temporary file ``tmp`` onto ``final``.
+
+    ``replace``: an existing ``final`` is replaced (atomically, ``rename``). Otherwise the
+    placement is exclusive: a hard link that fails if ``final`` exists, so of two runs writing
+    the same output without overwriting, exactly one succeeds and the other is told the output
+    appeared meanwhile (a check made earlier would let both pass). File systems without hard
+    links fall back to a check and a rename.
+
+    Raises:
+        OutputAppearedError: not ``replace`` and ``final`` exists (``tmp`` is left in place).
+        OSError: the rename or link failed otherwise.
+    """
+    if replace:
+        _refuse_special(final)
+        os.replace(tmp, final)
+        return
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except FileExistsError:
+        raise OutputAppearedError(
+            f"{final}: appeared while this run was writing it (another run writing the same "
+            "output?); it was not replaced: pass --overwrite (overwrite=True) to replace it, or "
+            "choose another output"
+        ) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        if os.path.lexists(final):
+            raise OutputAppearedError(
+                f"{final}: appeared while this run was writing it; it was not replaced"
+            ) from None
+        os.replace(tmp, final)
+        return
+    os.unlink(tmp)
+
+
 def temp_file_done(tmp: Path) -> None:
     """``tmp`` (from :func:`temp_file_beside`) was renamed into place or removed."""
     _LIVE_TEMPS.discard(tmp)
@@ -152,8 +309,9 @@ def remove_temporary_files() -> None:
 atexit.register(remove_temporary_files)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, replace: bool = True) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and move it into place
+    (:func:`place_file`: ``replace=False`` fails if ``path`` exists by then)."""
     p = Path(path)
     _refuse_special(p)
     try:
@@ -165,7 +323,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, p)
+        place_file(tmp, p, replace=replace)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -48,6 +48,7 @@ from quark_onnx.model_files.external import (
     external_data_dir,
     fits_in_protobuf,
 )
+from quark_onnx.model_files.files import read_regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -114,28 +115,8 @@ def load_ir(path: str | os.PathLike, *, upgrade_opset: bool = True) -> ir.Model:
 
 def _load_header(path: str | os.PathLike, *, upgrade_opset: bool) -> tuple[onnx.ModelProto, Path]:
     """Steps 1-5 of the module doc: the validated (upgraded) model, external data not read."""
+    model = read_proto(path)
     p = Path(path)
-    if not p.exists():
-        raise ModelLoadError(f"{p}: no such file; check the model path")
-    if not p.is_file():
-        raise ModelLoadError(f"{p}: is not a file; give the path of an .onnx model file")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ModelLoadError(
-            f"{p}: cannot be read ({exc.strerror or exc}); check the file's permissions"
-        ) from exc
-    if not data:
-        raise ModelLoadError(f"{p}: the file is empty, not an ONNX model")
-    model = onnx.ModelProto()
-    try:
-        model.ParseFromString(data)
-    except (DecodeError, RuntimeError, ValueError) as exc:
-        raise ModelLoadError(
-            f"{p}: not a valid ONNX model (protobuf parse failed: {_one_line(exc)}); the file "
-            "may be truncated or of another format: re-export or re-download it"
-        ) from exc
-    del data
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelLoadError(
             f"{p}: parsed as protobuf but holds no ONNX graph; not an ONNX model (or truncated)"
@@ -167,6 +148,51 @@ def _load_header(path: str | os.PathLike, *, upgrade_opset: bool) -> tuple[onnx.
     if upgrade_opset and 0 < opset < MIN_OPSET:
         model = upgrade(model, MIN_OPSET, source=str(p))
     return model, p
+
+
+#: Largest model file read: protobuf refuses to parse a message above 2 GiB, so a bigger file
+#: (a sparse file, a disk image named .onnx) is refused from its size before any byte is read.
+MAX_MODEL_FILE_BYTES = (2 << 30) - 1
+
+
+def read_proto(
+    path: str | os.PathLike,
+    *,
+    what: str = "ONNX model",
+    option: str | None = None,
+) -> onnx.ModelProto:
+    """The parsed model file ``path``, external data not read and nothing validated.
+
+    The one way a model file is read: a regular file only (a FIFO or ``/dev/zero`` is refused
+    before one byte is read), at most :data:`MAX_MODEL_FILE_BYTES`, read once.
+
+    Raises:
+        ModelLoadError: not a path, missing, not a regular file, too large, empty or not a
+            protobuf.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        hint = (
+            " (serialized model bytes: pass onnx.load_from_string(data))"
+            if isinstance(path, (bytes, bytearray))
+            else ""
+        )
+        raise ModelLoadError(
+            f"expected the path of an {what} (or an onnx.ModelProto), got "
+            f"{type(path).__name__}{hint}"
+        )
+    data = read_regular_file(path, limit=MAX_MODEL_FILE_BYTES, what=what, option=option)
+    label = f"{option} {path}" if option else str(path)
+    if not data:
+        raise ModelLoadError(f"{label}: the file is empty, not an ONNX model")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{label}: not a valid ONNX model (protobuf parse failed: {_one_line(exc)}); the "
+            "file may be truncated or of another format: re-export or re-download it"
+        ) from exc
+    return model
 
 
 def _check_text(message, source: str, where: str = "model") -> None:

@@ -13,16 +13,16 @@ import stat
 from collections.abc import Collection
 from pathlib import Path
 
-import onnx
-
 from quark_onnx.errors import ModelSaveError
 from quark_onnx.model_files.external import _external_info, _external_tensors
 from quark_onnx.model_files.files import (
     _PARTIAL_SUFFIX,
     check_path_text,
+    remove_stale_partials,
     temp_file_beside,
     temp_file_done,
 )
+from quark_onnx.model_files.load import read_proto
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -43,7 +43,7 @@ def _input_files(input_path: Path) -> list[Path]:
     try:
         if not stat.S_ISREG(os.stat(input_path).st_mode):
             return files
-        proto = onnx.load(str(input_path), load_external_data=False)
+        proto = read_proto(input_path)
     except Exception:  # an unreadable input adds no data file; loading it reports why
         return files
     for tensor in _external_tensors(proto):
@@ -96,9 +96,9 @@ def check_output_path(
     Refused (``ModelSaveError`` naming the output and the file it would replace):
 
     * an output that is (by any spelling: ``./``, ``..``, symbolic or hard link) the input model,
-      unless ``overwrite`` (replacing the input is then asked for), or any of the input model's
-      external data files or of ``inputs`` (calibration data, a saved calibration result, a
-      recipe...), even with ``overwrite``;
+      any of the input model's external data files or any of ``inputs`` (calibration data, a
+      saved calibration result, a recipe...), whatever ``overwrite`` says: overwriting replaces
+      an earlier *output*, never an input;
     * with ``external_data``, the data file ``<output>.data`` a model is written with being one of
       those input files;
     * an existing output that is not a regular file (a folder, a device such as ``/dev/null``, a
@@ -106,6 +106,12 @@ def check_output_path(
     * a NUL character or a name above 255 bytes; a missing output folder or one that is not a
       folder (``/dev/null/x``); a folder that cannot be written (read-only mount, ``/proc``);
     * names ending in ``.partial`` (temporary names of this module).
+
+    ``overwrite`` changes none of this (an earlier output is replaced by the writer, an input
+    never); it is taken so that every writer passes its flag through the same call.
+
+    Temporary files of ``output`` (and its data file) left by a process that no longer runs
+    (``kill -9``, a power cut) are removed here, with a note in the log.
     """
     out = check_path_text(output, what, ModelSaveError)
     if out.name.endswith(_PARTIAL_SUFFIX):
@@ -113,11 +119,8 @@ def check_output_path(
     protected: list[tuple[Path, str]] = []
     if input_path is not None:
         inp = Path(input_path)
-        replacing = overwrite and _same_path(out, inp)
-        if not overwrite:
-            protected.append((inp, "the input model"))
-        if not replacing:  # replacing the model (asked for) replaces its data file too
-            protected += [(f, "the input model's external data") for f in _input_files(inp)[1:]]
+        protected.append((inp, "the input model"))
+        protected += [(f, "the input model's external data") for f in _input_files(inp)[1:]]
     for extra in inputs:
         if extra is not None:
             path = Path(extra)
@@ -132,14 +135,10 @@ def check_output_path(
             continue
         for source, kind in protected:
             if _same_path(target, source):
-                hint = (
-                    " (or pass overwrite=True to replace the input)"
-                    if kind == "the input model"
-                    else ""
-                )
                 raise ModelSaveError(
                     f"{out}: the {label} {target} is {kind} {source}; writing it would destroy "
-                    f"that file: choose another output path{hint}"
+                    "that file (an input is never replaced, even with overwrite): choose another "
+                    "output path"
                 )
     try:
         mode = os.stat(out).st_mode
@@ -164,4 +163,7 @@ def check_output_path(
     if not folder.is_dir():
         raise ModelSaveError(f"{out}: {folder} is not a folder; give a path inside a folder")
     _probe_folder(folder, out)
+    remove_stale_partials(out)
+    if external_data:
+        remove_stale_partials(data)
     return out

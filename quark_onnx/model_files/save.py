@@ -32,6 +32,7 @@ from quark_onnx.model_files.files import (
     _PARTIAL_SUFFIX,
     _refuse_special,
     atomic_write_bytes,
+    place_file,
     temp_file_beside,
     temp_file_done,
 )
@@ -61,22 +62,27 @@ def save_model(
     input_path: str | os.PathLike | None = None,
     overwrite: bool = False,
     external_data: bool | None = None,
+    replace: bool = True,
 ) -> Path:
     """Atomically write ``model`` to ``path``.
 
     Args:
         model: the model; it is not modified.
         path: the output model file.
-        input_path: the input model, which is never replaced unless ``overwrite``.
-        overwrite: allow ``path`` to be ``input_path``.
+        input_path: the input model, which is never replaced (nor its external data).
+        overwrite: passed to :func:`check_output_path` (an input is never replaced).
         external_data: ``True`` writes tensors of >= :data:`EXTERNAL_THRESHOLD` bytes to
             ``<name>.data`` beside the model; ``False`` never; ``None`` (default) only when the
             model is above the 2 GB protobuf limit.
+        replace: replace an existing ``path`` (default). ``False``: the placement is exclusive:
+            if ``path`` (or its data file) exists when the written file is to be placed, it is
+            left as it is and :class:`OutputAppearedError` is raised (another run wrote it).
 
     Raises:
         ModelSaveError: a refused or unwritable path, a model above 2 GB with
             ``external_data=False``, or a model whose tensors still refer to external data that
             was never read (load it with :func:`load_model`).
+        OutputAppearedError: ``replace=False`` and the output exists.
     """
     out = check_output_path(path, input_path, overwrite)
     source: Path | None = None
@@ -95,7 +101,7 @@ def save_model(
     big = not _fits_with_external(proto)
     try:
         if external_data or (external_data is None and big):
-            return _save_with_external_data(proto, out, source=source)
+            return _save_with_external_data(proto, out, source=source, replace=replace)
         if big:
             raise ModelSaveError(
                 f"{out}: the model is above the 2 GB protobuf limit; save it with "
@@ -103,7 +109,7 @@ def save_model(
             )
         if source is not None:
             materialize(proto, source)
-        atomic_write_bytes(out, proto.SerializeToString(deterministic=True))
+        atomic_write_bytes(out, proto.SerializeToString(deterministic=True), replace=replace)
     except OSError as exc:
         raise ModelSaveError(
             f"{out}: cannot write the model ({exc.strerror or exc}); check free space and "
@@ -238,7 +244,7 @@ def _stub_graph(src: onnx.GraphProto, dst: onnx.GraphProto, writer: _DataWriter)
 
 
 def _save_with_external_data(
-    proto: onnx.ModelProto, out: Path, *, source: Path | None = None
+    proto: onnx.ModelProto, out: Path, *, source: Path | None = None, replace: bool = True
 ) -> Path:
     """Write ``out`` and ``<out name>.data`` (temporary names first, then two renames).
 
@@ -275,14 +281,16 @@ def _save_with_external_data(
             os.fsync(f.fileno())
         if empty:
             os.unlink(tmp_data)
-            os.replace(tmp_model, out)
+            place_file(tmp_model, out, replace=replace)
             return out
-        if data_path.exists():
+        if replace and data_path.exists():
             backup = data_path.with_name(f".{data_path.name}.{os.getpid()}.old{_PARTIAL_SUFFIX}")
             os.replace(data_path, backup)
-        os.replace(tmp_data, data_path)
+        # without replace, both placements are exclusive: the data file placed here is this
+        # run's own, so it is removed again if the model turns out to exist already
+        place_file(tmp_data, data_path, replace=replace)
         data_in_place = True
-        os.replace(tmp_model, out)
+        place_file(tmp_model, out, replace=replace)
         data_in_place = False
     except BaseException:
         for tmp in (tmp_data, tmp_model):

@@ -76,9 +76,13 @@ class ModelQuantizer:
             raise ConfigError(
                 f"ModelQuantizer expects a quark_onnx.Config, got {type(config).__name__}"
             )
-        if calibration_shards < 1:
+        if (
+            not isinstance(calibration_shards, int)
+            or isinstance(calibration_shards, bool)
+            or calibration_shards < 1
+        ):
             raise ConfigError(
-                f"calibration_shards={calibration_shards}: expected a positive number"
+                f"calibration_shards={calibration_shards!r}: expected a positive whole number"
             )
         self.calibration_shards = calibration_shards
         self.shard_backend = shard_backend
@@ -374,6 +378,7 @@ class QuantizationRun(sequencer.Stages):
                 fitted = max(self.q._samples_to_keep(), len(self.fidelity_samples))
                 count = mixed_precision.search_sample_count(self.fidelity_samples)
                 self.search_samples = self.reader.peek(fitted + count)[fitted:]
+        preflight.check_tensors(model, self.source, self.verdict_samples + self.fidelity_samples)
         return model
 
     def prepare(self, model: Any) -> None:

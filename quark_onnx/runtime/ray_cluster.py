@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -52,7 +53,10 @@ def connected(address: str | None = None) -> Iterator[Any]:
         yield ray
         return
     if address:
-        _check_reachable(address)
+        _check_reachable(address, f"--ray {address}")
+    elif os.environ.get("RAY_ADDRESS"):
+        # Ray reads it itself and retries an address nothing answers on for minutes
+        _check_reachable(os.environ["RAY_ADDRESS"], f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}")
     with _keep_sigterm_handler():
         try:
             ray.init(address=address, logging_level=logging.WARNING, configure_logging=False)
@@ -83,17 +87,21 @@ def _keep_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast on a ``HOST:PORT`` nothing listens on (Ray itself retries for minutes)."""
-    host, sep, port = address.rpartition(":")
+def _check_reachable(address: str, where: str) -> None:
+    """Fail fast, within :data:`CONNECT_TIMEOUT_SECONDS`, on a ``HOST:PORT`` nothing listens on
+    (Ray itself retries for minutes); ``where`` names the source (``--ray ...``,
+    ``RAY_ADDRESS=...``). A port out of range is refused as well."""
+    host, sep, port = address.strip().rpartition(":")
     if "://" in address or not sep or not port.isdigit():
         return  # ``auto``, ``ray://`` (Ray Client has its own timeout), or not a socket address
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: port {port} is not a TCP port (1..65535)")
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_SECONDS).close()
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:
         raise ConfigError(
-            f"--ray {address}: nothing answers there ({exc}); give the address printed by "
-            "`ray start --head` (HOST:6379), `auto`, or ray://HOST:10001"
+            f"{where}: nothing answers there ({exc}); give the address printed by "
+            "`ray start --head` (HOST:6379), `auto`, or ray://HOST:10001, or unset RAY_ADDRESS"
         ) from exc
 
 

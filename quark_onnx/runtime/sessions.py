@@ -134,16 +134,23 @@ def create_session(
 
     ``options`` defaults to :func:`session_options` (no optimisation). With
     ``external_data_dir`` the model's external tensors are read from that folder. An IR model is
-    serialized here with its memory-mapped weights read in, then ``edit`` (if given) changes
-    that private proto before it is handed over. onnxruntime's own exceptions propagate: callers
+    serialized here, its memory-mapped weights left as references to their files (which become
+    ``external_data_dir``), then ``edit`` (if given) changes that private proto before it is
+    handed over. onnxruntime's own exceptions propagate: callers
     turn them into errors that name their model.
     """
     import onnxruntime as ort
 
     if isinstance(model, ir.Model):
+        from quark_onnx.model_files.external import external_data_dir as mapped_folder
         from quark_onnx.model_files.load import serialize_ir
 
-        proto = serialize_ir(model)
+        # weights still memory-mapped from the model's data files stay there: onnxruntime maps
+        # them too, instead of getting them read into the proto, then into its bytes, then
+        # into its own copy (a 100 MB weight: 300 MB at once)
+        if external_data_dir is None:
+            external_data_dir = mapped_folder(model)
+        proto = serialize_ir(model, keep_external=external_data_dir is not None)
         if edit is not None:
             edit(proto)
         model = proto.SerializeToString()

@@ -266,3 +266,37 @@ def test_an_output_gone_infinite_has_minus_infinite_sqnr_not_an_error():
     (out,) = result.outputs
     assert out.sqnr_db == -math.inf
     assert json.loads(json.dumps(result.to_dict()))["outputs"][0]["sqnr_db"] == "-inf"
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--random", "1000000000"], "--random 1000000000: expected a number from 1 to 10000"),
+        (["--random", "0"], "--random 0: expected a number from 1 to 10000"),
+        (["--random", "1", "--worst", "-1"], "--worst -1: expected a number from 0 (0: all)"),
+        (["--random", "1", "--limit", "0"], "--limit 0: expected a number from 1"),
+    ],
+)
+def test_count_options_are_bounded(tmp_path, capsys, flags, words):
+    import onnx
+
+    from quark_onnx.cli import main
+
+    path = tmp_path / "f.onnx"
+    onnx.save(float_model(batch=1), path)
+    before = path.read_bytes()
+    assert main(["compare", str(path), str(path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_count_options_at_their_bounds_are_accepted(tmp_path, capsys):
+    """Must not fire: --worst 0 (all) and --random at 1 run."""
+    import onnx
+
+    from quark_onnx.cli import main
+
+    path = tmp_path / "f.onnx"
+    onnx.save(float_model(batch=1), path)
+    assert main(["compare", str(path), str(path), "--random", "1", "--worst", "0"]) == 0

@@ -421,3 +421,42 @@ def test_quantizer_params_are_what_the_model_holds(tmp_path, preset):
     save_recipe(tmp_path / "given", quantized, config, model_path, params=quantizer.params)
     for name in ("recipe.json", "params.safetensors"):
         assert (tmp_path / "given" / name).read_bytes() == (tmp_path / "read" / name).read_bytes()
+
+
+def test_tampered_parameters_with_a_recomputed_checksum_are_refused(tmp_path, xint8):
+    """A scale edited to a non-power-of-two value, the parameter file's sha256 recomputed in
+    recipe.json: the rebuilt model is not the one recorded (quantized_model.sha256)."""
+    import shutil
+
+    root, _, _ = xint8
+    rec = tmp_path / "rec"
+    shutil.copytree(root / "rec", rec)
+    arrays, meta = st.load_file(rec / PARAMS_FILE)
+    key = next(k for k in arrays if k.endswith(".scale"))
+    arrays[key] = (np.asarray(arrays[key]) * 1.5).astype(arrays[key].dtype)
+    doc = json.loads((rec / RECIPE_FILE).read_text())
+    doc["params"]["sha256"] = st.save_file(arrays, rec / PARAMS_FILE, meta)
+    (rec / RECIPE_FILE).write_text(json.dumps(doc))
+    before = {p.name: p.read_bytes() for p in rec.iterdir()}
+    with pytest.raises(RecipeError, match="not the one the recipe records"):
+        load_recipe(rec, root / "float.onnx", tmp_path / "out.onnx")
+    assert not (tmp_path / "out.onnx").exists()
+    assert {p.name: p.read_bytes() for p in rec.iterdir()} == before
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_a_failed_recipe_save_leaves_no_folder(tmp_path, xint8, monkeypatch):
+    """A full disk while writing: neither the recipe folder nor its staging folder is left."""
+    import errno
+
+    from quark_onnx.formats import recipe_format
+
+    root, _, quantized = xint8
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recipe_format.safetensors_io, "save_file", full)
+    with pytest.raises(OSError, match="No space"):
+        save_recipe(tmp_path / "rec", quantized, "XINT8", root / "float.onnx")
+    assert list(tmp_path.iterdir()) == []

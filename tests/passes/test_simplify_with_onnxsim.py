@@ -132,3 +132,38 @@ def test_standard_fusions_are_kept():
     SimplifyWithOnnxsim()(model)
     ops = [n.op_type for n in ir.serde.serialize_model(model).graph.node]
     assert "BatchNormalization" not in ops and "Conv" in ops
+
+
+def test_large_weights_applied_to_the_input_are_kept_out_of_onnxsims_copy(monkeypatch):
+    """A weight no constant-foldable node reads is handed to onnxsim as an input and comes back
+    as the same initializer (its values unchanged); a constant chain beside it
+    is still folded. Must not fire: the weight that feeds the foldable Transpose stays in."""
+    import passes.simplify_with_onnxsim as sim
+
+    monkeypatch.setattr(sim, "HOLD_BYTES", 64)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    v = rng.standard_normal((8, 8)).astype(np.float32)
+    model = make_model(
+        [
+            h.make_node("MatMul", ["x", "W"], ["a"], name="mm"),
+            h.make_node("Transpose", ["V"], ["vt"], name="t", perm=[1, 0]),
+            h.make_node("MatMul", ["a", "vt"], ["y"], name="mm2"),
+        ],
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 8])],
+        {"W": w, "V": v},
+    )
+    x = rng.standard_normal((1, 8)).astype(np.float32)
+    expected = run_ort(model, {"x": x})
+    ir_model = ir.serde.deserialize_model(model)
+    assert [value.name for value in sim._held_initializers(ir_model.graph)] == ["W"]
+    result = SimplifyWithOnnxsim()(ir_model)
+    assert result.modified  # the Transpose of the constant V was folded
+    graph = result.model.graph
+    assert [v.name for v in graph.inputs] == ["x"]
+    np.testing.assert_array_equal(graph.initializers["W"].const_value.numpy(), w)
+    assert "t" not in [n.name for n in graph]
+    out = ir.serde.serialize_model(result.model)
+    onnx.checker.check_model(out)
+    np.testing.assert_allclose(run_ort(out, {"x": x})[0], expected[0], rtol=1e-5, atol=1e-5)

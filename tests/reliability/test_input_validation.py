@@ -69,7 +69,7 @@ def test_unreadable_file(tmp_path):
 def test_folder_instead_of_file(tmp_path):
     (tmp_path / "dir.onnx").mkdir()
     err = _quantize_fails(tmp_path, tmp_path / "dir.onnx", ModelLoadError)
-    assert "is not a file" in str(err)
+    assert "is a folder, not a regular file" in str(err)
 
 
 def test_not_a_protobuf(tmp_path):
