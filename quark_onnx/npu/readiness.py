@@ -39,8 +39,8 @@ What is checked (rule ids in brackets):
   QuantizeLinear is reachable: a detector's decode tail) and shape arithmetic
   (:mod:`quark_onnx.npu.placement`).
 * Mixed precision: the nodes a model's promotion record names (kept float around a promoted
-  tensor, :mod:`quark_onnx.npu.placement`) are intended: their not_quantized, missing_qdq and
-  unsupported_op findings go to :attr:`CheckResult.expected` instead.
+  tensor, :mod:`quark_onnx.npu.placement`) run on the CPU on purpose: their placement findings
+  and the NPU arithmetic rules (:data:`ISLAND_RULES`) go to :attr:`CheckResult.expected`.
 * Model structure: symbolic/unknown dims of graph inputs [dynamic_shape]; batch > 1
   [batch_size]; Loop/If/Scan [control_flow]; fewer than two Conv nodes [too_few_conv]; Conv nodes
   missing any of kernel_shape, strides, pads, dilations, group [conv_default_attributes] (the
@@ -146,9 +146,17 @@ def check(
     return CheckResult(findings=findings, model=label, expected=expected)
 
 
-#: The findings a node of a mixed-precision island has by being float: intended when the model's
-#: record names the node (every other rule still applies to it).
-ISLAND_RULES = frozenset({"not_quantized", "missing_qdq", "unsupported_op"})
+#: The findings a node of a mixed-precision island has by running float on the CPU: intended when
+#: the model's record names the node. Its placement (float, unquantized sides) and the NPU's
+#: arithmetic rules (shifts, the HardSigmoid and shared-scale positions) do not apply to a node
+#: the CPU runs; the rules on its Q/DQ tensors (power-of-two scales, zero points, types) and the
+#: model's structure still do.
+ISLAND_RULES = frozenset(
+    {
+        "not_quantized", "missing_qdq", "unsupported_op", "shift_cut", "shift_bias",
+        "shift_read", "shift_write", "mul_shift", "hard_sigmoid", "shared_scale",
+    }
+)  # fmt: skip
 
 
 def proto_metadata(proto: onnx.ModelProto) -> dict[str, str]:
