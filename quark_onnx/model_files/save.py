@@ -293,9 +293,14 @@ def _save_with_external_data(
         place_file(tmp_model, out, replace=replace)
         data_in_place = False
     except BaseException:
-        for tmp in (tmp_data, tmp_model):
+        # an interrupt between the model's placement and the line after it: the pair in place
+        # is complete (the new model and its data), so the data stays and the backup goes
+        placed = data_in_place and _placed(tmp_model, out)
+        for tmp in (tmp_data, tmp_model):  # gone, a second link to a placed file, or unplaced
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if placed:
+            raise
         if data_in_place:
             with contextlib.suppress(OSError):
                 os.unlink(data_path)
@@ -312,6 +317,14 @@ def _save_with_external_data(
                 os.unlink(backup)
     logger.info("%s: written with external data %s", out, data_path.name)
     return out
+
+
+def _placed(tmp: Path, out: Path) -> bool:
+    """Whether the temporary file ``tmp`` is now ``out`` (renamed onto it, or linked to it)."""
+    try:
+        return not tmp.exists() or os.path.samefile(tmp, out)
+    except OSError:
+        return False
 
 
 def written_files(path: str | os.PathLike) -> list[Path]:
