@@ -179,7 +179,8 @@ def test_guard_warns_names_output_and_layer_and_measures_against_float(tmp_path,
     fid = quantizer.report.fidelity
     assert fid["faithful"] is False and out.exists()  # written, but not called faithful
     assert "does not follow the float model" in caplog.text and "output 'y'" in caplog.text
-    assert "16-bit activations for the whole model (preset A16W8)" in caplog.text  # int8 activations: the advice
+    # int8 activations: the advice
+    assert "16-bit activations for the whole model (preset A16W8)" in caplog.text
     assert fid["worst_layers"] and fid["worst_layers"][0]["op_type"] in ("Conv", "Relu")
     # the verdict's SQNR is the float model's against the written model's, on the 16 held-out
     # samples (every second one of the first 32: calibration never read them)
