@@ -33,8 +33,9 @@ def count(n: int, noun: str) -> str:
 
 
 def collect_models(paths: Sequence[str]) -> list[Path]:
-    """Expand folders to the ``*.onnx`` files directly inside them (sorted); keep files as
-    given (a missing file is kept: it fails on its own, not the whole batch).
+    """Expand folders to the ``*.onnx`` entries directly inside them (sorted); keep files as
+    given. A missing file, a broken link or a FIFO named ``*.onnx`` is kept: it fails on its own
+    with the reason, not the whole batch, and is never skipped without a word.
 
     Raises:
         ConfigError: a folder holds no ``.onnx`` file.
@@ -43,7 +44,7 @@ def collect_models(paths: Sequence[str]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".onnx" and q.is_file())
+            found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".onnx" and not q.is_dir())
             if not found:
                 raise ConfigError(f"{p}: folder holds no .onnx model")
             models.extend(found)

@@ -333,3 +333,17 @@ def test_check_a_folder_and_json(tmp_path, work):
     broken = run_cli("check", work / "corrupt.onnx", cwd=tmp_path)
     assert broken.returncode == 1
     assert broken.stderr.startswith(f"error: {work / 'corrupt.onnx'}: not a valid ONNX model")
+
+
+def test_a_broken_link_in_a_batch_folder_fails_on_its_own(tmp_path):
+    """A ``*.onnx`` link to nothing in a model folder is not skipped without a word: that model
+    fails with the reason, the others are quantized."""
+    models = tmp_path / "models"
+    models.mkdir()
+    onnx.save(tiny_cnn(0), models / "good.onnx")
+    (models / "gone.onnx").symlink_to(tmp_path / "nowhere.onnx")
+    out = tmp_path / "out"
+    result = run_cli("quantize", models, "-o", out, "--random-calib", "4", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "gone.onnx" in result.stderr and "Traceback" not in result.stderr
+    assert (out / "good.onnx").is_file() and not (out / "gone.onnx").exists()
