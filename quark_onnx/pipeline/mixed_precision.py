@@ -41,6 +41,7 @@ from typing import Any
 from quark_onnx.errors import QuarkOnnxError
 from quark_onnx.fidelity.target import parse_target
 from quark_onnx.model_files.load import to_ir
+from quark_onnx.pipeline.repair import STAGE_FIELDS
 
 logger = logging.getLogger("quark_onnx.pipeline.quantizer")
 
@@ -71,18 +72,8 @@ def search_sample_count(selection: list[dict[str, Any]]) -> int:
 
 
 #: The report fields the stages from the plan to the accuracy stages write (a kept attempt's
-#: replace the first attempt's).
-_STAGE_FIELDS = (
-    "plan",
-    "float_nodes",
-    "positions",
-    "adjustments",
-    "unfixable",
-    "range_clips",
-    "position_costs",
-    "bias_correction",
-    "adaround",
-)
+#: replace the first attempt's): the repair's, and the plan's, which a promotion changes.
+_STAGE_FIELDS = ("plan", "float_nodes", *STAGE_FIELDS)
 
 
 @dataclass

@@ -106,7 +106,7 @@ __all__ = [
 
 #: The report fields the stages from positions to the accuracy stages write (a kept attempt's
 #: replace the first attempt's).
-_STAGE_FIELDS = (
+STAGE_FIELDS = (
     "positions",
     "adjustments",
     "unfixable",
@@ -303,7 +303,7 @@ def repair(
     if chosen is None:
         return model, params, result
     cand, trial_run = chosen
-    for name in _STAGE_FIELDS:
+    for name in STAGE_FIELDS:
         setattr(report, name, getattr(trial_run.report, name))
     run.positions, run.quantized = trial_run.positions, trial_run.quantized
     report.settings.get("extra_options", {}).update(dict(cand.extra_options))
