@@ -117,13 +117,13 @@ def activation_contributions(
     from quark_onnx.runtime import sessions
 
     chosen: list[str] = []
+    gates: dict[str, str] = {}  # tensor -> its gate input, filled when the session is built
 
     def edit(proto: onnx.ModelProto) -> None:
         pairs = activation_pairs(proto)
         chosen.extend(t for t in (tensors if tensors is not None else pairs) if t in pairs)
         gates.update(_gate(proto, chosen))
 
-    gates: dict[str, str] = {}
     session = sessions.create_session(model, purpose="contributions", edit=edit)
     names = [o.name for o in session.get_outputs()]
     one, zero = np.ones((), np.float32), np.zeros((), np.float32)

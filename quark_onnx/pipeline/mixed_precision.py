@@ -42,6 +42,7 @@ from quark_onnx.errors import QuarkOnnxError
 from quark_onnx.fidelity.target import parse_target
 from quark_onnx.model_files.load import to_ir
 from quark_onnx.pipeline.repair import STAGE_FIELDS
+from quark_onnx.plan.types import UnionFind
 
 logger = logging.getLogger("quark_onnx.pipeline.quantizer")
 
@@ -372,14 +373,9 @@ def _islands(prepared: Any, promoted: dict[str, tuple[str, ...]]) -> tuple[int, 
             readers.setdefault(name, []).append(i)
     constants = {t.name for t in prepared.graph.initializer}
     inside = [i for i, label in enumerate(labels) if label in members]
-    parent = {labels[i]: labels[i] for i in inside}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    groups = UnionFind()
+    for i in inside:
+        groups.add(labels[i])
     crossing: set[tuple[str, str]] = set()
     for i in inside:
         me = labels[i]
@@ -388,13 +384,13 @@ def _islands(prepared: Any, promoted: dict[str, tuple[str, ...]]) -> tuple[int, 
                 continue
             src = producer.get(name)
             if src is not None and labels[src] in members:
-                parent[find(labels[src])] = find(me)
+                groups.union(labels[src], me)
             elif src is None or nodes[src].op_type != "Constant":
                 crossing.add(("in", name))
         for name in nodes[i].output:
             if any(labels[r] not in members for r in readers.get(name, [])):
                 crossing.add(("out", name))
-    return len({find(x) for x in parent}), len(crossing)
+    return len({groups.find(x) for x in groups.items()}), len(crossing)
 
 
 def node_label_proto(node: Any) -> str:
