@@ -6,7 +6,8 @@
   never wider than a folded clip bound), weights and biases from their values; the error curves
   the solver minimises where a rule moves a position;
 * :func:`solve`: the positions after :func:`quark_onnx.params.solver.solve_positions`, graph
-  outputs capped at their NonOverflow position + :data:`CLIP_CEILING`;
+  outputs capped at their NonOverflow position + :data:`CLIP_CEILING`, the inputs of the ops in
+  :data:`ORDER_DECIDING_OPS` at their NonOverflow position (:func:`order_decided`);
 * :func:`range_clips`: activations the rules moved to a position that clips their range.
 """
 
@@ -24,8 +25,10 @@ from quark_onnx.params import pof2
 
 __all__ = [
     "CLIP_CEILING",
+    "ORDER_DECIDING_OPS",
     "calibrated_ranges",
     "initial_positions",
+    "order_decided",
     "range_clips",
     "solve",
     "split_joins",
@@ -104,6 +107,64 @@ def split_joins(model: ir.Model, plan: Any, result: Any, options: Any = None) ->
 CLIP_CEILING = 1
 
 
+#: Ops whose result is decided by which of their input values are the largest: a class picked
+#: by ArgMax/TopK, the probabilities of a Softmax (exp makes the largest logits dominate). A
+#: position that clips an input's calibrated range makes its top values equal at the clip and
+#: changes the decision, while MinMSE, which weighs every element alike, happily trades those
+#: few values for resolution on the many small ones (a 1000-class classifier lost 8 points of
+#: top-1 so). Their inputs are therefore never clipped: a ceiling at the NonOverflow position.
+ORDER_DECIDING_OPS = frozenset({"Softmax", "LogSoftmax", "ArgMax", "ArgMin", "TopK"})
+
+#: Ops through which an order-deciding op still reads its input's extremes: ops that only move
+#: values, and ops that are non-decreasing in every input element without mixing channels (a
+#: pooled class map: clipping the map's peaks lowers exactly the top logits). A depthwise Conv
+#: with non-negative weights (a pool rewritten for the NPU) is one too;
+#: any other Conv or a Gemm mixes channels with signed weights: the walk stops there.
+_EXTREME_PRESERVING_OPS = frozenset(
+    {
+        "Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Identity",
+        "Relu", "LeakyRelu", "Clip", "MaxPool", "AveragePool", "GlobalAveragePool",
+        "GlobalMaxPool", "ReduceMean", "ReduceMax",
+    }
+)  # fmt: skip
+
+
+def order_decided(model: ir.Model, plan: Any) -> set[str]:
+    """The planned activations an op of :data:`ORDER_DECIDING_OPS` reads, directly or through
+    :data:`_EXTREME_PRESERVING_OPS` (a classifier's ``Relu -> GlobalAveragePool -> Flatten``
+    between its last ``Conv`` and its ``Softmax``)."""
+    from quark_onnx.plan.types import TensorKind
+
+    found: set[str] = set()
+    for node in model.graph.all_nodes():
+        if node.op_type not in ORDER_DECIDING_OPS or not node.inputs:
+            continue
+        value = node.inputs[0]
+        while value is not None:
+            spec = plan.tensors.get(value.name)
+            if spec is not None and spec.kind is TensorKind.ACTIVATION:
+                found.add(value.name)
+            producer = value.producer()
+            if producer is None or not _preserves_extremes(producer):
+                break
+            value = producer.inputs[0] if producer.inputs else None
+    return found
+
+
+def _preserves_extremes(node: ir.Node) -> bool:
+    if node.op_type in _EXTREME_PRESERVING_OPS:
+        return True
+    if node.op_type != "Conv" or len(node.inputs) < 2 or node.inputs[1] is None:
+        return False
+    weight = node.inputs[1].const_value
+    if weight is None:
+        return False
+    w = weight.numpy()
+    group = node.attributes.get_int("group", 1)
+    # depthwise: one input channel per group and one output per group
+    return w.ndim >= 2 and w.shape[1] == 1 and group == w.shape[0] and bool((w >= 0).all())
+
+
 def calibrated_ranges(plan: Any, result: Any) -> dict[str, tuple[float, int]]:
     """Activation -> (calibrated max |x|, its int8 NonOverflow position)."""
     ranges: dict[str, tuple[float, int]] = {}
@@ -160,10 +221,12 @@ def solve(
     errors: dict[str, Any],
     ranges: dict[str, tuple[float, int]],
     options: ExtraOptions,
+    unclipped: set[str] | frozenset[str] = frozenset(),
 ) -> Any:
     """The positions after the NPU rules (:class:`quark_onnx.params.solver.Solution`), each graph
     output (and the shared-scale group it is in) starting no higher than :data:`CLIP_CEILING`
-    above its NonOverflow position."""
+    above its NonOverflow position, each tensor of ``unclipped`` (:func:`order_decided`) no
+    higher than its NonOverflow position."""
     from quark_onnx.params.solver import solve_positions
 
     ceilings = {
@@ -171,4 +234,7 @@ def solve(
         for name, (_, p) in ranges.items()
         if plan.tensors[name].is_graph_output
     }
+    for name in unclipped:
+        if name in ranges:
+            ceilings[name] = min(ceilings.get(name, ranges[name][1]), ranges[name][1])
     return solve_positions(plan, positions, options, errors, ceilings)

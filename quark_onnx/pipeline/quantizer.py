@@ -510,7 +510,8 @@ class QuantizationRun(sequencer.Stages):
             ]
             ranges = pof2_params.calibrated_ranges(plan, result)
         with _stage(report, "constraints"):
-            solved = pof2_params.solve(plan, positions, errors, ranges, self.options)
+            unclipped = pof2_params.order_decided(model, plan)
+            solved = pof2_params.solve(plan, positions, errors, ranges, self.options, unclipped)
             report.adjustments = [a.__dict__ for a in solved.adjustments]
             report.unfixable = [v.message for v in solved.unfixable]
             for violation in solved.unfixable:
