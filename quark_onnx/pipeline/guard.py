@@ -128,10 +128,10 @@ class RunStore(Sequence[dict[str, np.ndarray]]):
                 logger.info("reference outputs kept in memory: %s", exc)
                 self._memory_bytes = 1 << 62
             else:
-                self._runs = [self._spill(r) if isinstance(r, dict) else r for r in self._runs]
-        self._runs.append(self._spill(run) if self._folder is not None else run)
+                self._runs = [self._spill(r, i) for i, r in enumerate(self._runs)]
+        self._runs.append(self._spill(run, len(self._runs)) if self._folder is not None else run)
 
-    def _spill(self, run: dict[str, np.ndarray]) -> Any:
+    def _spill(self, run: dict[str, np.ndarray], index: int) -> Any:
         """The run's files (a value numpy cannot write without pickling stays an array); the
         run itself when the files cannot be written (a full disk)."""
         assert self._folder is not None
@@ -142,7 +142,7 @@ class RunStore(Sequence[dict[str, np.ndarray]]):
                 if value.dtype.hasobject:
                     spilled.append((name, value))
                     continue
-                path = os.path.join(self._folder.name, f"{len(self._runs)}_{len(spilled)}.npy")
+                path = os.path.join(self._folder.name, f"{index}_{len(spilled)}.npy")
                 np.save(path, value, allow_pickle=False)
                 spilled.append((name, path))
         except OSError as exc:

@@ -108,14 +108,19 @@ def test_compare_runs_reads_runs_one_at_a_time():
 
 def test_run_store_spills_beyond_its_size_and_gives_the_same_arrays():
     runs = [{"a": RNG.normal(size=(2, 3)).astype(np.float32), "b": np.arange(4)} for _ in range(3)]
+    size = sum(v.nbytes for v in runs[0].values())
     kept = guard.RunStore(memory_bytes=1 << 20)
     spilled = guard.RunStore(memory_bytes=0)
+    later = guard.RunStore(memory_bytes=2 * size)  # the first two held, then all three spilled
     for run in runs:
         kept.append(run)
         spilled.append(run)
+        later.append(run)
     assert kept._folder is None  # must-not-fire: small runs stay in memory
-    assert spilled._folder is not None and not isinstance(spilled._runs[0], dict)
-    for store in (kept, spilled, spilled[1:]):
+    for store in (spilled, later):
+        assert store._folder is not None
+        assert not any(isinstance(r, dict) for r in store._runs)
+    for store in (kept, spilled, spilled[1:], later):
         offset = 1 if len(store) == 2 else 0
         assert len(store) == len(runs) - offset
         for i, run in enumerate(store):
@@ -210,10 +215,13 @@ def test_a_spilled_reference_gives_the_same_fidelity_report(tmp_path, monkeypatc
     in_memory = fidelity()
     spills = []
     spill = guard.RunStore._spill
-    monkeypatch.setattr(guard, "REFERENCE_MEMORY_BYTES", 0)
-    monkeypatch.setattr(guard.RunStore, "_spill", lambda s, r: spills.append(1) or spill(s, r))
+    # a few runs held, then every run written (the ones held first too)
+    monkeypatch.setattr(guard, "REFERENCE_MEMORY_BYTES", 8000)
+    monkeypatch.setattr(
+        guard.RunStore, "_spill", lambda s, r, i: spills.append(i) or spill(s, r, i)
+    )
     spilled = fidelity()
-    assert spills  # the files were read
+    assert spills[:3] == [0, 1, 2]  # the runs held first were written too
     parts = [p["measure"] for o in in_memory[0]["outputs"] for p in o["parts"]]
     assert parts == ["sqnr", "decisions", "argmax", "top1"]  # every kind of part is compared
     assert spilled == in_memory
