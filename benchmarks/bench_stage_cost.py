@@ -52,6 +52,7 @@ CASES: dict[str, tuple[str, int, int, int, dict]] = {
     "seg512x896_no_ers": ("segmenter", 512, 896, 64, {"EqualizeResidualStreams": False}),
     "big1024": ("segmenter", 1024, 1024, 16, {}),
     "cls224": ("classifier", 224, 224, 100, {}),
+    "wide1000": ("wide", 1000, 1000, 16, {}),
     "squeezenet1.1": ("squeezenet1.1.onnx", 224, 224, 100, {}),
     "mobilenetv2": ("mobilenetv2_rebuilt.onnx", 224, 224, 100, {}),
 }
@@ -106,9 +107,15 @@ def build_model(kind: str, height: int, width: int, path: Path) -> None:
         return s
 
     x = "x"
-    s = stream(x, 3, 16, 2)
-    s = stream(s, 16, 32, 2)
-    if kind == "segmenter":
+    if kind == "wide":  # two layers at full resolution: a 1x16xHxW output
+        y = conv(op("Relu", [conv(x, 3, 16, 3)]), 16, 16, 1)
+        shape = [1, 16, height, width]
+    else:
+        s = stream(x, 3, 16, 2)
+        s = stream(s, 16, 32, 2)
+    if kind == "wide":
+        pass
+    elif kind == "segmenter":
         y = conv(op("Relu", [conv(s, 32, 32, 3)]), 32, 4, 1)
         scales = helper.make_tensor("up", TensorProto.FLOAT, [4], [1, 1, 4, 4])
         inits.append(scales)
