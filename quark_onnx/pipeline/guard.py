@@ -392,9 +392,22 @@ def worst_layers(
     return [{k: e[k] for k in ("tensor", "node", "op_type", "sqnr_db", "drop_db")} for e in ranked]
 
 
-def materialize(prepared: onnx.ModelProto, external_dir: Path | None) -> None:
+def materialize(
+    prepared: onnx.ModelProto, external_dir: Path | None, quantized: ir.Model | None = None
+) -> None:
     """Read external weights into ``prepared`` (no-op without external data): the layer replays
     of AdaRound, bias correction and error analysis run onnxruntime on model bytes. Called after
-    the positions stage, whose weight error curves are gone by then, to keep the peak low."""
-    if external_dir is not None:
-        external.materialize(prepared, external_dir)
+    the positions stage, whose weight error curves are gone by then, to keep the peak low.
+
+    With ``quantized`` (the accuracy stages' call) only when it holds a layer those stages
+    replay (:func:`quark_onnx.accuracy.layers.find_layers`): the weights read stay in the proto
+    until the run ends (a cleared protobuf field keeps its memory), and a model without one (a
+    MatMul network) has nothing to replay (a 100 MB weight: 100 MB more at the verdict)."""
+    if external_dir is None:
+        return
+    if quantized is not None:
+        from quark_onnx.accuracy.layers import find_layers
+
+        if not find_layers(quantized)[0]:
+            return
+    external.materialize(prepared, external_dir)

@@ -225,3 +225,33 @@ def test_a_spilled_reference_gives_the_same_fidelity_report(tmp_path, monkeypatc
     parts = [p["measure"] for o in in_memory[0]["outputs"] for p in o["parts"]]
     assert parts == ["sqnr", "decisions", "argmax", "top1"]  # every kind of part is compared
     assert spilled == in_memory
+
+
+@pytest.mark.parametrize("layers", [[], ["a layer"]])
+def test_the_accuracy_stages_read_external_weights_only_for_a_layer_to_replay(
+    tmp_path, monkeypatch, layers
+):
+    from quark_onnx.accuracy import layers as layers_module
+
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [weight],
+    )
+    onnx.save(
+        helper.make_model(graph),
+        str(tmp_path / "m.onnx"),
+        save_as_external_data=True,
+        size_threshold=0,
+        location="m.data",
+    )
+    prepared = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    monkeypatch.setattr(layers_module, "find_layers", lambda model: (layers, []))
+    guard.materialize(prepared, tmp_path, quantized=object())
+    read = prepared.graph.initializer[0].data_location == TensorProto.DEFAULT
+    assert read == bool(layers)
+    guard.materialize(prepared, tmp_path)  # every other caller: always read
+    assert prepared.graph.initializer[0].data_location == TensorProto.DEFAULT
