@@ -59,6 +59,15 @@ memory back for time. Where
 no boundary fits the budget (ResNet-50 at 224x224), the replay's rerun allowance bounds the
 recomputation to about one extra pass: 8.7 s instead of 50 s for ResNet-50 with random weights.
 
+Samples: the replays run the kept samples while a sample's layer outputs (float32, every layer
+corrected, from the graph's shapes) times the samples fit :data:`ACTIVATION_BUDGET`; past it,
+the first samples that fit, at least :data:`MIN_SAMPLES` (:func:`replayed_samples`). Time and the
+replays' checkpoints grow with the samples replayed, so a 512x896 model no longer replays 32
+samples of 180 MB of layer outputs each. The mean shift of a channel averages every position of
+every sample; what fewer samples cost is its spread between samples: each layer's report entry
+gives ``shift_standard_error`` (the standard error of the per-sample mean shift, averaged over
+the channels), and the summary ``samples`` of ``samples_available``.
+
 Saturation: a corrected bias that leaves the int8 range at every position of its window (or
 whose position may not move) is clipped, and counted in the report. A layer without a bias is
 skipped and reported: adding one would need a new position inside the shift_bias window, which
@@ -102,6 +111,36 @@ FLOAT_REPLAY_BUDGET = 32 * 2**20
 #: onnxruntime intra-op threads of each replay while the float and the quantized replay run side
 #: by side (benchmarks/results/perf21_time.md).
 SIDE_BY_SIDE_THREADS = 1
+#: Bytes of layer outputs the replays run through, over the samples: a sample's layer outputs
+#: (float32, every corrected layer, :func:`layer_output_bytes`) times the samples replayed.
+#: Beyond it fewer samples are replayed (:func:`replayed_samples`): at 512x896 a sample's layer
+#: outputs are about 180 MB, and the 32 kept samples cost 119 s and a 1.6 GB peak
+#: (benchmarks/results/stage_cost.txt). A 224x224 classifier (MobileNetV2: 24 MB a sample)
+#: keeps all 32.
+ACTIVATION_BUDGET = 1 << 30
+#: Samples replayed whatever their size: the held-out gate needs two in each half.
+MIN_SAMPLES = 4
+
+
+def layer_output_bytes(layers: Sequence[Layer]) -> int:
+    """Bytes of one sample's outputs of ``layers`` as float32, from the graph's shapes (a
+    dimension without a number, e.g. a dynamic batch, counts as 1; an unknown shape as 0)."""
+    total = 0
+    for layer in layers:
+        shape = layer.node.outputs[0].shape
+        if shape is None:
+            continue
+        total += 4 * math.prod(d if isinstance(d, int) else 1 for d in shape)
+    return total
+
+
+def replayed_samples(available: int, per_sample: int, budget: int = ACTIVATION_BUDGET) -> int:
+    """How many of ``available`` samples the replays run: all while ``per_sample`` bytes of
+    layer outputs times the samples fit ``budget``, else as many as fit, at least
+    :data:`MIN_SAMPLES`."""
+    if per_sample <= 0 or per_sample * available <= budget:
+        return available
+    return min(available, max(MIN_SAMPLES, budget // per_sample))
 
 
 def requantize_bias(codes: np.ndarray, position: int, delta: np.ndarray) -> tuple[np.ndarray, int]:
@@ -264,6 +303,19 @@ def _set_bias_position(layer: Layer, position: int, quant: Replay) -> None:
     layer.bias_position = position
 
 
+def _standard_error(means: list[Any], count: int) -> float | None:
+    """The standard error of the mean shift over ``count`` samples, averaged over the channels,
+    from the sums of each sample's per-channel mean error and of its square (None: fewer than
+    two samples, or non-finite errors)."""
+    if count < 2:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        mean = np.asarray(means[0], np.float64) / count
+        variance = np.maximum(np.asarray(means[1], np.float64) / count - mean * mean, 0.0)
+        error = float(np.mean(np.sqrt(variance / (count - 1))))
+    return error if math.isfinite(error) else None
+
+
 def _bias_step(layer: Layer) -> np.ndarray:
     assert layer.bias_position is not None
     return np.float64(math.ldexp(1.0, -layer.bias_position))
@@ -298,6 +350,21 @@ def correct_bias(
         summary["skipped_reason"] = "no calibration samples kept (AccuracySamples = 0?)"
         return summary
     layers, skipped = find_layers(model, tensor_names(prepared))
+    available = len(samples)
+    # a fixed budget of activation bytes: large inputs replay fewer samples (the mean shift's
+    # standard error, per layer in the report, says what that costs)
+    per_sample = layer_output_bytes(layers)
+    samples = samples[: replayed_samples(available, per_sample, ACTIVATION_BUDGET)]
+    summary.update(samples_available=available, layer_output_bytes_per_sample=per_sample)
+    if len(samples) < available:
+        logger.info(
+            "bias correction: %d of %d samples replayed (%.0f MB of layer outputs a sample, "
+            "budget %.0f MB)",
+            len(samples),
+            available,
+            per_sample / 1e6,
+            ACTIVATION_BUDGET / 1e6,
+        )
     windows = _bias_windows(layers, plan, positions, options)
     moved: dict[str, int] = {}
     if not layers:  # no replay: each would copy or run the whole model for nothing
@@ -387,6 +454,9 @@ def _correct_layers(
                 continue
             bounds = _activation_bounds(layer)
             num = den = None
+            # per channel, the sums of each sample's mean error and of its square: the
+            # standard error of the shift over the samples
+            means, count = [0.0, 0.0], 0
             ndim = 0
             # one sample of each model at a time: the layer's outputs are never all held
             floats = ahead(flt.stream([layer.float_output]), pool)
@@ -397,6 +467,10 @@ def _correct_layers(
                     num, den = np.zeros((2, n.size)), np.zeros((2, n.size), np.int64)
                 num[0 if i < half else 1] += n
                 den[0 if i < half else 1] += d
+                with np.errstate(invalid="ignore", over="ignore"):
+                    mean = n / np.maximum(d, 1)
+                    means = [means[0] + mean, means[1] + mean * mean]
+                count += 1
                 ndim = q.ndim
                 del f, q
             assert num is not None and den is not None
@@ -448,6 +522,7 @@ def _correct_layers(
             per_layer.append(
                 {
                     "node": layer.name,
+                    "shift_standard_error": _standard_error(means, count),
                     "mean_shift_before": float(np.mean(np.abs(delta))),
                     "mean_shift_after": float(np.mean(np.abs(delta - applied))),
                     "changed_channels": changed,

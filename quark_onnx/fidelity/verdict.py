@@ -43,6 +43,7 @@ from quark_onnx.fidelity.compare import (
     TensorComparison,
     agreement_kind,
     json_float,
+    ordered,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,9 +132,11 @@ class _PartJudge:
         self.positions = 0
 
     def update(self, f: np.ndarray, q: np.ndarray) -> None:
-        f = np.asarray(self.part.take(f), dtype=np.float64)
-        q = np.asarray(self.part.take(q), dtype=np.float64)
+        # no float64 copies: the accumulator writes its products into one buffer, and argmax
+        # and maximum read values in an order-preserving dtype (compare.ordered)
+        f, q = self.part.take(np.asarray(f)), self.part.take(np.asarray(q))
         self.error.update(f, q, top1=False)
+        f, q = ordered(f), ordered(q)
         part, whole = self.part, self.part.axis is None
         axis = part.class_axis
         if part.kind == "score":
@@ -170,8 +173,9 @@ class _PartJudge:
             f2 = np.moveaxis(f, axis, -1).reshape(-1, f.shape[axis])
             q2 = np.moveaxis(q, axis, -1).reshape(-1, q.shape[axis])
         fc, qc = np.argmax(f2, axis=1), np.argmax(q2, axis=1)
-        fp = np.max(f2, axis=1) >= self.threshold
-        qp = np.max(q2, axis=1) >= self.threshold
+        # the maxima in float64 (exact), compared with the threshold as a float64
+        fp = np.max(f2, axis=1).astype(np.float64) >= self.threshold
+        qp = np.max(q2, axis=1).astype(np.float64) >= self.threshold
         both = fp & qp & (fc == qc)
         # per class: the float decisions, the quantized ones (by their own class), both agreeing
         for counts, decided in (

@@ -569,7 +569,7 @@ class QuantizationRun(sequencer.Stages):
         if not self.power_of_two:
             return params
         if samples and (qconfig.include_fast_ft or qconfig.include_bias_correction):
-            guard.materialize(self.prepared, self.external_dir)
+            guard.materialize(self.prepared, self.external_dir, quantized=model)
         from quark_onnx.accuracy.adaround import adaround, rounding_in_bias_walk
         from quark_onnx.accuracy.bias_correction import correct_bias
 

@@ -674,3 +674,40 @@ def test_bias_correction_is_identical_with_and_without_the_memory_budget(monkeyp
         summary.pop("seconds"), summary.pop("segment_runs")
         results.append((summary, to_proto(model).SerializeToString()))
     assert results[0] == results[1]
+
+
+def test_bias_correction_replays_the_samples_an_activation_budget_allows(monkeypatch):
+    """A sample's layer outputs times the samples over the budget: the first ones that fit are
+    replayed (at least four), and the result is the one of those samples given alone."""
+    import quark_onnx.accuracy.bias_correction as bc
+
+    rng = np.random.default_rng(17)
+    proto = onnx.shape_inference.infer_shapes(_conv_chain(rng, n=2))  # the sizes are the shapes
+    calib = _samples(rng, 12, offset=0.5)
+    per_sample = 2 * 4 * 4 * 8 * 8  # two layers' [1, 4, 8, 8] float32 outputs
+    assert bc.replayed_samples(12, per_sample, budget=12 * per_sample) == 12  # must not fire
+    assert bc.replayed_samples(12, per_sample, budget=6 * per_sample + 1) == 6
+    assert bc.replayed_samples(12, per_sample, budget=0) == bc.MIN_SAMPLES
+    assert bc.replayed_samples(2, per_sample, budget=0) == 2
+    results = []
+    for budget, given in ((6 * per_sample, calib), (bc.ACTIVATION_BUDGET, calib[:6])):
+        monkeypatch.setattr(bc, "ACTIVATION_BUDGET", budget)
+        prepared, model, plan, positions, options = _quantize(proto, calib)
+        summary = correct_bias(prepared, model, given, plan, positions, options)
+        assert summary["layer_output_bytes_per_sample"] == per_sample
+        assert summary["samples"] == 6
+        errors = [layer["shift_standard_error"] for layer in summary["per_layer"]]
+        assert all(e is not None and 0 < e < 1 for e in errors)
+        summary.pop("seconds"), summary.pop("segment_runs"), summary.pop("samples_available")
+        results.append((summary, to_proto(model).SerializeToString()))
+    assert results[0] == results[1]
+
+
+def test_shift_standard_error_is_that_of_the_per_sample_means():
+    means = np.array([[0.1, 1.0], [0.3, 1.0], [0.2, 1.0]])  # three samples, two channels
+    sums = [means.sum(axis=0), (means**2).sum(axis=0)]
+    want = np.mean(np.std(means, axis=0, ddof=1) / np.sqrt(3))
+    from quark_onnx.accuracy.bias_correction import _standard_error
+
+    assert _standard_error(sums, 3) == pytest.approx(want, rel=1e-12)
+    assert _standard_error(sums, 1) is None
