@@ -36,6 +36,7 @@ import onnxruntime as ort
 
 from quark_onnx.errors import CalibrationError
 from quark_onnx.model_files.external import fits_in_protobuf
+from quark_onnx.model_files.files import private_temp_folder
 from quark_onnx.model_files.save import save_model
 from quark_onnx.runtime import sessions
 from quark_onnx.runtime.memory import release_freed_memory
@@ -195,7 +196,7 @@ class CalibrationSession:
         # folder with its weights as external data (never beside the user's model).
         with load_errors():
             if self._tmpdir is None:
-                self._tmpdir = tempfile.TemporaryDirectory(prefix="quark_onnx_calib_")
+                self._tmpdir = private_temp_folder("calib")
             path = Path(self._tmpdir.name) / f"calib_{id(proto)}.onnx"
             save_model(proto, path, external_data=True)
             return sessions.create_session(

@@ -64,6 +64,7 @@ import numpy as np
 import onnx
 
 from quark_onnx.errors import CalibrationError, ModelLoadError, QuarkOnnxError
+from quark_onnx.model_files.files import private_temp_folder
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +444,7 @@ class _Session:
             if copy.ByteSize() < _PROTOBUF_LIMIT:
                 self.session = sessions.create_session(copy, so, purpose="compare")
             else:
-                self._tmp = tempfile.TemporaryDirectory(prefix="quark_onnx_compare_")
+                self._tmp = private_temp_folder("compare")
                 path = Path(self._tmp.name) / "model.onnx"
                 onnx.save_model(
                     copy, str(path), save_as_external_data=True, location="model.onnx.data"

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import signal
 import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,6 +255,33 @@ def remove_stale_partials(final: Path) -> list[Path]:
             pid,
         )
     return removed
+
+
+def private_temp_folder(kind: str) -> tempfile.TemporaryDirectory[str]:
+    """A private folder of this run in the system's temporary folder, ``quark_onnx_<kind>_<pid>_*``
+    (spilled reference outputs, a model above 2 GB written for a session), removed when the
+    returned object is cleaned up or collected.
+
+    A ``kill -9`` runs no cleanup, so first the folders of this kind whose process no longer runs
+    are removed with a note: the folder of a killed run is gone on the next run, as its
+    ``.partial`` files are (:func:`remove_stale_partials`)."""
+    prefix = f"quark_onnx_{kind}_"
+    root = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid, sep, _ = entry.name[len(prefix) :].partition("_")
+            if not (entry.name.startswith(prefix) and sep and pid.isdigit()):
+                continue
+            if int(pid) == os.getpid() or _pid_alive(int(pid)):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                logger.warning(
+                    "removed %s, left by process %s which no longer runs (killed or crashed)",
+                    entry.path,
+                    pid,
+                )
+    return tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}_")
 
 
 def place_file(tmp: Path, final: Path, *, replace: bool) -> None:

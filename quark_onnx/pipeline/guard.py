@@ -40,6 +40,7 @@ from quark_onnx.config.enums import QuantType
 from quark_onnx.config.options import ExtraOptions
 from quark_onnx.errors import ConfigError, FidelityError
 from quark_onnx.model_files import external
+from quark_onnx.model_files.files import private_temp_folder
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -129,7 +130,7 @@ class RunStore(Sequence[dict[str, np.ndarray]]):
         self._held += sum(np.asarray(v).nbytes for v in run.values())
         if self._folder is None and self._held > self._memory_bytes:
             try:
-                self._folder = tempfile.TemporaryDirectory(prefix="quark_onnx_reference_")
+                self._folder = private_temp_folder("reference")
             except OSError as exc:  # no room for a folder: kept in memory, as before the store
                 logger.info("reference outputs kept in memory: %s", exc)
                 self._memory_bytes = 1 << 62

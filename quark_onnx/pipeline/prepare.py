@@ -576,6 +576,26 @@ def run_passes(
 #: onnxruntime run of the float model before calibration.
 RANGE_SAMPLES = 8
 
+#: Bytes of model outputs one copy of the pass-cost measurement holds: the outputs before a
+#: pass and after it are each a list over the measured samples, so a model with large outputs
+#: (a 1x16x1000x1000 map: 64 MB a sample) is measured on the first samples that fit, never fewer
+#: than :data:`MEASURE_MIN_SAMPLES`. Its per-element statistics (SQNR, pixel agreement) still
+#: rest on millions of values; a model with small outputs keeps every sample.
+MEASURE_OUTPUT_BYTES = 256 << 20
+MEASURE_MIN_SAMPLES = 2
+
+
+def measured_samples(
+    samples: Sequence[Feeds], reference: Sequence[dict[str, np.ndarray]] | None
+) -> int:
+    """How many of ``samples`` the pass costs are measured on (:data:`MEASURE_OUTPUT_BYTES`),
+    from the size of the first reference run (all of them when it is not known)."""
+    if not reference or len(samples) <= MEASURE_MIN_SAMPLES:
+        return len(samples)
+    per_sample = sum(np.asarray(v).nbytes for v in reference[0].values())
+    fit = MEASURE_OUTPUT_BYTES // max(per_sample, 1)
+    return int(min(len(samples), max(MEASURE_MIN_SAMPLES, fit)))
+
 
 def prepare(
     model: ir.Model,
@@ -604,6 +624,16 @@ def prepare(
     first = samples[0] if samples else None
     # the equalization passes read the channel ranges of the first few samples
     passes = quantize_passes(qconfig, options, first, samples[:RANGE_SAMPLES])
+    count = measured_samples(samples, reference)
+    if count < len(samples):
+        logger.info(
+            "the output differences of the passes are measured on %d of %d samples (their "
+            "outputs fill %d MiB)",
+            count,
+            len(samples),
+            MEASURE_OUTPUT_BYTES >> 20,
+        )
+        samples, reference = samples[:count], reference[:count]
     pipeline = run_passes(
         model,
         passes,

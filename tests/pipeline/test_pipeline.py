@@ -389,3 +389,21 @@ def test_squeezenet_1_1():
     ops = collections.Counter(n.op_type for n in model.graph)
     # the 13x13 global pool became a depthwise Conv
     assert ops["Conv"] == 26 + 1 and ops["GlobalAveragePool"] == 0
+
+
+def test_pass_costs_are_measured_on_the_samples_whose_outputs_fit():
+    from quark_onnx.pipeline.prepare import (
+        MEASURE_MIN_SAMPLES,
+        MEASURE_OUTPUT_BYTES,
+        measured_samples,
+    )
+
+    samples = [{"x": None}] * 16
+    small = [{"y": np.zeros((1, 10), np.float32)}] * 16
+    assert measured_samples(samples, small) == 16  # small outputs: every sample
+    assert measured_samples(samples, None) == 16  # sizes unknown: every sample
+    big = np.zeros(MEASURE_OUTPUT_BYTES // 5 // 4, np.float32)  # a fifth of the budget
+    assert measured_samples(samples, [{"y": big}] * 16) == 5
+    huge = np.zeros(MEASURE_OUTPUT_BYTES // 4 + 1, np.float32)  # over the budget on its own
+    assert measured_samples(samples, [{"y": huge}] * 16) == MEASURE_MIN_SAMPLES
+    assert measured_samples(samples[:2], [{"y": huge}] * 2) == 2
