@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/bench_stage_cost.py                     # every case below
     python benchmarks/bench_stage_cost.py --cases seg512x896,seg512x896_no_ers
     python benchmarks/bench_stage_cost.py --name stage_cost   # also writes results/stage_cost.*
+    python benchmarks/bench_stage_cost.py --cases seg512x896,seg640 --peers ort,quark --repeat 3
 
 Cases (the synthetic models are built here with ``onnx.helper`` from a fixed seed; samples are
 seeded normal noise generated one at a time, so the reader holds none of them):
@@ -15,6 +16,8 @@ seeded normal noise generated one at a time, so the reader holds none of them):
   with ``EqualizeResidualStreams`` off (the acceptance compares the two: whole run at most 2x
   the time and at most 2.5 GB with the pass on).
 * ``big1024``: the same architecture on a 1x3x1024x1024 input, 16 samples.
+* ``seg640``: the same architecture on a 1x3x640x640 input, 32 samples: a 640x640 dense-prediction
+  model with depthwise layers and residual streams, the size of a mobile detector.
 * ``cls224``: a 224x224 classifier of the same blocks ending in GlobalAveragePool and Gemm,
   100 samples.
 * ``wide1000``: two convolutions at full resolution on a 1x3x1000x1000 input, so the graph
@@ -29,6 +32,14 @@ does); the stage times and each prepare pass's time come from the quantizer's re
 per case: the float model's nodes, activation elements per sample (the sum of every tensor's
 elements, from shape inference) and samples, then one row per stage and per pass that took at
 least 0.05 s. Linux only. A measurement, not a test: the machine is shared, compare within a run.
+
+``--peers``: after each case, the same model and samples quantized by a peer in a fresh
+interpreter, timed from its quantize call to its output file, so every round pairs this
+quantizer with each peer: ``ort`` is onnxruntime's ``quantize_static`` (QDQ, MinMax, per-channel
+int8 weights, uint8 activations; this interpreter's onnxruntime), ``quark`` is AMD Quark's XINT8
+with the Vitis AI documentation's options (``benchmarks/.envs/quark``, made by
+``benchmarks/peers/setup_envs.sh``; skipped with a note when absent). The table gives each
+peer's median time and the median over rounds of this quantizer's time over the peer's.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+SCRIPT = str(Path(__file__).resolve())
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SHARED = Path(os.environ.get("QUARK_ONNX_SHARED", ROOT.parent / "shared")).resolve() / "models"
@@ -54,6 +66,7 @@ CASES: dict[str, tuple[str, int, int, int, dict]] = {
     "seg512x896": ("segmenter", 512, 896, 64, {}),
     "seg512x896_no_ers": ("segmenter", 512, 896, 64, {"EqualizeResidualStreams": False}),
     "big1024": ("segmenter", 1024, 1024, 16, {}),
+    "seg640": ("segmenter", 640, 640, 32, {}),
     "cls224": ("classifier", 224, 224, 100, {}),
     "wide1000": ("wide", 1000, 1000, 16, {}),
     "squeezenet1.1": ("squeezenet1.1.onnx", 224, 224, 100, {}),
@@ -199,18 +212,10 @@ def run_case(name: str) -> dict:
 
     from quark_onnx import Config, ModelQuantizer, get_default_config
 
-    source, height, width, samples, extra = CASES[name]
+    extra = CASES[name][4]
     with tempfile.TemporaryDirectory() as tmp:
-        if source.endswith(".onnx"):
-            path = SHARED / source
-        else:
-            path = Path(tmp) / "model.onnx"
-            build_model(source, height, width, path)
-        proto = onnx.load(str(path))
-        nodes = len(proto.graph.node)
-        inp = proto.graph.input[0]
-        dims = tuple(d.dim_value or 1 for d in inp.type.tensor_type.shape.dim)
-        del proto
+        path, input_name, dims, samples = _case_model(name, tmp)
+        nodes = len(onnx.load(str(path), load_external_data=False).graph.node)
         elements = activation_elements(path)
         _label_stages(sampler, trim=False)
         qc = get_default_config("XINT8")
@@ -218,11 +223,14 @@ def run_case(name: str) -> dict:
         quantizer = ModelQuantizer(Config(global_quant_config=qc))
         start = time.perf_counter()
         quantizer.quantize_model(
-            str(path), Path(tmp) / "out.onnx", NoiseReader(inp.name, dims, samples), progress=False
+            str(path),
+            Path(tmp) / "out.onnx",
+            NoiseReader(input_name, dims, samples),
+            progress=False,
         )
         seconds = time.perf_counter() - start
         sampler.mark("float pass")
-        float_pass = _float_pass(path, NoiseReader(inp.name, dims, samples))
+        float_pass = _float_pass(path, NoiseReader(input_name, dims, samples))
     sampler.mark("end")
     report = quantizer.report
     return {
@@ -251,6 +259,69 @@ def run_case(name: str) -> dict:
     }
 
 
+PEER_NAMES = {"ort": "onnxruntime quantize_static", "quark": "AMD Quark XINT8"}
+PEER_ENVS = {"ort": None, "quark": ROOT / "benchmarks" / ".envs" / "quark" / "bin" / "python"}
+
+
+def _case_model(name: str, tmp: str) -> tuple[Path, str, tuple[int, ...], int]:
+    """The case's model file (built into ``tmp`` when synthetic), its input and samples."""
+    import onnx
+
+    source, height, width, samples, _ = CASES[name]
+    if source.endswith(".onnx"):
+        path = SHARED / source
+    else:
+        path = Path(tmp) / "model.onnx"
+        build_model(source, height, width, path)
+    inp = onnx.load(str(path), load_external_data=False).graph.input[0]
+    dims = tuple(d.dim_value or 1 for d in inp.type.tensor_type.shape.dim)
+    return path, inp.name, dims, samples
+
+
+def run_peer(peer: str, name: str) -> dict:
+    """Quantize case ``name`` with ``peer`` in this process (the child side): its seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, input_name, dims, samples = _case_model(name, tmp)
+        reader = NoiseReader(input_name, dims, samples)
+        out = str(Path(tmp) / "peer.onnx")
+        if peer == "ort":
+            from onnxruntime.quantization import (
+                CalibrationMethod,
+                QuantFormat,
+                QuantType,
+                quantize_static,
+            )
+
+            def run() -> None:
+                quantize_static(str(path), out, reader, quant_format=QuantFormat.QDQ,
+                                per_channel=True, activation_type=QuantType.QUInt8,
+                                weight_type=QuantType.QInt8,
+                                calibrate_method=CalibrationMethod.MinMax)  # fmt: skip
+        else:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            import common
+            from onnxruntime.quantization.quant_utils import QuantType
+            from quark.onnx import ModelQuantizer
+            from quark.onnx.quantization.config.config import Config
+            from quark.onnx.quantization.config.custom_config import get_default_config
+
+            qc = get_default_config("XINT8")
+            qc.activation_type = QuantType.QInt8
+            qc.optimize_model = False
+            qc.extra_options.update(common.XINT8_EXTRA_OPTIONS)
+
+            def run() -> None:
+                ModelQuantizer(Config(global_quant_config=qc)).quantize_model(
+                    str(path), out, reader
+                )
+
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+    peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return {"peer": peer, "case": name, "seconds": round(seconds, 2), "peak_mb": peak}
+
+
 def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
@@ -270,6 +341,12 @@ def table(rows: list[dict]) -> str:
             if stage == "prepare":
                 for pass_, seconds in row["passes"].items():
                     lines.append(f"    {pass_:32s} {seconds:8.2f}")
+        for peer, cost in row.get("peers", {}).items():
+            lines.append(
+                f"  peer {PEER_NAMES[peer]}: {cost['seconds']:.1f} s, peak {cost['peak_mb']} MB; "
+                f"this quantizer / it: {cost['ratio']:.2f}x (median of {cost['rounds']} paired "
+                "rounds)"
+            )
     by_case = {row["case"]: row for row in rows}
     on, off = by_case.get("seg512x896"), by_case.get("seg512x896_no_ers")
     if on and off:
@@ -281,40 +358,78 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _child(command: list[str], label: str) -> dict | None:
+    """The JSON the child ``command`` prints last, or None (its error printed) when it fails.
+    It runs in a temporary folder: a peer may write files into its working folder (Quark
+    writes ``quantized_info.csv``)."""
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
+    if out.returncode != 0:
+        print(f"{label}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--repeat", type=int, default=1, help="runs per case, cases alternating")
     parser.add_argument("--name", help="write benchmarks/results/NAME.{txt,json}")
+    parser.add_argument("--peers", default="", help="comma separated: ort, quark (module doc)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_case(args.child)))
+        return 0
+    if args.peer_child:
+        print(json.dumps(run_peer(*args.peer_child)))
         return 0
     names = args.cases.split(",")
     for name in names:
         if name not in CASES:
             parser.error(f"unknown case {name!r}; cases: {', '.join(CASES)}")
+    peers = []
+    for peer in filter(None, args.peers.split(",")):
+        if peer not in PEER_ENVS:
+            parser.error(f"unknown peer {peer!r}; peers: {', '.join(PEER_ENVS)}")
+        env = PEER_ENVS[peer]
+        if env is not None and not env.exists():
+            print(f"peer {peer}: {env} does not exist (benchmarks/peers/setup_envs.sh): skipped")
+        else:
+            peers.append(peer)
     runs: dict[str, list[dict]] = {name: [] for name in names}
+    peer_runs: dict[tuple[str, str], list[tuple[float, dict]]] = {}
     for _ in range(args.repeat):
         for name in names:  # alternating: a change of the machine's load hits every case
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", name],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-            )
-            if out.returncode != 0:
-                print(f"{name}: failed\n{out.stderr[-3000:]}", file=sys.stderr)
+            ours = _child([sys.executable, SCRIPT, "--child", name], name)
+            if ours is None:
                 continue
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[name].append(ours)
             print(table(runs[name][-1:]), flush=True)
+            for peer in peers:
+                python = str(PEER_ENVS[peer] or sys.executable)
+                theirs = _child([python, SCRIPT, "--peer-child", peer, name], f"{name} {peer}")
+                if theirs is not None:  # paired: this round's own time over the peer's
+                    peer_runs.setdefault((name, peer), []).append(
+                        (ours["seconds"] / theirs["seconds"], theirs)
+                    )
     # per case the run of median time (the lower middle one of an even count)
     rows = [
         sorted(r, key=lambda row: row["seconds"])[(len(r) - 1) // 2] for r in runs.values() if r
     ]
     for row in rows:
         row["all_seconds"] = [r["seconds"] for r in runs[row["case"]]]
+        for peer in peers:
+            pairs = sorted(peer_runs.get((row["case"], peer), []), key=lambda pair: pair[0])
+            if pairs:
+                ratio, theirs = pairs[(len(pairs) - 1) // 2]
+                row.setdefault("peers", {})[peer] = {
+                    "seconds": theirs["seconds"],
+                    "peak_mb": theirs["peak_mb"],
+                    "ratio": round(ratio, 3),
+                    "rounds": len(pairs),
+                }
     text = table(rows)
     if args.name:
         commit = subprocess.run(
