@@ -27,7 +27,7 @@ from quark_onnx.cli.calibration import (
     save_preparation_samples,
     saved_samples_reader,
 )
-from quark_onnx.cli.common import one_line
+from quark_onnx.cli.common import configure_logging, one_line
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ModelSaveError, QuarkOnnxError
 from quark_onnx.model_files.files import (
@@ -53,6 +53,8 @@ class Job:
     #: this job's identity in its staging folder's name: the folder the run removes on an
     #: interrupt is its own, never that of another run writing to the same folder
     token: str = field(default_factory=lambda: secrets.token_hex(6))
+    #: ``--debug``: a worker's log lines keep the tracebacks libraries log with their warnings
+    debug: bool = False
 
     @property
     def output(self) -> Path:
@@ -404,10 +406,10 @@ class _LogStream:
 def worker(job: Job) -> Outcome:
     """Entry point of a ``--jobs`` worker process (spawned: set up logging afresh)."""
     sys.stderr = _LogStream(sys.stderr)  # type: ignore[assignment]
-    logging.basicConfig(
-        level=job.settings.log_level,
-        format=f"%(levelname)s: {job.name}: %(message)s",
-        stream=sys.stderr,
+    configure_logging(
+        job.settings.log_level,
+        f"%(levelname)s: {job.name}: %(message)s",
+        debug=job.debug,
         force=True,
     )
     # SIGTERM (sent by the main process when the batch is interrupted) unwinds the job, so its

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import sys
 import traceback
@@ -17,6 +16,7 @@ from quark_onnx.cli.common import (
     EXIT_USAGE,
     Formatter,
     common_flags,
+    configure_logging,
     log_level,
     one_line,
     wrap,
@@ -54,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=log_level(args), format="%(levelname)s: %(name)s: %(message)s", stream=sys.stderr
+    configure_logging(
+        log_level(args), "%(levelname)s: %(name)s: %(message)s", debug=bool(args.debug)
     )
     stdout = sys.stdout
     sys.stdout = _Stdout(stdout)  # type: ignore[assignment]

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     jobs = [
         Job(index=i, model=str(e.model), name=e.name, out_dir=str(out_dir.resolve()),
-            settings=e.settings)
+            settings=e.settings, debug=bool(args.debug))
         for i, e in enumerate(entries)
     ]  # fmt: skip
     console = Console(len(jobs), quiet=args.quiet)
