@@ -277,7 +277,7 @@ def _quantize_into(
 ) -> None:
     """Quantize ``job`` writing every output into ``out_dir`` (the job's staging folder)."""
     from quark_onnx.config.quantization import Config
-    from quark_onnx.model_files.files import atomic_write_bytes
+    from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
     from quark_onnx.pipeline.quantizer import ModelQuantizer
 
     settings = job.settings
@@ -357,7 +357,7 @@ def _quantize_into(
     if comparison is not None:
         compare_json = out_dir / f"{job.name}.compare.json"
         text = json.dumps(comparison.to_dict(), indent=1)
-        atomic_write_bytes(compare_json, text.encode("utf-8"))
+        atomic_write_bytes(compare_json, text_bytes(text))
         outcome.compared_samples = comparison.samples
         if comparison.outputs:
             first = comparison.outputs[0]
@@ -377,13 +377,13 @@ def _quantize_into(
         if len(compared) > 1:
             lines += ["", f"float vs quantized on the {which} samples:", *compared]
     report_txt = out_dir / f"{job.name}.report.txt"
-    atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
+    atomic_write_bytes(report_txt, text_bytes("\n".join(lines) + "\n"))
     if settings.report_html:
         from quark_onnx.pipeline.report_html import render
 
         compared = comparison.to_dict() if comparison is not None else None
         page = render(report.to_dict(), compared, title=job.name)
-        atomic_write_bytes(out_dir / f"{job.name}.report.html", page.encode("utf-8"))
+        atomic_write_bytes(out_dir / f"{job.name}.report.html", text_bytes(page))
 
 
 class _LogStream:

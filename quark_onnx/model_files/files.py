@@ -317,6 +317,13 @@ def remove_temporary_files() -> None:
 atexit.register(remove_temporary_files)
 
 
+def text_bytes(text: str) -> bytes:
+    """``text`` (a report, a recipe) as the UTF-8 bytes of its file. A path whose name is not
+    UTF-8 (Python holds its bytes as surrogate escapes) is written as ``\\udcXX``, as the console
+    prints it; in a JSON string that is the escape that reads back as the same name."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, replace: bool = True) -> None:
     """Write ``data`` to a temporary file beside ``path`` and move it into place
     (:func:`place_file`: ``replace=False`` fails if ``path`` exists by then)."""
