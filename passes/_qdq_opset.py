@@ -76,10 +76,12 @@ def _raise_opset(model: ir.Model, tensors: Sequence[tuple[str, QuantParams]]) ->
     )
     try:
         proto = ir.serde.serialize_model(model)
+        external = _external_as_inputs(proto)
         converted = onnx.version_converter.convert_version(proto, need)
         converted.ir_version = max(converted.ir_version, _min_ir_version(need))
         onnx.checker.check_model(converted)
         new = ir.serde.deserialize_model(converted)
+        _restore_initializers(new.graph, model.graph, external)
     except Exception as error:  # the converter raises plain RuntimeError/ValidationError
         raise PassError(
             f"InsertQDQ: tensor {tensor} ({params.qtype.name}, {params.granularity}) needs "
@@ -91,6 +93,46 @@ def _raise_opset(model: ir.Model, tensors: Sequence[tuple[str, QuantParams]]) ->
     model.functions.clear()
     model.functions.update(new.functions)
     return True
+
+
+def _external_as_inputs(proto: onnx.ModelProto) -> dict[str, bool]:
+    """Turn the main graph's initializers kept in external files into graph inputs of the same
+    type; return their names (-> whether each was a graph input already).
+
+    Why: the converter and the checker look for an external file relative to the working
+    directory (a proto has no folder), and the conversion rewrites nodes, never weights, so the
+    weights stay where they are, as the loaded model's tensors (:func:`_restore_initializers`).
+    """
+    inputs = {value.name for value in proto.graph.input}
+    external: dict[str, bool] = {}
+    kept = []
+    for tensor in proto.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            kept.append(tensor)
+            continue
+        external[tensor.name] = tensor.name in inputs
+        if tensor.name not in inputs:
+            proto.graph.input.append(
+                onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)
+            )
+    if external:
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
+    return external
+
+
+def _restore_initializers(graph: ir.Graph, original: ir.Graph, external: dict[str, bool]) -> None:
+    """Give the converted ``graph`` back the initializers :func:`_external_as_inputs` made
+    inputs: the same tensors as in ``original`` (still mapped from their files)."""
+    if not external:
+        return
+    values = {value.name: value for value in graph.inputs}
+    for name, was_input in external.items():
+        value = values[name]
+        if not was_input:
+            graph.inputs.remove(value)
+        value.const_value = original.initializers[name].const_value
+        graph.register_initializer(value)
 
 
 def _raise_ir_version(model: ir.Model, params: Iterable[QuantParams]) -> None:

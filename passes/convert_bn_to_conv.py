@@ -50,9 +50,14 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array, single_consumer
+from quark_onnx.graph.ir import (
+    NameGenerator,
+    add_initializer,
+    constant_array,
+    infer_shapes,
+    single_consumer,
+)
 from quark_onnx.passes._affine_fold import (
     Constants,
     bn_affine,
@@ -108,7 +113,7 @@ class ConvertBNToConv(QuarkPass):
         converted = 0
         if self.standalone_to_conv and rest:
             if any(node.inputs[0].shape is None for node, _, _ in rest):
-                ShapeInferencePass(strict_mode=False)(model)
+                infer_shapes(model, type(self).__name__)
             for node, m, b in rest:
                 if self._to_depthwise_conv(node, m, b):
                     converted += 1

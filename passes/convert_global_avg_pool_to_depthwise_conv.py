@@ -58,9 +58,8 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.graph.ir import NameGenerator, add_initializer
+from quark_onnx.graph.ir import NameGenerator, add_initializer, infer_shapes
 from quark_onnx.npu.rules import MAX_CONV_KERNEL_SIDE
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.split_large_kernel_pool import NPU_MAX_POOL_KERNEL_AREA
@@ -142,7 +141,7 @@ class ConvertGlobalAvgPoolToDepthwiseConv(QuarkPass):
         if not pools:
             return ir.passes.PassResult(model, modified=False)
         if any(_static_chw(node.inputs[0]) is None for node in pools):
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model, type(self).__name__)
         names = NameGenerator(graph)
         count = 0
         for node in pools:

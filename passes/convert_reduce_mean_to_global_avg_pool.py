@@ -23,9 +23,8 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.graph.ir import NameGenerator, constant_array
+from quark_onnx.graph.ir import NameGenerator, constant_array, infer_shapes
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 
@@ -76,7 +75,7 @@ class ConvertReduceMeanToGlobalAvgPool(QuarkPass):
         if not candidates:
             return ir.passes.PassResult(model, modified=False)
         if any(node.inputs[0].shape is None for node in candidates):
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model, type(self).__name__)
         names = NameGenerator(model.graph)
         count = 0
         for node in candidates:

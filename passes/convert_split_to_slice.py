@@ -26,9 +26,8 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array
+from quark_onnx.graph.ir import NameGenerator, add_initializer, constant_array, infer_shapes
 from quark_onnx.passes.base import QuarkPass
 from quark_onnx.passes.convert_clip_to_relu import remove_if_unused
 
@@ -101,7 +100,7 @@ class ConvertSplitToSlice(QuarkPass):
         if not splits:
             return ir.passes.PassResult(model, modified=False)
         if any(_needs_shape(node) for node in splits):
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model, type(self).__name__)
         names = NameGenerator(model.graph)
         count = 0
         for node in splits:

@@ -25,10 +25,10 @@ import re
 from collections.abc import Mapping, Sequence
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 from onnx_ir.passes.common._c_api_utils import _BIG_TENSOR_SIZE_LIMIT
 
 from quark_onnx.errors import ConfigError, PassError
+from quark_onnx.graph.ir import infer_shapes
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class FixInputShapes(QuarkPass):
                 value.shape = ir.Shape(dims)
         if _inference_has_work(model):
             try:
-                ShapeInferencePass()(model)
+                infer_shapes(model, type(self).__name__, strict=True)
             except Exception as exc:  # onnx shape inference raises its own error types
                 logger.warning("shape inference after fixing input shapes failed: %s", exc)
         else:

@@ -40,9 +40,8 @@ import logging
 import math
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
-from quark_onnx.graph.ir import NameGenerator
+from quark_onnx.graph.ir import NameGenerator, infer_shapes
 from quark_onnx.passes.base import QuarkPass
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ class SplitLargeKernelPool(QuarkPass):
         if not pools:
             return ir.passes.PassResult(model, modified=False)
         if any(_static_spatial(node.inputs[0]) is None for node in pools):
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model, type(self).__name__)
         names = NameGenerator(model.graph)
         count = 0
         for node in pools:

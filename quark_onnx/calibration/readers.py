@@ -415,15 +415,23 @@ DEFAULT_MAX_FEEDS = 10_000
 
 class GuardedReader:
     """A user's reader as calibration consumes it: exceptions from ``get_next()`` become
-    :class:`CalibrationError` naming the reader, and a reader of unknown length stops after
-    :data:`DEFAULT_MAX_FEEDS` feeds (with a warning naming ``CalibDataSize``) unless
-    ``CalibDataSize`` asks for a number of samples."""
+    :class:`CalibrationError` naming the reader, no more than ``CalibDataSize`` feeds are read
+    (when set), and a reader of unknown length stops after :data:`DEFAULT_MAX_FEEDS` feeds (with
+    a warning naming ``CalibDataSize``) unless ``CalibDataSize`` asks for a number of samples.
+
+    ``CalibDataSize`` bounds every sample read from the reader, not only calibration's: the
+    fidelity verdict's held-out samples and the preparation's measured ones come out of the same
+    stream (:class:`~quark_onnx.calibration.sources.CalibrationSource`), so a user's sample cap
+    is a cap on what is read."""
 
     #: :func:`reader_for` takes it as it is (it is already guarded and bound)
     calibration_ready = True
 
-    def __init__(self, reader: Any, options: ExtraOptions) -> None:
+    def __init__(self, reader: Any, options: ExtraOptions, specs: Sequence[InputSpec] = ()) -> None:
         self._reader = reader
+        #: the model's first input says how many samples a feed holds (axis 0 when dynamic)
+        self._first = specs[0] if specs else None
+        self._rows = 0
         #: the user's reader class, for messages about what it returned
         self.reader_name = type(reader).__name__
         self._feeds = 0
@@ -432,7 +440,11 @@ class GuardedReader:
             with contextlib.suppress(Exception):  # a broken __len__: length unknown
                 known = len(reader)
         self._cap = None if options.CalibDataSize or isinstance(known, int) else DEFAULT_MAX_FEEDS
+        #: the user's sample cap (0: none): the reader ends there, without a warning
+        self._limit = max(0, int(options.CalibDataSize))
         self.num_samples = getattr(reader, "num_samples", None)
+        if self._limit and isinstance(self.num_samples, int):
+            self.num_samples = min(self.num_samples, self._limit)
 
     def __getattr__(self, name: str) -> Any:  # bind, rewind, ... of the wrapped reader
         return getattr(self._reader, name)
@@ -449,7 +461,7 @@ class GuardedReader:
             self._cap = None
             self._feeds = -1  # stopped: every later call returns None
             return None
-        if self._feeds < 0:
+        if self._feeds < 0 or (self._limit and self._rows >= self._limit):
             return None
         try:
             feed = self._reader.get_next()
@@ -463,7 +475,26 @@ class GuardedReader:
             ) from exc
         if feed is not None:
             self._feeds += 1
+            if self._limit:
+                feed = self._within_limit(feed)
         return feed
+
+    def _within_limit(self, feed: Any) -> Any:
+        """``feed``, counted against ``CalibDataSize``: one that crosses it is cut on a dynamic
+        batch axis (as calibration cuts it), so that no more samples than asked are read."""
+        first = self._first
+        value = feed.get(first.name) if first is not None and isinstance(feed, Mapping) else None
+        if not (first is not None and first.batch_dynamic and isinstance(value, np.ndarray)):
+            self._rows += 1
+            return feed
+        rows = int(value.shape[0]) if value.ndim > 0 else 1
+        keep = self._limit - self._rows
+        self._rows += min(rows, keep)
+        if rows <= keep:
+            return feed
+        return {
+            k: v[:keep] if isinstance(v, np.ndarray) and v.ndim > 0 else v for k, v in feed.items()
+        }
 
 
 def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> CalibrationDataReader:
@@ -506,4 +537,4 @@ def reader_for(model: onnx.ModelProto, reader: Any, options: ExtraOptions) -> Ca
     bind = getattr(reader, "bind", None)
     if callable(bind):
         bind(model)
-    return GuardedReader(reader, options)
+    return GuardedReader(reader, options, input_specs(model))

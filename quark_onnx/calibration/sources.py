@@ -209,8 +209,10 @@ class CalibrationSource:
         samples from its whole beginning and calibration keeps the others beside them. At most a
         quarter of a source of known length is held out (``count`` is lowered to fit), so that
         calibration keeps most of a small set; the caller warns when few are left to judge.
-        Random data (``UseRandomData``) loses none: ``count`` more feeds (at most
-        ``RandomDataSamples``) are drawn with the next seed.
+        The held-out samples count against ``CalibDataSize``: with a cap of n samples, n are read
+        in all and the verdict holds out up to n // 4 of them. Random data (``UseRandomData``)
+        loses none: ``count`` more feeds (at most ``RandomDataSamples`` and ``CalibDataSize``)
+        are drawn with the next seed.
         """
         if count <= 0:
             return []
@@ -271,7 +273,7 @@ def calibration_source(
 
             def fresh(count: int) -> list[dict[str, np.ndarray]]:
                 # as many as calibration reads at most: random data judges no better with more
-                count = min(count, options.RandomDataSamples)
+                count = min(count, options.RandomDataSamples, options.CalibDataSize or count)
                 seed = (options.RandomDataSeed + 1) % 2**64
                 reader = random_reader(model, options, samples=count, seed=seed)
                 return list(iter(reader.get_next, None))
@@ -286,5 +288,8 @@ def calibration_source(
     if callable(getattr(data, "bind", None)):
         data.bind(model)  # readers that take their input name from the model (.npz files)
     return CalibrationSource(
-        GuardedReader(data, options), keep=keep, specs=input_specs(model), fresh=fresh
+        GuardedReader(data, options, input_specs(model)),
+        keep=keep,
+        specs=input_specs(model),
+        fresh=fresh,
     )

@@ -73,19 +73,21 @@ def output_names(models: Sequence[Path], names: Sequence[str] | None = None) -> 
 
 
 class Console:
-    """Status lines on stderr, with the overall progress bar on a terminal."""
+    """Status lines on stderr, with the overall progress bar on a terminal; ``quiet`` (``-q``):
+    the error lines only."""
 
-    def __init__(self, total: int, stream: IO[str] | None = None) -> None:
+    def __init__(self, total: int, stream: IO[str] | None = None, quiet: bool = False) -> None:
         from quark_onnx.runtime.progress import Progress
 
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.total = total
+        self.quiet = quiet
         self.bar = Progress(
             total,
             desc="models",
             unit="models",
-            enabled=self.tty,
+            enabled=self.tty and not quiet,
             stream=self.stream,
             logger=logger,
             refresh_interval=0.0,
@@ -98,18 +100,19 @@ class Console:
         self.stream.flush()
 
     def started(self, job: Job) -> None:
-        self.line(f"[{job.index + 1}/{self.total}] {job.name}: quantizing {job.model}")
+        if not self.quiet:
+            self.line(f"[{job.index + 1}/{self.total}] {job.name}: quantizing {job.model}")
 
     def finished(self, outcome: Outcome, debug: bool) -> None:
-        if outcome.ok:
+        if not outcome.ok:
+            self.line(f"error: {outcome.model}: {outcome.message}")
+            if debug and outcome.traceback:
+                self.stream.write(outcome.traceback)
+        elif not self.quiet:
             self.line(
                 f"[{outcome.index + 1}/{self.total}] {outcome.name}: done in "
                 f"{outcome.seconds:.1f} s"
             )
-        else:
-            self.line(f"error: {outcome.model}: {outcome.message}")
-            if debug and outcome.traceback:
-                self.stream.write(outcome.traceback)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -4,7 +4,9 @@ the small path checks of the commands that write one file."""
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import sys
 from pathlib import Path
 
 from quark_onnx.errors import ConfigError, ModelSaveError
@@ -27,6 +29,32 @@ MAX_SAMPLES = 10_000
 def one_line(text: str) -> str:
     """``text`` on one line (the CLI prints one line per error)."""
     return " ".join(str(text).split())
+
+
+class LogFormatter(logging.Formatter):
+    """The CLI's log lines: a record that carries an exception (a library's warning logged with
+    its traceback) stays one line, the exception's type and message appended; the traceback is
+    printed with ``--debug`` only."""
+
+    def __init__(self, fmt: str, debug: bool = False) -> None:
+        super().__init__(fmt)
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.debug or not record.exc_info or record.exc_info[1] is None:
+            return super().format(record)
+        error = record.exc_info[1]
+        bare = copy.copy(record)
+        bare.exc_info = bare.exc_text = bare.stack_info = None
+        return f"{super().format(bare)} ({type(error).__name__}: {one_line(str(error))[:400]})"
+
+
+def configure_logging(level: int, fmt: str, *, debug: bool = False, force: bool = False) -> None:
+    """Log to stderr at ``level`` with :class:`LogFormatter` (as ``logging.basicConfig``: a
+    no-op when the root logger has handlers already, unless ``force``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter(fmt, debug))
+    logging.basicConfig(level=level, handlers=[handler], force=force)
 
 
 def log_level(args: argparse.Namespace) -> int:

@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(result.summary(worst=args.worst))
     if args.json is not None:
-        from quark_onnx.model_files.files import atomic_write_bytes
+        from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
 
-        atomic_write_bytes(args.json, json.dumps(result.to_dict(), indent=1).encode("utf-8"))
+        atomic_write_bytes(args.json, text_bytes(json.dumps(result.to_dict(), indent=1)))
     return EXIT_OK
 
 

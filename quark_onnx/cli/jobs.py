@@ -27,7 +27,7 @@ from quark_onnx.cli.calibration import (
     save_preparation_samples,
     saved_samples_reader,
 )
-from quark_onnx.cli.common import one_line
+from quark_onnx.cli.common import configure_logging, one_line
 from quark_onnx.cli.settings import QuantizeSettings
 from quark_onnx.errors import ModelSaveError, QuarkOnnxError
 from quark_onnx.model_files.files import (
@@ -53,6 +53,8 @@ class Job:
     #: this job's identity in its staging folder's name: the folder the run removes on an
     #: interrupt is its own, never that of another run writing to the same folder
     token: str = field(default_factory=lambda: secrets.token_hex(6))
+    #: ``--debug``: a worker's log lines keep the tracebacks libraries log with their warnings
+    debug: bool = False
 
     @property
     def output(self) -> Path:
@@ -275,7 +277,7 @@ def _quantize_into(
 ) -> None:
     """Quantize ``job`` writing every output into ``out_dir`` (the job's staging folder)."""
     from quark_onnx.config.quantization import Config
-    from quark_onnx.model_files.files import atomic_write_bytes
+    from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
     from quark_onnx.pipeline.quantizer import ModelQuantizer
 
     settings = job.settings
@@ -355,7 +357,7 @@ def _quantize_into(
     if comparison is not None:
         compare_json = out_dir / f"{job.name}.compare.json"
         text = json.dumps(comparison.to_dict(), indent=1)
-        atomic_write_bytes(compare_json, text.encode("utf-8"))
+        atomic_write_bytes(compare_json, text_bytes(text))
         outcome.compared_samples = comparison.samples
         if comparison.outputs:
             first = comparison.outputs[0]
@@ -375,13 +377,13 @@ def _quantize_into(
         if len(compared) > 1:
             lines += ["", f"float vs quantized on the {which} samples:", *compared]
     report_txt = out_dir / f"{job.name}.report.txt"
-    atomic_write_bytes(report_txt, ("\n".join(lines) + "\n").encode("utf-8"))
+    atomic_write_bytes(report_txt, text_bytes("\n".join(lines) + "\n"))
     if settings.report_html:
         from quark_onnx.pipeline.report_html import render
 
         compared = comparison.to_dict() if comparison is not None else None
         page = render(report.to_dict(), compared, title=job.name)
-        atomic_write_bytes(out_dir / f"{job.name}.report.html", page.encode("utf-8"))
+        atomic_write_bytes(out_dir / f"{job.name}.report.html", text_bytes(page))
 
 
 class _LogStream:
@@ -404,10 +406,10 @@ class _LogStream:
 def worker(job: Job) -> Outcome:
     """Entry point of a ``--jobs`` worker process (spawned: set up logging afresh)."""
     sys.stderr = _LogStream(sys.stderr)  # type: ignore[assignment]
-    logging.basicConfig(
-        level=job.settings.log_level,
-        format=f"%(levelname)s: {job.name}: %(message)s",
-        stream=sys.stderr,
+    configure_logging(
+        job.settings.log_level,
+        f"%(levelname)s: {job.name}: %(message)s",
+        debug=job.debug,
         force=True,
     )
     # SIGTERM (sent by the main process when the batch is interrupted) unwinds the job, so its

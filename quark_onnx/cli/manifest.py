@@ -98,6 +98,10 @@ def _apply(settings: QuantizeSettings, table: dict[str, Any], folder: Path) -> Q
     return dataclasses.replace(settings, **changes)
 
 
+#: Largest manifest read (a list of models and settings: 16 MiB is thousands of models).
+MAX_MANIFEST_BYTES = 16 << 20
+
+
 def read_manifest(path: str | os.PathLike, base: QuantizeSettings) -> list[BatchModel]:
     """The models of the manifest at ``path``, each with ``base`` (the command line's run
     settings) changed by the manifest's defaults, then by its own table.
@@ -107,13 +111,16 @@ def read_manifest(path: str | os.PathLike, base: QuantizeSettings) -> list[Batch
             model has no ``file``, or there is no model.
     """
     from quark_onnx.config.presets import _tomllib
+    from quark_onnx.model_files.files import read_regular_file
 
     manifest = Path(path)
+    # a FIFO or device is refused unread, a file above the cap from its size
+    raw = read_regular_file(
+        manifest, limit=MAX_MANIFEST_BYTES, what="manifest", error=ConfigError, option="--manifest"
+    )
     try:
-        data = _tomllib().loads(manifest.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"--manifest {manifest}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        data = _tomllib().loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"--manifest {manifest}: cannot read it ({exc})") from None
     except ValueError as exc:  # tomllib.TOMLDecodeError
         raise ConfigError(f"--manifest {manifest}: not valid TOML: {exc}") from None

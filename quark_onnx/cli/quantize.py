@@ -220,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     jobs = [
         Job(index=i, model=str(e.model), name=e.name, out_dir=str(out_dir.resolve()),
-            settings=e.settings)
+            settings=e.settings, debug=bool(args.debug))
         for i, e in enumerate(entries)
     ]  # fmt: skip
-    console = Console(len(jobs))
+    console = Console(len(jobs), quiet=args.quiet)
     stopped_by = None
     if args.ray is not None:
         from quark_onnx.cli.ray_runner import run_batch_ray
@@ -248,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
 
         for warning in batch_warnings(outcomes):
             logger.warning("%s", warning)
-    print(summary_table(outcomes))
+    if not args.quiet:  # -q: errors only (a failed model's line is on stderr already)
+        print(summary_table(outcomes))
     if args.report_html:
         from quark_onnx.pipeline.report_html import write_batch_page
 

@@ -167,7 +167,11 @@ class ExtraOptions:
     )
     RandomDataSeed: int = _opt(0, "Seed of the random calibration data (reproducible).")
     RandomDataSamples: int = _opt(100, "How many random samples UseRandomData generates.")
-    CalibDataSize: int = _opt(0, "Use at most this many calibration samples (0: all of them).")
+    CalibDataSize: int = _opt(
+        0,
+        "Read at most this many calibration samples, the fidelity verdict's held-out ones "
+        "included (0: all of them).",
+    )
     CalibMovingAverage: bool = _opt(
         False, "MinMax: use the exponential moving average of per-batch min/max."
     )

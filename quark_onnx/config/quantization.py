@@ -97,7 +97,8 @@ class QuantizationConfig:
         nodes_to_exclude / op_types_to_quantize / nodes_to_quantize: restrict what is quantized.
         execution_providers: the onnxruntime providers of the calibration session (the sessions
             that judge the result, fidelity and the accuracy replays, run on the CPU provider so
-            that their reference numerics do not depend on the machine).
+            that their reference numerics do not depend on the machine). A name onnxruntime
+            does not know is refused; a known one this install lacks falls back on the next.
         use_external_data_format: write the quantized model's tensors of 1 KiB and more to
             ``<output>.data`` beside it (otherwise only models above 2 GB are split).
         print_summary: log the report's summary (logger ``quark_onnx.pipeline.quantizer``,
@@ -145,6 +146,7 @@ class QuantizationConfig:
     def validate(self) -> ExtraOptions:
         """Check the combination of settings; return the effective extra options."""
         options = self.resolved_options()
+        check_providers(self.execution_providers)  # the list may have been edited in place
         if self.quant_format is not QuantFormat.QDQ:
             raise ConfigError(
                 "quant_format: only QuantFormat.QDQ is supported (the NPU flow takes QDQ models)"
@@ -336,6 +338,32 @@ _DYNAMIC_TYPES = (QuantType.QInt8, QuantType.QUInt8, QuantType.QInt16, QuantType
 _CAST_TYPES = (QuantType.QFloat16, QuantType.QBFloat16)
 
 
+def check_providers(providers: Any) -> None:
+    """Refuse an execution provider onnxruntime does not know by that name (a typo would
+    otherwise be dropped with a warning, and calibration run on the CPU). A known provider this
+    build lacks (CUDA on a CPU-only install) is accepted: onnxruntime falls back on the next.
+
+    Raises:
+        ConfigError: an entry is not a string, or not a name in
+            ``onnxruntime.get_all_providers()`` (the message lists them).
+    """
+    import onnxruntime as ort
+
+    known = list(ort.get_all_providers())
+    for provider in providers:
+        if not isinstance(provider, str):
+            raise ConfigError(
+                f"execution_providers expects a list of strings, got {provider!r} in it"
+            )
+        if provider not in known:
+            close = closest_name(provider, known)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(
+                f"execution_providers: {provider!r} is not an onnxruntime execution "
+                f"provider{hint} (known: {', '.join(known)})"
+            )
+
+
 def _normalise(name: str, value: Any) -> Any:
     if name == "calibrate_method":
         return coerce_calibrate_method(value)
@@ -346,6 +374,8 @@ def _normalise(name: str, value: Any) -> Any:
     if name in _LIST_FIELDS:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} expects a list of strings, got {value!r}")
+        if name == "execution_providers":
+            check_providers(value)
         return list(value)
     if name in _BOOL_FIELDS and not isinstance(value, bool):
         raise ConfigError(f"{name} expects bool, got {type(value).__name__} ({value!r})")

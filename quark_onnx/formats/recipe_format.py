@@ -253,7 +253,7 @@ def _write(
     """Write the parameter file, then ``recipe.json`` (last: a folder without it holds no
     recipe, so an interrupted save never leaves a half recipe that loads; ``replace=False``
     places it exclusively, failing if another run wrote one meanwhile)."""
-    from quark_onnx.model_files.files import atomic_write_bytes
+    from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
 
     entries, arrays = _entries(params, shapes)
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
@@ -264,7 +264,7 @@ def _write(
         "params": {"file": PARAMS_FILE, "sha256": digest},
     }
     text = json.dumps(document, indent=1, ensure_ascii=False, allow_nan=False) + "\n"
-    atomic_write_bytes(out / RECIPE_FILE, text.encode("utf-8"), replace=replace)
+    atomic_write_bytes(out / RECIPE_FILE, text_bytes(text), replace=replace)
     logger.info("recipe written to %s (%d tensors)", out, len(params))
     return out / RECIPE_FILE
 

@@ -27,7 +27,8 @@ Reading checks, and refuses with :class:`SafetensorsError` naming the file and t
   in the file; the header is UTF-8 JSON whose top level is an object;
 * every entry is an object with exactly ``dtype`` (a known code), ``shape`` (non-negative
   integers) and ``data_offsets`` (two integers ``0 <= begin <= end``);
-* ``end - begin == prod(shape) * itemsize``;
+* ``end - begin == prod(shape) * itemsize``, and the shape is one numpy can hold (a zero-size
+  tensor's other dimensions are not bounded by its bytes);
 * sorted by ``begin``, the tensors are contiguous from 0 and the last one ends exactly at the end
   of the file (no overlap, no gap, no trailing bytes);
 * ``__metadata__`` maps strings to strings; a ``dtype:`` entry names a stored tensor and a
@@ -229,7 +230,15 @@ def deserialize(
     tensors: dict[str, np.ndarray] = {}
     for _begin, _end, name in spans:
         dtype, shape, begin, end = parsed[name]
-        array = np.frombuffer(buffer[begin:end], dtype=dtype).reshape(shape).copy()
+        try:
+            array = np.frombuffer(buffer[begin:end], dtype=dtype).reshape(shape).copy()
+        except ValueError as exc:
+            # a zero-size tensor's other dimensions are not bounded by its bytes: numpy refuses
+            # a rank above 64 or dimensions whose product (zeros left out) overflows
+            raise SafetensorsError(
+                f"{source}: tensor {name!r}: shape {list(shape)} cannot be an array ({exc}); "
+                "the file is corrupt or was edited"
+            ) from exc
         tensors[name] = array.astype(dtype.newbyteorder("="), copy=False)
     for key, value in list(metadata.items()):
         if not key.startswith(DTYPE_KEY_PREFIX):

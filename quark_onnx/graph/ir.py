@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+logger = logging.getLogger(__name__)
 
 #: Metadata key on a value: the largest value the quantization range of that tensor must cover
 #: (ConvertClipToRelu writes it; the planner and the equalization passes read it).
@@ -132,3 +136,45 @@ def store_constant_input(
         elif value.is_initializer() and not value.is_graph_input():
             graph.initializers.pop(value.name)
     return new.name
+
+
+class _Failure(logging.Filter):
+    """Takes onnx_ir's shape-inference failure record (a warning with a traceback) away from the
+    log and keeps its exception."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.error = record.exc_info[1]
+            return False
+        return True
+
+
+def infer_shapes(model: ir.Model, who: str, *, strict: bool = False) -> bool:
+    """Run onnx's shape inference on ``model`` in place (onnx_ir's ``ShapeInferencePass``);
+    False when it failed, the model left as it was.
+
+    A failure (a bfloat16 Conv, an op the checker does not know) is one warning naming ``who``
+    (the pass) and the node the checker names; onnx_ir would log it with a traceback, which is
+    kept for the DEBUG level."""
+    failure = _Failure()
+    source = logging.getLogger("onnx_ir.passes.common.shape_inference")
+    source.addFilter(failure)
+    try:
+        ShapeInferencePass(strict_mode=strict)(model)
+    finally:
+        source.removeFilter(failure)
+    if failure.error is None:
+        return True
+    text = " ".join(str(failure.error).split())[:400]
+    logger.warning(
+        "%s: shape inference failed, shapes left unknown: %s: %s",
+        who,
+        type(failure.error).__name__,
+        text,
+    )
+    logger.debug("%s: shape inference failed", who, exc_info=failure.error)
+    return False

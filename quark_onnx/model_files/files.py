@@ -37,16 +37,24 @@ _COPY_CHUNK = 16 << 20
 
 #: Longest file name component most file systems accept, in bytes.
 _NAME_MAX = 255
+#: Linux's PATH_MAX: the bytes of a path, its final NUL included
+_PATH_MAX = 4096
 
 
 def check_path_text(path: str | os.PathLike, what: str, error: type[Exception]) -> Path:
-    """``path`` as a Path, refusing a NUL byte or a name component above 255 bytes (which the
-    operating system refuses with an error that names neither the path nor the option)."""
+    """``path`` as a Path, refusing a NUL byte, a name component above 255 bytes or a path of
+    4096 bytes and more (which the operating system refuses with an error that names neither the
+    path nor the option)."""
     text = os.fspath(path)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if "\0" in text:
         raise error(f"{what} {text!r}: a path cannot contain a NUL character")
+    if len(os.fsencode(text)) >= _PATH_MAX:
+        raise error(
+            f"{what} {text[:80]!r}...: the path is {len(os.fsencode(text))} bytes long; the "
+            f"operating system accepts less than {_PATH_MAX}: choose a shorter path"
+        )
     for part in Path(text).parts:
         if len(os.fsencode(part)) > _NAME_MAX:
             raise error(
@@ -335,6 +343,13 @@ def remove_temporary_files() -> None:
 
 
 atexit.register(remove_temporary_files)
+
+
+def text_bytes(text: str) -> bytes:
+    """``text`` (a report, a recipe) as the UTF-8 bytes of its file. A path whose name is not
+    UTF-8 (Python holds its bytes as surrogate escapes) is written as ``\\udcXX``, as the console
+    prints it; in a JSON string that is the escape that reads back as the same name."""
+    return text.encode("utf-8", "backslashreplace")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, replace: bool = True) -> None:

@@ -358,9 +358,17 @@ class QuantizationRun(sequencer.Stages):
                 proto = signature_proto(model)
         args = self.arguments
         preflight.check_architecture(model, self.source, self.qconfig, args["require_ready"])
+        reader, npz_path = args["reader"], args["npz_path"]
+        if not self.qconfig.needs_calibration_data() and (reader, npz_path) != (None, None):
+            # documented as ignored: not even the fidelity verdict reads it (a reader may be
+            # costly, or one pass over a stream)
+            logger.info(
+                "%s: the calibration data is not read: these settings need none", self.source
+            )
+            reader = npz_path = None
         self.reader = calibration_source(
-            args["reader"],
-            args["npz_path"],
+            reader,
+            npz_path,
             self.options,
             model=proto,
             keep=max(self.q._samples_to_keep(), self.q.keep_samples),

@@ -85,10 +85,10 @@ class QuantizationReport:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the report as JSON, atomically."""
-        from quark_onnx.model_files.files import atomic_write_bytes
+        from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
 
         text = json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
-        atomic_write_bytes(path, text.encode("utf-8"))
+        atomic_write_bytes(path, text_bytes(text))
 
     @property
     def reverted_passes(self) -> dict[str, str]:

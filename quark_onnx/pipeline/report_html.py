@@ -352,7 +352,7 @@ def write_batch_page(out_dir: str | os.PathLike, outcomes: Sequence[Any]) -> Pat
     """Write ``OUT_DIR/index.html``, the batch's page, from the CLI's outcomes (objects with
     ``name``, ``ok``, ``seconds``, ``ready``, ``faithful``, ``output_sqnr_db``, ``message``),
     linking each written model's page."""
-    from quark_onnx.model_files.files import atomic_write_bytes
+    from quark_onnx.model_files.files import atomic_write_bytes, text_bytes
 
     folder = Path(out_dir)
     rows = []
@@ -371,7 +371,7 @@ def write_batch_page(out_dir: str | os.PathLike, outcomes: Sequence[Any]) -> Pat
             }
         )
     path = folder / "index.html"
-    atomic_write_bytes(path, render_batch(rows).encode("utf-8"))
+    atomic_write_bytes(path, text_bytes(render_batch(rows)))
     return path
 
 

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 from quark_onnx import ArrayDataReader, Config, ModelQuantizer, get_default_config
 from quark_onnx.calibration import collector
+from quark_onnx.errors import ConfigError
 
 UNSUPPORTED = {
     "input_nodes": ["conv1"],
@@ -111,3 +112,32 @@ def test_unsupported_field_is_named_in_a_warning_and_changes_nothing(
     assert len(named) == 1, warnings
     assert [n for n in quantizer.report.notes if n.startswith(f"{field}=")] != []
     assert out.read_bytes() == reference.read_bytes()
+
+
+def test_an_unknown_execution_provider_is_a_named_config_error():
+    qconfig = get_default_config("XINT8")
+    with pytest.raises(ConfigError) as caught:
+        qconfig.execution_providers = ["CUDAExecutionProvidr", "CPUExecutionProvider"]
+    message = str(caught.value)
+    assert "'CUDAExecutionProvidr'" in message and "did you mean 'CUDAExecutionProvider'" in message
+    assert "CPUExecutionProvider" in message.split("known:")[1]  # the known ones are listed
+    assert qconfig.execution_providers == ["CPUExecutionProvider"]  # unchanged
+
+
+def test_an_unknown_provider_added_in_place_is_refused_by_the_quantizer():
+    qconfig = get_default_config("XINT8")
+    qconfig.execution_providers.append(7)
+    with pytest.raises(ConfigError, match="list of strings, got 7"):
+        ModelQuantizer(Config(global_quant_config=qconfig))
+    qconfig.execution_providers[-1] = "NoSuchExecutionProvider"
+    with pytest.raises(ConfigError, match="'NoSuchExecutionProvider' is not an onnxruntime"):
+        ModelQuantizer(Config(global_quant_config=qconfig))
+
+
+def test_a_known_provider_this_install_lacks_is_accepted():
+    """The must-not-fire case: every name onnxruntime knows passes, available or not."""
+    import onnxruntime as ort
+
+    qconfig = get_default_config("XINT8")
+    qconfig.execution_providers = list(ort.get_all_providers())
+    ModelQuantizer(Config(global_quant_config=qconfig))

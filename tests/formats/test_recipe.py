@@ -118,6 +118,10 @@ def _f32(shape, offsets):
         (_file({"a": _f32([2], [0, 8]), "b": _f32([1], [4, 8])}, b"\0" * 8), "overlaps"),
         (_file({"w": _f32([1], [0, 4])}, b"\0" * 8), "cover 4 byte(s)"),
         (_file({"w": _f32([-1], [0, 4])}, b"\0" * 4), "non-negative"),
+        # zero bytes, but dimensions numpy cannot hold
+        (_file({"w": _f32([0, 10**20], [0, 0])}, b""), "'w': shape [0, 100000000000000000000]"),
+        (_file({"w": _f32([0, 2**62, 2**62], [0, 0])}, b""), "cannot be an array"),
+        (_file({"w": _f32([0] * 70, [0, 0])}, b""), "cannot be an array"),
         (_file({"w": {**_f32([1], [0, 4]), "extra": 1}}, b"\0" * 4), "exactly dtype"),
         (_file({"__metadata__": {"a": 1}}, b""), "strings to strings"),
         (
@@ -137,6 +141,12 @@ def test_safetensors_refuses_malformed_files(data, message):
         st.deserialize(data, "bad.safetensors")
     assert message in str(err.value)
     assert "bad.safetensors" in str(err.value)
+
+
+def test_safetensors_reads_a_zero_size_tensor_of_a_holdable_shape():
+    """The must-not-fire case of the shape check."""
+    tensors, _ = st.deserialize(_file({"w": _f32([0, 5], [0, 0])}, b""))
+    assert tensors["w"].shape == (0, 5)
 
 
 def test_safetensors_refuses_duplicate_keys_and_digest_mismatch(tmp_path):

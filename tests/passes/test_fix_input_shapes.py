@@ -149,7 +149,7 @@ def test_no_shape_inference_when_the_batch_makes_every_value_static(monkeypatch)
     def refuse(*args, **kwargs):
         raise AssertionError("shape inference ran on an all-static model")
 
-    monkeypatch.setattr(fis, "ShapeInferencePass", refuse)
+    monkeypatch.setattr(fis, "infer_shapes", refuse)
     skipped = to_ir(_annotated_model())
     assert FixInputShapes(batch=1)(skipped).modified
     assert to_proto(skipped).SerializeToString() == to_proto(inferred).SerializeToString()

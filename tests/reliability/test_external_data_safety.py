@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from fuzz_models import conv_chain, quantizer
 
@@ -144,3 +145,52 @@ def test_output_data_never_replaces_the_input_data(tmp_path):
         onnx.numpy_helper.to_array(load_model(src).graph.initializer[0]),
         onnx.numpy_helper.to_array(conv_chain().graph.initializer[0]),
     )
+
+
+def _gather_matmul_opset17(folder) -> tuple:
+    """ids -> Gather(table 300x64) -> MatMul(w 64x512) -> y, opset 17, both tensors (above the
+    size kept in memory on load) in ``m.onnx.data``; uint4 weight-only needs opset 21."""
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((300, 64)).astype(np.float32)
+    weight = rng.standard_normal((64, 512)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["table", "ids"], ["e"], name="gather"),
+            onnx.helper.make_node("MatMul", ["e", "w"], ["y"], name="mm"),
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 512])],
+        [onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(weight, "w")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder.mkdir()
+    path = folder / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    return path, table
+
+
+def test_opset_conversion_finds_external_data_from_any_working_directory(tmp_path, monkeypatch):
+    from quark_onnx import Config, ModelQuantizer, get_default_config
+
+    src, table = _gather_matmul_opset17(tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in src.parent.iterdir()}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the data file is not beside the working directory
+    out = tmp_path / "out" / "q.onnx"
+    out.parent.mkdir()
+    qconfig = get_default_config("UINT4_WEIGHT_ONLY_G32")
+    ModelQuantizer(Config(global_quant_config=qconfig)).quantize_model(str(src), str(out))
+    quantized = onnx.load(str(out))
+    assert {o.domain: o.version for o in quantized.opset_import}[""] == 21
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in quantized.graph.initializer}
+    assert np.array_equal(inits["table"], table)  # the float table kept, bytes unchanged
+    assert "w" not in inits and "w_quantized" in inits  # the external weight was quantized
+    assert [i.name for i in quantized.graph.input] == ["ids"]  # no weight became an input
+    ids = np.array([[0, 7, 299, 7]], np.int64)
+    (y,) = ort.InferenceSession(str(out)).run(None, {"ids": ids})
+    assert y.shape == (1, 4, 512) and np.array_equal(y[0, 1], y[0, 3])
+    assert {p.name: p.read_bytes() for p in src.parent.iterdir()} == before
+    assert os.listdir(elsewhere) == []
