@@ -147,6 +147,7 @@ import onnx_ir as ir
 from quark_onnx.errors import ConfigError
 from quark_onnx.graph.channels import ChannelStats, channel_range_spread, channel_statistics
 from quark_onnx.graph.ir import NameGenerator, store_constant_input
+from quark_onnx.passes._cle_balance import balance
 from quark_onnx.passes._cle_pairs import _follow, _label
 from quark_onnx.passes._cle_solver import (
     _chain_length,
@@ -412,7 +413,10 @@ class CrossLayerEqualization(QuarkPass):
         before = [_component_noise(comp, stats) for comp in components]
 
         limit = MAX_ADAPTIVE_STEPS if self.steps == -1 else self.steps
+        solve = self.steps == -1 and self.gate not in ("sum", "per_layer")
         while report.iterations < limit:
+            if solve:  # the balanced point directly; the sweeps settle what it leaves out
+                solve = balance(pairs, self.scale_append_bias, self.max_scale) > 0
             change = sum(
                 _equalize(pair, self.gate, self.scale_append_bias, self.max_scale) for pair in pairs
             )
