@@ -148,7 +148,8 @@ class _Game:
             ok = np.isfinite(r1w) & np.isfinite(r2) & np.isfinite(r1)
             product = np.where(ok, r1w + r2, -np.inf)
             live = ok & (product > self.floor + (product.max() if ok.any() else 0.0))
-            f = np.where(live, r1 - r2, 0.0)
+            with np.errstate(invalid="ignore"):  # -inf - -inf where a weight is all zero
+                f = np.where(live, r1 - r2, 0.0)
             if keep is not None:
                 free = keep.free[b]
             else:
