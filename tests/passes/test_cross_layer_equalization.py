@@ -244,8 +244,7 @@ def test_conv_dw_conv_chain_converges_jointly():
     _assert_same_outputs(model, out)
     report = cle.report
     assert [(p.first, p.second) for p in report.pairs] == [("c0", "dw"), ("dw", "c2")]
-    # the balanced point is solved for (passes/_cle_balance.py): one sweep confirms it
-    assert report.converged and report.iterations == 1
+    assert report.converged and 1 < report.iterations < 500
     assert report.last_change < 1e-9
     # at the fixed point every channel boundary is balanced
     w0, w1, w2 = (_node_weight(out, n) for n in ("c0", "dw", "c2"))
@@ -317,6 +316,7 @@ def test_solved_balance_is_the_sweeps_fixed_point(monkeypatch, bias):
     import sys
 
     cle_module = sys.modules[CrossLayerEqualization.__module__]
+    monkeypatch.setattr(cle_module, "SWEEPS_BEFORE_SOLVE", 3)
     model = _chain_of_4x4(40)
     options = dict(steps=-1, threshold=1e-10, scale_append_bias=bias)
     solved, cle_solved, _ = _apply(model, **options)
@@ -328,9 +328,22 @@ def test_solved_balance_is_the_sweeps_fixed_point(monkeypatch, bias):
         np.testing.assert_allclose(
             _node_weight(solved, f"c{k}"), _node_weight(swept, f"c{k}"), rtol=1e-5, atol=1e-7
         )
-    # the chain's sweeps alone take hundreds of steps; solved, one sweep confirms the point
-    assert cle_swept.report.iterations > 50
-    assert cle_solved.report.iterations == 1
+    # the chain's sweeps alone take dozens of steps; solved after 3, one more confirms the point
+    assert cle_swept.report.iterations > 20
+    assert cle_solved.report.iterations == 4
+
+
+def test_balance_waits_for_the_sweep_budget(monkeypatch):
+    import sys
+
+    cle_module = sys.modules[CrossLayerEqualization.__module__]
+    calls = []
+    monkeypatch.setattr(cle_module, "balance", lambda *args: calls.append(1) or 0)
+    model = _chain_of_4x4(40)
+    _, cle, _ = _apply(model, steps=-1, threshold=1e-10)
+    assert cle.report.iterations > cle_module.SWEEPS_BEFORE_SOLVE and len(calls) == 1
+    _, cle, _ = _apply(_chain_of_4x4(3), steps=-1, threshold=1e-4)
+    assert cle.report.iterations < cle_module.SWEEPS_BEFORE_SOLVE and not calls[1:]
 
 
 def test_balance_is_not_solved_for_fixed_steps_or_step_gates(monkeypatch):
@@ -341,6 +354,7 @@ def test_balance_is_not_solved_for_fixed_steps_or_step_gates(monkeypatch):
 
     cle_module = sys.modules[CrossLayerEqualization.__module__]
     monkeypatch.setattr(cle_module, "balance", refuse)
+    monkeypatch.setattr(cle_module, "SWEEPS_BEFORE_SOLVE", 0)
     model = _chain_of_4x4(6)
     _, cle, _ = _apply(model, steps=3, threshold=0.0)
     assert cle.report.iterations == 3
