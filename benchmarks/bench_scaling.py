@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/bench_scaling.py                      # Conv 1k..20k, Add 50k
     python benchmarks/bench_scaling.py --conv 1000 5000 --add 0
     python benchmarks/bench_scaling.py --json benchmarks/results/scaling.json
+    python benchmarks/bench_scaling.py --conv 1000 2000 20000 --add 0 --repeat 3   # medians
 
 Models (built here with ``onnx.helper``, weights from a fixed seed):
 
@@ -15,9 +16,9 @@ Models (built here with ``onnx.helper``, weights from a fixed seed):
 * ``add N``: ``x[1,16]`` through N ``Add`` nodes, each adding a constant ``[16]`` vector: the
   model is small on disk (~1.7 MB at 50k) and peak memory measures per-node bookkeeping.
 
-``--no-cle`` quantizes without CrossLayerEqualization: the XINT8 preset runs it until the
-channel scales converge (at most ``CLESteps`` sweeps over every pair of Convs), which on these
-chains takes most of the time; without it the rest of the quantizer is timed.
+``--no-cle`` quantizes without CrossLayerEqualization, to time the rest of the quantizer alone:
+the XINT8 preset equalizes each chain to its balanced point (solved per chain, then confirmed by
+a sweep; ``passes/_cle_balance.py``), the largest stage on these chains.
 
 Each size runs in a fresh interpreter (``python -c``) so that its peak resident memory
 (``ru_maxrss``) is its own; the quantizer's per-stage timings come from its report. Besides wall
@@ -145,6 +146,16 @@ def run(kind: str, n: int, profile: str | None = None, cle: bool = True) -> dict
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _median_run(rows: list[dict]) -> dict:
+    """The run of median wall time (the lower middle one of an even count), with every run's
+    wall and CPU seconds."""
+    ordered = sorted(rows, key=lambda r: r["seconds"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["runs_seconds"] = [round(r["seconds"], 2) for r in rows]
+    row["runs_cpu_seconds"] = [round(r["cpu_seconds"], 2) for r in rows]
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conv", type=int, nargs="*", default=[1000, 2000, 5000, 10000, 20000])
@@ -156,36 +167,48 @@ def main() -> int:
     parser.add_argument(
         "--profile", metavar="DIR", type=Path, help="write a pyinstrument text profile per size"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every size N times (rounds over all sizes, so a load spike hits one run of "
+        "each, not all runs of one) and keep the run of median wall time",
+    )
     args = parser.parse_args()
-    rows = []
-    for kind, sizes in (("conv", args.conv), ("add", [n for n in args.add if n])):
-        for n in sizes:
+    sizes = [("conv", n) for n in args.conv] + [("add", n) for n in args.add if n]
+    runs: dict[tuple[str, int], list[dict]] = {size: [] for size in sizes}
+    rows: list[dict] = []
+    for round_ in range(args.repeat):
+        for kind, n in sizes:
             profile = str(args.profile / f"{kind}{n}.txt") if args.profile else None
             row = run(kind, n, profile, cle=not args.no_cle)
-            rows.append(row)
+            runs[(kind, n)].append(row)
             stages = ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(row["stages"].items(), key=lambda kv: -kv[1])[:4]
             )
             print(
-                f"{kind:4} {n:6d} nodes: {row['seconds']:7.1f} s  {row['us_per_node']:7.0f} us/node"
-                f"  cpu {row['cpu_us_per_node']:7.0f} us/node  peak {row['peak_rss_mb']:6.0f} MB"
-                f"  ({stages})",
+                f"[{round_ + 1}/{args.repeat}] {kind:4} {n:6d} nodes: {row['seconds']:7.1f} s  "
+                f"{row['us_per_node']:7.0f} us/node  cpu {row['cpu_us_per_node']:7.0f} us/node  "
+                f"peak {row['peak_rss_mb']:6.0f} MB  ({stages})",
                 flush=True,
             )
+        rows = [_median_run(runs[size]) for size in sizes if runs[size]]
+        if args.json:  # after every round: a cut-short run keeps what it measured
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
     conv = {r["nodes"]: r for r in rows if r["kind"] == "conv"}
     if conv:
-        small, large = min(conv), max(conv)
-        ratio = conv[large]["us_per_node"] / conv[small]["us_per_node"]
-        cpu = conv[large]["cpu_us_per_node"] / conv[small]["cpu_us_per_node"]
-        print(
-            f"time/node at {large} vs {small} Convs: {ratio:.2f}x, CPU time/node {cpu:.2f}x "
-            "(target <= 1.5x)"
-        )
+        large = max(conv)
+        for small in sorted(conv)[:-1]:
+            ratio = conv[large]["us_per_node"] / conv[small]["us_per_node"]
+            cpu = conv[large]["cpu_us_per_node"] / conv[small]["cpu_us_per_node"]
+            print(
+                f"time/node at {large} vs {small} Convs: {ratio:.2f}x, CPU time/node {cpu:.2f}x "
+                f"(target <= 1.5x; median of {args.repeat})"
+            )
     for r in rows:
         if r["kind"] == "add":
             print(f"peak RSS of {r['nodes']} Adds: {r['peak_rss_mb']:.0f} MB (target <= 400 MB)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 

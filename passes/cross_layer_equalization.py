@@ -52,7 +52,10 @@ absolute mean weight change instead, which depends on the weights' magnitudes). 
 :data:`MAX_ADAPTIVE_STEPS` bounds the adaptive mode. In that mode the ungated sweeps over-relax
 each group of pairs that share layers (step ``s^omega``, :func:`over_relaxation` of the group's
 longest chain), since only the end point matters there: a chain's balance is a 1-D Laplacian in log
-scale, whose plain sweeps need ``O(length^2)`` steps. Scales are accumulated in float64 and each
+scale, whose plain sweeps need ``O(length^2)`` steps; over-relaxed still ``O(length)``, so
+after :data:`SWEEPS_BEFORE_SOLVE` steps the balanced point is solved for directly (policy
+iteration over which channels set the ranges, one block-tridiagonal solve per policy:
+:mod:`._cle_balance`) and a sweep confirms it. Scales are accumulated in float64 and each
 weight is rounded back to its dtype once, so the float model changes only by that rounding (about
 1e-7 relative for float32).
 
@@ -147,6 +150,7 @@ import onnx_ir as ir
 from quark_onnx.errors import ConfigError
 from quark_onnx.graph.channels import ChannelStats, channel_range_spread, channel_statistics
 from quark_onnx.graph.ir import NameGenerator, store_constant_input
+from quark_onnx.passes._cle_balance import balance
 from quark_onnx.passes._cle_pairs import _follow, _label
 from quark_onnx.passes._cle_solver import (
     _chain_length,
@@ -164,6 +168,14 @@ logger = logging.getLogger(__name__)
 
 #: Upper bound on the number of steps when ``steps = -1`` (until converged).
 MAX_ADAPTIVE_STEPS = 2000
+
+#: Ungated steps to convergence after which the balanced point is solved for instead
+#: (:func:`~quark_onnx.passes._cle_balance.balance`). A sweep costs one pass over the pairs and
+#: wide, short graphs converge in a few dozen (the shared models: at most 70), where one solve
+#: costs more than all their sweeps (dense blocks of hundreds of channels); a chain needs sweeps in
+#: proportion to its length (over-relaxed), which the solve does not. A fixed budget keeps the
+#: pass linear in the number of pairs either way.
+SWEEPS_BEFORE_SOLVE = 100
 
 #: ``gate = 'component'`` keeps a group's equalized weights only when they predict at most
 #: 1 / this of the noise of the weights it found. The prediction is first order (white inputs
@@ -412,7 +424,11 @@ class CrossLayerEqualization(QuarkPass):
         before = [_component_noise(comp, stats) for comp in components]
 
         limit = MAX_ADAPTIVE_STEPS if self.steps == -1 else self.steps
+        solve = self.steps == -1 and self.gate not in ("sum", "per_layer")
         while report.iterations < limit:
+            if solve and report.iterations >= SWEEPS_BEFORE_SOLVE:
+                # the balanced point directly; the sweeps settle what it leaves out
+                solve = balance(pairs, self.scale_append_bias, self.max_scale) > 0
             change = sum(
                 _equalize(pair, self.gate, self.scale_append_bias, self.max_scale) for pair in pairs
             )

@@ -277,6 +277,8 @@ def test_over_relaxed_sweeps_reach_the_plain_sweeps_fixed_point(monkeypatch):
     import sys
 
     cle_module = sys.modules[CrossLayerEqualization.__module__]
+    # the sweeps alone, without the balanced point solved for first
+    monkeypatch.setattr(cle_module, "balance", lambda *args: 0)
     model = _conv_chain()
     options = dict(steps=-1, threshold=1e-9, scale_append_bias=False)
     relaxed, cle_relaxed, _ = _apply(model, **options)
@@ -289,6 +291,75 @@ def test_over_relaxed_sweeps_reach_the_plain_sweeps_fixed_point(monkeypatch):
         )
     # measured: 165 plain sweeps, 37 over-relaxed (to 1e-6); fewer is what it is for
     assert cle_relaxed.report.iterations < cle_plain.report.iterations / 2
+
+
+def _chain_of_4x4(length: int, seed: int = 0) -> onnx.ModelProto:
+    """``length`` 1x1 Convs on 4 channels with orthogonal weights and small biases (the
+    scaling benchmark's chain): every boundary's balance depends on the whole chain."""
+    rng = _rng(seed)
+    inits: dict[str, np.ndarray] = {}
+    nodes = []
+    for k in range(length):
+        w = np.linalg.qr(rng.standard_normal((4, 4)))[0][:, :, None, None]
+        inits[f"w{k}"] = w.astype(np.float32)
+        inits[f"b{k}"] = (rng.standard_normal(4) * 0.1).astype(np.float32)
+        source = "x" if k == 0 else f"a{k - 1}"
+        out = "y" if k == length - 1 else f"a{k}"
+        nodes.append(_conv(f"c{k}", source, f"w{k}", f"b{k}", out, k=1))
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4, 5, 5])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 5, 5])
+    return make_model(nodes, [x], [y], inits)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_solved_balance_is_the_sweeps_fixed_point(monkeypatch, bias):
+    import sys
+
+    cle_module = sys.modules[CrossLayerEqualization.__module__]
+    monkeypatch.setattr(cle_module, "SWEEPS_BEFORE_SOLVE", 3)
+    model = _chain_of_4x4(40)
+    options = dict(steps=-1, threshold=1e-10, scale_append_bias=bias)
+    solved, cle_solved, _ = _apply(model, **options)
+    monkeypatch.setattr(cle_module, "balance", lambda *args: 0)
+    swept, cle_swept, _ = _apply(model, **options)
+    _assert_same_outputs(model, solved)
+    assert cle_solved.report.converged and cle_swept.report.converged
+    for k in range(40):
+        np.testing.assert_allclose(
+            _node_weight(solved, f"c{k}"), _node_weight(swept, f"c{k}"), rtol=1e-5, atol=1e-7
+        )
+    # the chain's sweeps alone take dozens of steps; solved after 3, one more confirms the point
+    assert cle_swept.report.iterations > 20
+    assert cle_solved.report.iterations == 4
+
+
+def test_balance_waits_for_the_sweep_budget(monkeypatch):
+    import sys
+
+    cle_module = sys.modules[CrossLayerEqualization.__module__]
+    calls = []
+    monkeypatch.setattr(cle_module, "balance", lambda *args: calls.append(1) or 0)
+    model = _chain_of_4x4(40)
+    _, cle, _ = _apply(model, steps=-1, threshold=1e-10)
+    assert cle.report.iterations > cle_module.SWEEPS_BEFORE_SOLVE and len(calls) == 1
+    _, cle, _ = _apply(_chain_of_4x4(3), steps=-1, threshold=1e-4)
+    assert cle.report.iterations < cle_module.SWEEPS_BEFORE_SOLVE and not calls[1:]
+
+
+def test_balance_is_not_solved_for_fixed_steps_or_step_gates(monkeypatch):
+    import sys
+
+    def refuse(*args):
+        raise AssertionError("balance solved outside the adaptive ungated sweeps")
+
+    cle_module = sys.modules[CrossLayerEqualization.__module__]
+    monkeypatch.setattr(cle_module, "balance", refuse)
+    monkeypatch.setattr(cle_module, "SWEEPS_BEFORE_SOLVE", 0)
+    model = _chain_of_4x4(6)
+    _, cle, _ = _apply(model, steps=3, threshold=0.0)
+    assert cle.report.iterations == 3
+    _, cle, _ = _apply(model, steps=-1, threshold=1e-4, gate="sum")
+    assert cle.report.iterations >= 1
 
 
 def test_over_relaxation_factor():
