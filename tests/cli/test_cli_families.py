@@ -4,7 +4,7 @@ from the calibration data, summaries that fit each output, findings printed once
 
 Oracles: the calibration statistics of the model input (min, max, element count, saved with
 ``--save-calibration``) against the numpy reference of the pre-processing over the same images
-(``test_images.reference_general``); the agreement columns against onnxruntime runs of the float
+(``image_reference.reference_general``); the agreement columns against onnxruntime runs of the float
 and the quantized model.
 """
 
@@ -19,8 +19,8 @@ import onnx
 import pytest
 from cli_helpers import run_cli
 from conftest import make_model, run_ort
+from image_reference import reference_general
 from onnx import TensorProto, helper
-from test_images import reference_general
 
 from quark_onnx import ImageFolderDataReader, PreprocessSpec
 from quark_onnx.calibration.image_graph import _png_rgb
