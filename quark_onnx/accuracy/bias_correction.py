@@ -77,6 +77,7 @@ the constraint solver, not this stage, chooses.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import time
@@ -422,6 +423,46 @@ def correct_bias(
     return summary
 
 
+@dataclasses.dataclass
+class _LayerError:
+    """A layer's output error (quantized minus float) over the replayed samples, per channel:
+    ``num``/``den`` the sums and counts of the fitting half (row 0) and the checking half (row
+    1), ``means`` the sums of each sample's mean error and of its square (the standard error of
+    the shift over the samples), ``ndim`` the output's rank."""
+
+    num: np.ndarray
+    den: np.ndarray
+    means: list[Any]
+    count: int
+    ndim: int
+
+    @classmethod
+    def measure(
+        cls, layer: Layer, flt: Replay, pool: concurrent.futures.Executor, quant: Replay, half: int
+    ) -> _LayerError:
+        """One sample of each model at a time: the layer's outputs are never all held."""
+        bounds = _activation_bounds(layer)
+        num = den = None
+        means: list[Any] = [0.0, 0.0]
+        count = ndim = 0
+        floats = ahead(flt.stream([layer.float_output]), pool)
+        pairs = zip(floats, quant.stream([layer.output]), strict=True)
+        for (i, (f,)), (_, (q,)) in pairs:
+            n, d = channel_sums(f, q, bounds)
+            if num is None or den is None:
+                num, den = np.zeros((2, n.size)), np.zeros((2, n.size), np.int64)
+            num[0 if i < half else 1] += n
+            den[0 if i < half else 1] += d
+            with np.errstate(invalid="ignore", over="ignore"):
+                mean = n / np.maximum(d, 1)
+                means = [means[0] + mean, means[1] + mean * mean]
+            count += 1
+            ndim = q.ndim
+            del f, q
+        assert num is not None and den is not None
+        return cls(num, den, means, count, ndim)
+
+
 def _correct_layers(
     layers: list[Layer],
     skipped: list[dict[str, Any]],
@@ -452,28 +493,8 @@ def _correct_layers(
                     }
                 )
                 continue
-            bounds = _activation_bounds(layer)
-            num = den = None
-            # per channel, the sums of each sample's mean error and of its square: the
-            # standard error of the shift over the samples
-            means, count = [0.0, 0.0], 0
-            ndim = 0
-            # one sample of each model at a time: the layer's outputs are never all held
-            floats = ahead(flt.stream([layer.float_output]), pool)
-            pairs = zip(floats, quant.stream([layer.output]), strict=True)
-            for (i, (f,)), (_, (q,)) in pairs:
-                n, d = channel_sums(f, q, bounds)
-                if num is None or den is None:
-                    num, den = np.zeros((2, n.size)), np.zeros((2, n.size), np.int64)
-                num[0 if i < half else 1] += n
-                den[0 if i < half else 1] += d
-                with np.errstate(invalid="ignore", over="ignore"):
-                    mean = n / np.maximum(d, 1)
-                    means = [means[0] + mean, means[1] + mean * mean]
-                count += 1
-                ndim = q.ndim
-                del f, q
-            assert num is not None and den is not None
+            errors = _LayerError.measure(layer, flt, pool, quant, half)
+            num, den, ndim = errors.num, errors.den, errors.ndim
             if half >= 2:
                 delta = gated_shift(num, den)
             else:
@@ -522,7 +543,7 @@ def _correct_layers(
             per_layer.append(
                 {
                     "node": layer.name,
-                    "shift_standard_error": _standard_error(means, count),
+                    "shift_standard_error": _standard_error(errors.means, errors.count),
                     "mean_shift_before": float(np.mean(np.abs(delta))),
                     "mean_shift_after": float(np.mean(np.abs(delta - applied))),
                     "changed_channels": changed,
