@@ -427,8 +427,10 @@ class CrossLayerEqualization(QuarkPass):
         solve = self.steps == -1 and self.gate not in ("sum", "per_layer")
         while report.iterations < limit:
             if solve and report.iterations >= SWEEPS_BEFORE_SOLVE:
-                # the balanced point directly; the sweeps settle what it leaves out
-                solve = balance(pairs, self.scale_append_bias, self.max_scale) > 0
+                # the balanced point directly, once (its solves are bounded): the sweeps
+                # settle what it leaves out
+                balance(pairs, self.scale_append_bias, self.max_scale)
+                solve = False
             change = sum(
                 _equalize(pair, self.gate, self.scale_append_bias, self.max_scale) for pair in pairs
             )
