@@ -10,6 +10,7 @@ import onnx
 import pytest
 from cli_helpers import run_cli
 from conftest import shared_path
+from image_reference import resize_axis
 from onnx import TensorProto, helper
 
 from quark_onnx.calibration.image_graph import (
@@ -86,24 +87,12 @@ def _decode(data: bytes) -> np.ndarray:
     return pixels if decoder_channel_order() == "RGB" else pixels[:, :, ::-1]
 
 
-def _linear(x: np.ndarray, size: int, axis: int) -> np.ndarray:
-    """ONNX Resize linear, half_pixel, along one axis, in float32."""
-    n = x.shape[axis]
-    scale = np.float32(size) / np.float32(n)
-    u = (np.arange(size, dtype=np.float32) + np.float32(0.5)) / scale - np.float32(0.5)
-    u = np.clip(u, 0, n - 1).astype(np.float32)
-    lo = np.floor(u).astype(np.int64)
-    hi = np.minimum(lo + 1, n - 1)
-    w = (u - lo).astype(np.float32).reshape([-1 if a == axis else 1 for a in range(x.ndim)])
-    return np.take(x, lo, axis=axis) * (np.float32(1) - w) + np.take(x, hi, axis=axis) * w
-
-
 def squeezenet_input(path: Path) -> np.ndarray:
     """Short side 256, centre crop 224, BGR, minus (104, 117, 123), NCHW: in numpy."""
     x = _decode(path.read_bytes()).astype(np.float32)
     h, w = x.shape[:2]
-    x = _linear(x, 256 * h // min(h, w), 0)
-    x = _linear(x, 256 * w // min(h, w), 1)
+    x = resize_axis(x, 256 * h // min(h, w), 0)
+    x = resize_axis(x, 256 * w // min(h, w), 1)
     top, left = round((x.shape[0] - 224) / 2), round((x.shape[1] - 224) / 2)
     x = x[top : top + 224, left : left + 224, ::-1] - np.array([104, 117, 123], np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1)[None], dtype=np.float32)
