@@ -93,7 +93,7 @@ import onnx_ir as ir
 from quark_onnx.accuracy.layer_statistics import TARGETS, _statistics, _ungroup
 from quark_onnx.accuracy.layers import Layer, find_layers, held_out_split, set_codes, tensor_names
 from quark_onnx.accuracy.replay import Replay
-from quark_onnx.config.options import ExtraOptions, closest_name
+from quark_onnx.config.options import ExtraOptions, did_you_mean
 from quark_onnx.errors import ConfigError, QuantizationError
 from quark_onnx.plan.types import QuantPlan
 from quark_onnx.runtime.progress import Progress
@@ -152,8 +152,7 @@ class AdaRoundSettings:
         values: dict[str, Any] = {}
         for key, value in (raw or {}).items():
             if key not in names:
-                close = closest_name(str(key), names)
-                hint = f"; did you mean {close!r}?" if close else ""
+                hint = did_you_mean(str(key), names)
                 raise ConfigError(
                     f"unknown FastFinetune setting {key!r}{hint} (valid: {', '.join(names)})"
                 )

@@ -34,7 +34,7 @@ from quark_onnx.calibration.image_graph import (
     make_preprocess_session,
 )
 from quark_onnx.calibration.image_spec import PreprocessSpec, _fmt_sides
-from quark_onnx.config.options import closest_name
+from quark_onnx.config.options import did_you_mean
 from quark_onnx.errors import CalibrationError
 from quark_onnx.model_files.files import read_regular_file
 from quark_onnx.model_files.load import read_proto
@@ -296,8 +296,7 @@ def _model_input(
     else:
         matches = [v for v in inputs if v.name == input_name]
         if not matches:
-            close = closest_name(input_name, names)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(input_name, names)
             raise CalibrationError(
                 f"{label}: has no input {input_name!r}{hint} (inputs: {', '.join(names)})"
             )

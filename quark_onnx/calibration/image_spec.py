@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from quark_onnx.config.options import closest_name
+from quark_onnx.config.options import did_you_mean
 from quark_onnx.errors import ConfigError
 
 CHANNEL_ORDERS = ("RGB", "BGR")
@@ -91,8 +91,7 @@ class PreprocessSpec:
         if isinstance(resize, str) and not resize.strip().lstrip("+").isdigit():
             mode = resize.strip().lower()
             if mode not in _RESIZE_MODES:
-                close = closest_name(mode, _RESIZE_MODES)
-                hint = f"; did you mean {close!r}?" if close else ""
+                hint = did_you_mean(mode, _RESIZE_MODES)
                 raise ConfigError(
                     f"preprocess resize={resize!r}: expected a non-negative integer (the short "
                     f"side) or one of "
@@ -271,8 +270,7 @@ class PreprocessSpec:
                     f"preprocess spec item {item!r} is not key=value (e.g. resize=256,crop=224)"
                 )
             if key not in cls._KEYS:
-                close = closest_name(key, cls._KEYS)
-                hint = f"; did you mean {close!r}?" if close else ""
+                hint = did_you_mean(key, cls._KEYS)
                 raise ConfigError(
                     f"unknown preprocess spec key {key!r}{hint} "
                     f"(valid keys: {', '.join(cls._KEYS)})"

@@ -28,7 +28,7 @@ import onnx
 
 # the .npz/.npy reading, re-exported: readers and the CLI have always imported it from here
 from quark_onnx.calibration.npz_files import load_array, max_array_bytes, npz_keys
-from quark_onnx.config.options import ExtraOptions, closest_name
+from quark_onnx.config.options import ExtraOptions, did_you_mean
 from quark_onnx.errors import CalibrationError
 from quark_onnx.model_files.files import check_regular_file
 
@@ -103,8 +103,7 @@ def validate_feed(
     names = [s.name for s in specs]
     for key in feed:
         if key not in names:
-            close = closest_name(str(key), names)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(str(key), names)
             raise CalibrationError(
                 f"{where}: {key!r} is not an input of the model{hint} (inputs: {', '.join(names)})"
             )
@@ -247,8 +246,7 @@ class NpzDataReader(ArrayDataReader):
             else:
                 raise CalibrationError(f"{p}: holds arrays {keys}; say which one with key=...")
         if keys is not None and chosen not in keys:
-            close = closest_name(chosen, keys)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(chosen, keys)
             raise CalibrationError(f"{p}: no array {chosen!r}{hint} (arrays: {keys})")
         array = load_array(p, chosen, limit)
         self.path = p
@@ -301,8 +299,7 @@ class RandomDataReader:
         for label, given in (("RandomDataReaderInputShape", shapes), ("ranges", ranges)):
             for name in given or {}:
                 if name not in names:
-                    close = closest_name(name, names)
-                    hint = f"; did you mean {close!r}?" if close else ""
+                    hint = did_you_mean(name, names)
                     raise CalibrationError(
                         f"{label}: {name!r} is not an input of the model{hint} "
                         f"(inputs: {', '.join(names)})"

@@ -28,7 +28,7 @@ from quark_onnx.calibration.observers import (
     observer_from_dict,
 )
 from quark_onnx.config.enums import CalibrationMethod, PowerOfTwoMethod, QuantType
-from quark_onnx.config.options import ExtraOptions, closest_name
+from quark_onnx.config.options import ExtraOptions, did_you_mean
 from quark_onnx.errors import CalibrationError
 from quark_onnx.model_files.files import atomic_write_bytes, read_regular_file
 
@@ -115,8 +115,7 @@ class CalibrationResult:
         try:
             return self.observers[name]
         except KeyError:
-            close = closest_name(name, self.observers)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(name, self.observers)
             raise CalibrationError(
                 f"tensor {name!r} was not calibrated{hint} ({len(self.observers)} tensors were)"
             ) from None

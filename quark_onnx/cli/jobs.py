@@ -125,13 +125,12 @@ def _exclude_warnings(job: Job, report: Any) -> None:
     missing = [n for n in job.settings.exclude if n not in excluded]
     if not missing:
         return
-    from quark_onnx.config.options import closest_name
+    from quark_onnx.config.options import did_you_mean
     from quark_onnx.model_files.load import read_proto
 
     names = [n.name for n in read_proto(job.model).graph.node if n.name]
     for name in missing:
-        close = closest_name(name, names)
-        hint = f"; did you mean {close!r}?" if close else ""
+        hint = did_you_mean(name, names)
         logger.warning("%s: --exclude %r matches no node of the model%s", job.name, name, hint)
 
 

@@ -60,12 +60,11 @@ class BatchModel:
 
 
 def _checked(table: dict[str, Any], allowed: dict[str, Any], where: str) -> dict[str, Any]:
-    from quark_onnx.config.options import closest_name
+    from quark_onnx.config.options import did_you_mean
 
     for key, value in table.items():
         if key not in allowed:
-            close = closest_name(key, list(allowed))
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(key, list(allowed))
             raise ConfigError(
                 f"{where}: unknown key {key!r}{hint} (one of {', '.join(sorted(allowed))})"
             )

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print(markdown(), end="")
         return EXIT_OK
 
-    from quark_onnx.config.options import ExtraOptions, closest_name, option_fields
+    from quark_onnx.config.options import ExtraOptions, did_you_mean, option_fields
 
     types = typing.get_type_hints(ExtraOptions)
     fields = option_fields()
@@ -136,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
     wanted = args.names or known
     for name in wanted:
         if name not in known:
-            close = closest_name(name, known)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(name, known)
             raise ConfigError(f"unknown extra option {name!r}{hint}")
     for f in fields:
         if f.name not in wanted:

@@ -69,7 +69,11 @@ def apply_assignments(qconfig: Any, pairs: Sequence[tuple[str, Any]]) -> None:
         ConfigError: a key is neither a config field nor an extra option (the closest valid name
             of either kind is named), or a value has the wrong type.
     """
-    from quark_onnx.config.options import UNSUPPORTED_QUARK_OPTIONS, closest_name, option_names
+    from quark_onnx.config.options import (
+        UNSUPPORTED_QUARK_OPTIONS,
+        did_you_mean,
+        option_names,
+    )
 
     fields = config_field_names()
     options = option_names()
@@ -83,8 +87,7 @@ def apply_assignments(qconfig: Any, pairs: Sequence[tuple[str, Any]]) -> None:
         elif key in options or key in UNSUPPORTED_QUARK_OPTIONS:
             qconfig.extra_options[key] = value
         else:
-            close = closest_name(key, (*fields, *options))
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(key, (*fields, *options))
             raise ConfigError(
                 f"unknown setting {key!r} in --set{hint} (a QuantizationConfig field or an extra "
                 "option: see `quark-onnx options`)"

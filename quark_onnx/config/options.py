@@ -446,6 +446,13 @@ def closest_name(name: str, candidates: typing.Iterable[str]) -> str | None:
     return lowered[close[0]] if close else None
 
 
+def did_you_mean(name: str, candidates: typing.Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the :func:`closest_name` of ``name``, or ``""``: the tail of
+    an error message naming a value that is not among ``candidates``."""
+    close = closest_name(name, candidates)
+    return f"; did you mean {close!r}?" if close else ""
+
+
 _TYPES = typing.get_type_hints(ExtraOptions)
 
 
@@ -504,8 +511,7 @@ def check_bounds(key: str, value: Any) -> None:
     :data:`OPTION_CHOICES`, naming it and what it takes."""
     choices = OPTION_CHOICES.get(key)
     if choices is not None and value not in choices:
-        close = closest_name(str(value), [c for c in choices if c])
-        hint = f"; did you mean {close!r}?" if close else ""
+        hint = did_you_mean(str(value), [c for c in choices if c])
         raise ConfigError(
             f"extra option {key}={value!r} is not one of {', '.join(map(repr, choices))}{hint}"
         )
@@ -553,8 +559,7 @@ def resolve_extra_options(extra: dict[str, Any] | None) -> ExtraOptions:
                 key,
             )
             continue
-        close = closest_name(key, option_names())
-        hint = f"; did you mean {close!r}?" if close else ""
+        hint = did_you_mean(key, option_names())
         raise ConfigError(
             f"unknown extra option {key!r}{hint} (valid options are listed in "
             "quark_onnx.config.options.ExtraOptions)"

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from quark_onnx.config.options import closest_name
+from quark_onnx.config.options import did_you_mean
 from quark_onnx.errors import ConfigError
 
 _TOP_KEYS = ("name", "description", "config", "extra_options")
@@ -57,8 +57,7 @@ def read_preset(name: str) -> Preset:
     files = _preset_files()
     key = name.upper() if isinstance(name, str) else name
     if key not in files:
-        close = closest_name(str(name), files)
-        hint = f"; did you mean {close!r}?" if close else ""
+        hint = did_you_mean(str(name), files)
         raise ConfigError(f"unknown preset {name!r}{hint} (presets: {', '.join(sorted(files))})")
     path = files[key]
     tomllib = _tomllib()
@@ -68,8 +67,7 @@ def read_preset(name: str) -> Preset:
         raise ConfigError(f"preset file {path.name}: invalid TOML: {exc}") from exc
     for k in data:
         if k not in _TOP_KEYS:
-            close = closest_name(k, _TOP_KEYS)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(k, _TOP_KEYS)
             raise ConfigError(f"preset file {path.name}: unknown key {k!r}{hint}")
     config = data.get("config", {})
     description = data.get("description", "")

@@ -21,7 +21,11 @@ from quark_onnx.config.enums import (
     QuantType,
     coerce_calibrate_method,
 )
-from quark_onnx.config.options import ExtraOptions, closest_name, resolve_extra_options
+from quark_onnx.config.options import (
+    ExtraOptions,
+    did_you_mean,
+    resolve_extra_options,
+)
 from quark_onnx.config.presets import read_preset
 from quark_onnx.errors import ConfigError
 
@@ -134,8 +138,7 @@ class QuantizationConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _FIELD_NAMES:
-            close = closest_name(name, _FIELD_NAMES)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(name, _FIELD_NAMES)
             raise ConfigError(f"QuantizationConfig has no setting {name!r}{hint}")
         object.__setattr__(self, name, _normalise(name, value))
 
@@ -356,8 +359,7 @@ def check_providers(providers: Any) -> None:
                 f"execution_providers expects a list of strings, got {provider!r} in it"
             )
         if provider not in known:
-            close = closest_name(provider, known)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(provider, known)
             raise ConfigError(
                 f"execution_providers: {provider!r} is not an onnxruntime execution "
                 f"provider{hint} (known: {', '.join(known)})"
@@ -416,8 +418,7 @@ def get_default_config(name: str) -> QuantizationConfig:
     preset = read_preset(name)
     for k in preset.config:
         if k not in _FIELD_NAMES or k == "extra_options":
-            close = closest_name(k, _FIELD_NAMES)
-            hint = f"; did you mean {close!r}?" if close else ""
+            hint = did_you_mean(k, _FIELD_NAMES)
             raise ConfigError(f"preset file {preset.file}: unknown [config] key {k!r}{hint}")
     qc = QuantizationConfig()
     try:
